@@ -1,0 +1,26 @@
+"""The `treerl` command."""
+
+from __future__ import annotations
+
+import typer
+
+from treerl.cli import inspect_cmd
+
+app = typer.Typer(
+    help="treerl: RL post-training that never computes a shared prefix twice.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def main() -> None:
+    """treerl: RL post-training that never computes a shared prefix twice."""
+
+
+app.command("inspect")(inspect_cmd.inspect)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,8 @@
+"""Engines: one interface, the same gradients; they differ only in what they compute twice."""
+
+from treerl.engine.base import Engine, LossFn, SequenceView, StepStats
+from treerl.engine.dfs import DfsEngine
+from treerl.engine.flat import FlatEngine
+from treerl.engine.head import PolicyHead
+
+__all__ = ["DfsEngine", "Engine", "FlatEngine", "LossFn", "PolicyHead", "SequenceView", "StepStats"]

@@ -1,0 +1,118 @@
+"""What every engine shares: the loss interface, step statistics and input checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence as Seq
+
+import torch
+from transformers import PreTrainedModel
+
+from treerl.tree import Sequence, validate_sequences
+
+
+@dataclass
+class SequenceView:
+    """What a loss sees of one sequence: its data, and the model's differentiable outputs on it.
+
+    Every output is aligned with `tokens`: `logprobs[j]` is log p(token j | tokens < j) and
+    `entropy[j]` the entropy of that distribution; position 0 has no prediction and holds 0.
+    """
+
+    index: int
+    sequence: Sequence
+    outputs: dict[str, torch.Tensor]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.sequence.tokens
+
+    @property
+    def fields(self) -> dict[str, torch.Tensor]:
+        return self.sequence.fields
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.sequence.info
+
+    @property
+    def logprobs(self) -> torch.Tensor:
+        return self.outputs["logprobs"]
+
+    @property
+    def entropy(self) -> torch.Tensor:
+        return self.outputs["entropy"]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.outputs["values"]
+
+
+LossResult = torch.Tensor | tuple[torch.Tensor, dict[str, float | torch.Tensor]]
+LossFn = Callable[[SequenceView], LossResult]
+
+
+@dataclass
+class StepStats:
+    """What one forward_backward did: summed loss and metrics, token counts, time."""
+
+    loss: float = 0.0
+    sequences: int = 0
+    flat_tokens: int = 0  # T: sum of sequence lengths
+    model_tokens: int = 0  # tokens run through the model, recomputation included
+    seconds: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def add_metrics(self, metrics: dict[str, float | torch.Tensor]) -> None:
+        for key, value in metrics.items():
+            self.metrics[key] = self.metrics.get(key, 0.0) + float(value)
+
+
+class Head(Protocol):
+    """Turns final hidden states into per-token outputs (see engine.head.PolicyHead)."""
+
+    outputs: tuple[str, ...]
+    shifted: bool
+
+    def check(self, model: PreTrainedModel) -> None: ...
+
+    def __call__(self, model: PreTrainedModel, hidden: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+
+class Engine(Protocol):
+    """One interface for every engine: same inputs, same outputs, same gradients."""
+
+    def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
+        """Per-sequence outputs aligned with tokens, without gradients."""
+        ...
+
+    def forward_backward(self, model: PreTrainedModel, sequences: Seq[Sequence], loss_fn: LossFn) -> StepStats:
+        """Accumulate into `.grad` the gradient of sum_s loss_fn(s), each sequence as if on its own."""
+        ...
+
+
+def check_batch(model: PreTrainedModel, head: Head, sequences: Seq[Sequence]) -> None:
+    """Every check that can fail, before any compute."""
+    head.check(model)
+    config = model.config
+    validate_sequences(
+        sequences,
+        vocab_size=model.get_input_embeddings().num_embeddings,
+        max_positions=getattr(config, "max_position_embeddings", None),
+    )
+
+
+def decoder(model: PreTrainedModel) -> torch.nn.Module:
+    """The transformer body whose output is the final-normed hidden state."""
+    return model.base_model
+
+
+def split_loss(result: LossResult) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
+    """A loss function returns a scalar, or a scalar and a dict of metrics to sum over sequences."""
+    if isinstance(result, tuple):
+        loss, metrics = result
+    else:
+        loss, metrics = result, {}
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+    return loss.reshape(()), {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}

@@ -1,0 +1,99 @@
+"""The reference engine: every sequence on its own, as frameworks train today.
+
+Sequences are sorted by length and grouped into right-padded micro-batches under a token
+budget, then run through the model with its own attention implementation (SDPA by default):
+what a careful user runs, not a strawman. Shared prefixes are computed once per sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+import torch
+from transformers import PreTrainedModel
+
+from treerl.engine.base import LossFn, SequenceView, StepStats, check_batch, decoder, split_loss
+from treerl.engine.head import PolicyHead
+from treerl.tree import Sequence
+
+
+@dataclass
+class FlatEngine:
+    """Each sequence computed independently; the exactness reference and the "dense" baseline."""
+
+    head: PolicyHead = field(default_factory=PolicyHead)
+    max_tokens: int = 16384  # padded tokens per micro-batch
+
+    def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
+        check_batch(model, self.head, sequences)
+        results: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
+        with torch.no_grad():
+            for batch in self.micro_batches(sequences):
+                for i, outputs in zip(batch, self._run(model, [sequences[i] for i in batch])):
+                    results[i] = outputs
+        return results
+
+    def forward_backward(self, model: PreTrainedModel, sequences: Seq[Sequence], loss_fn: LossFn) -> StepStats:
+        check_batch(model, self.head, sequences)
+        stats = StepStats(sequences=len(sequences), flat_tokens=sum(len(s) for s in sequences))
+        started = time.perf_counter()
+        total = torch.zeros(())
+        for batch in self.micro_batches(sequences):
+            outputs = self._run(model, [sequences[i] for i in batch])
+            stats.model_tokens += sum(len(sequences[i]) for i in batch)
+            losses = []
+            for i, out in zip(batch, outputs):
+                loss, metrics = split_loss(loss_fn(SequenceView(i, sequences[i], out)))
+                losses.append(loss)
+                stats.add_metrics(metrics)
+            batch_loss = torch.stack(losses).sum()
+            if batch_loss.requires_grad:
+                batch_loss.backward()
+            total = total + batch_loss.detach().cpu()
+        stats.loss = float(total)
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+    def micro_batches(self, sequences: Seq[Sequence]) -> list[list[int]]:
+        """Longest first; a batch grows while (rows x longest row) stays within the token budget."""
+        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+        batches: list[list[int]] = []
+        for i in order:
+            if batches and (len(batches[-1]) + 1) * len(sequences[batches[-1][0]]) <= self.max_tokens:
+                batches[-1].append(i)
+            else:
+                batches.append([i])
+        return batches
+
+    def _run(self, model: PreTrainedModel, batch: list[Sequence]) -> list[dict[str, torch.Tensor]]:
+        """One padded forward; per-sequence outputs aligned with tokens (differentiable if grad is on)."""
+        shift = 1 if self.head.shifted else 0
+        device = model.get_input_embeddings().weight.device
+        lengths = [len(s) - shift for s in batch]
+        width = max(max(lengths), 1)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        valid = torch.zeros(len(batch), width, dtype=torch.bool)
+        for row, (seq, n) in enumerate(zip(batch, lengths)):
+            ids[row, :n] = seq.tokens[:n]
+            valid[row, :n] = True
+        # A one-token sequence has nothing to predict; its row still attends to one token (no NaN).
+        attend = valid.clone()
+        attend[:, 0] = True
+        ids, valid, attend = ids.to(device), valid.to(device), attend.to(device)
+        positions = torch.arange(width, device=device).expand(len(batch), -1)
+        hidden = decoder(model)(input_ids=ids, attention_mask=attend.long(), position_ids=positions, use_cache=False)
+        rows = hidden.last_hidden_state[valid]
+        targets = torch.cat([seq.tokens[shift:] for seq in batch]).to(device)
+        outputs = self.head(model, rows, targets)
+        results = []
+        offset = 0
+        for n in lengths:
+            out = {}
+            for name, value in outputs.items():
+                piece = value[offset : offset + n]
+                out[name] = torch.cat([piece.new_zeros(shift), piece]) if shift else piece
+            results.append(out)
+            offset += n
+        return results
