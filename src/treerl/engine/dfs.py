@@ -89,7 +89,7 @@ class _Walk:
         self.graphs: dict[int, dict[str, torch.Tensor]] = {}  # node -> row outputs with their graph
         self.forks: dict[int, dict[str, torch.Tensor]] = {}  # child -> its first token's outputs
         self.stats = StepStats(sequences=len(tree.sequences), flat_tokens=sum(len(s) for s in tree.sequences))
-        self.total_loss = torch.zeros((), device=self.device)
+        self.total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
 
     # ------------------------------------------------------------ one node
     def inputs(self, node: Node) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

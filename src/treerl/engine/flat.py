@@ -39,7 +39,7 @@ class FlatEngine:
         check_batch(model, self.head, sequences)
         stats = StepStats(sequences=len(sequences), flat_tokens=sum(len(s) for s in sequences))
         started = time.perf_counter()
-        total = torch.zeros(())
+        total = torch.zeros((), dtype=torch.float64)
         for batch in self.micro_batches(sequences):
             outputs = self._run(model, [sequences[i] for i in batch])
             stats.model_tokens += sum(len(sequences[i]) for i in batch)

@@ -1,0 +1,160 @@
+"""Every engine trains exactly like the flat reference: outputs, loss and every parameter gradient.
+
+float64, relative error <= 1e-6 (transformers' RMSNorm computes in float32, DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from support import ARCHS, tiny_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from treerl.engine import DfsEngine, FlatEngine, PolicyHead
+from treerl.testing import assert_engines_agree
+from treerl.tree import Sequence
+
+VOCAB = 64
+
+
+def _with_data(tokens: list[int], rng: random.Random, name: str) -> Sequence:
+    """Each sequence gets its own advantages and behaviour log-probs, even on shared tokens."""
+    n = len(tokens)
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    mask = (torch.rand(n, generator=g) < 0.8).double()
+    mask[0] = 0.0
+    return Sequence(
+        torch.tensor(tokens),
+        fields={
+            "loss_mask": mask,
+            "advantages": torch.randn(n, generator=g, dtype=torch.float64),
+            "old_logprobs": -torch.rand(n, generator=g, dtype=torch.float64) * 4,
+        },
+        info={"reward": rng.uniform(-1, 1)},
+        name=name,
+    )
+
+
+def token_loss(view):
+    """PPO-style clipped surrogate per token, plus an entropy bonus: token-separable."""
+    mask, adv = view.fields["loss_mask"], view.fields["advantages"]
+    ratio = torch.exp(view.logprobs - view.fields["old_logprobs"])
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv)
+    return -(surrogate * mask).sum() / 7.0 - 0.01 * (view.entropy * mask).sum()
+
+
+def sequence_loss(view):
+    """GSPO-style: one ratio per sequence (geometric mean over its tokens) times a sequence reward."""
+    mask = view.fields["loss_mask"]
+    log_ratio = ((view.logprobs - view.fields["old_logprobs"]) * mask).sum() / mask.sum().clamp(min=1)
+    ratio = torch.exp(log_ratio)
+    reward = view.info["reward"]
+    loss = -torch.minimum(ratio * reward, torch.clamp(ratio, 0.9, 1.1) * reward)
+    return loss + 0.1 * (view.entropy * mask).mean() ** 2, {"ratio": ratio}
+
+
+def _hand_batches() -> dict[str, list[list[int]]]:
+    rng = random.Random(0)
+    r = lambda n: [rng.randrange(VOCAB) for _ in range(n)]  # noqa: E731
+    p = r(9)
+    return {
+        "one sequence": [r(12)],
+        "no sharing": [[1] + r(7), [2] + r(5), [3] + r(9)],
+        "identical duplicates": [p + [5, 6], p + [5, 6], p + [5, 6]],
+        "prefix of another": [p, p + r(6), p[:4]],
+        "single-token nodes": [[7], [7, 8], [7, 9], [7, 8, 1], [7, 8, 2], [3]],
+        "grpo group": [p + r(5) for _ in range(5)],
+        "deep chain": [p + r(20), p + r(3)],
+    }
+
+
+HAND = _hand_batches()
+ENGINES = {
+    "keep-graph": DfsEngine(),
+    "recompute": DfsEngine(recompute=True),
+    "chunk-3": DfsEngine(chunk_tokens=3),
+    "chunk-1-recompute": DfsEngine(chunk_tokens=1, recompute=True),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch", list(HAND))
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_hand_made_trees(arch, batch, engine):
+    rng = random.Random(1)
+    seqs = [_with_data(t, rng, f"{batch}/{i}") for i, t in enumerate(HAND[batch])]
+    model = tiny_model(arch, VOCAB)
+    for loss in (token_loss, sequence_loss):
+        assert_engines_agree(model, seqs, loss, ENGINES[engine], FlatEngine())
+
+
+def test_deep_chain_longer_than_chunk():
+    """A chain of 40 tokens with chunk_tokens=8: five chunks per path, with recomputation."""
+    rng = random.Random(2)
+    seqs = [_with_data([rng.randrange(VOCAB) for _ in range(40)], rng, "deep")]
+    seqs.append(_with_data(seqs[0].tokens[:30].tolist() + [1, 2, 3], rng, "branch"))
+    for engine in (DfsEngine(chunk_tokens=8, recompute=True), DfsEngine(chunk_tokens=8)):
+        assert_engines_agree(tiny_model("tiny-qwen3", VOCAB), seqs, token_loss, engine, FlatEngine())
+
+
+@st.composite
+def random_batches(draw):
+    """Random trees: sequences copy a random prefix of an earlier one, then continue on their own."""
+    vocab = draw(st.sampled_from([3, VOCAB]))  # a tiny vocabulary also shares by accident
+    lists: list[list[int]] = []
+    for _ in range(draw(st.integers(1, 7))):
+        prefix: list[int] = []
+        if lists and draw(st.booleans()):
+            base = draw(st.sampled_from(lists))
+            prefix = base[: draw(st.integers(0, len(base)))]
+        tail = draw(st.lists(st.integers(0, vocab - 1), min_size=0 if prefix else 1, max_size=10))
+        lists.append(prefix + tail)
+    return lists
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lists=random_batches(),
+    arch=st.sampled_from(ARCHS),
+    chunk=st.sampled_from([1, 2, 3, 5, 2048]),
+    recompute=st.booleans(),
+    sequence_level=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_trees(lists, arch, chunk, recompute, sequence_level, seed):
+    rng = random.Random(seed)
+    seqs = [_with_data(t, rng, f"s{i}") for i, t in enumerate(lists)]
+    loss = sequence_loss if sequence_level else token_loss
+    assert_engines_agree(tiny_model(arch, VOCAB), seqs, loss, DfsEngine(chunk_tokens=chunk, recompute=recompute), FlatEngine())
+
+
+def test_temperature_and_head_chunks():
+    """A sampling temperature and tiny head chunks change nothing about exactness."""
+    rng = random.Random(3)
+    p = [rng.randrange(VOCAB) for _ in range(6)]
+    seqs = [_with_data(p + [rng.randrange(VOCAB) for _ in range(5)], rng, str(i)) for i in range(4)]
+    head = PolicyHead(temperature=0.7, chunk_rows=2)
+    assert_engines_agree(
+        tiny_model("tiny-qwen3", VOCAB), seqs, token_loss, DfsEngine(head=head, chunk_tokens=4), FlatEngine(head=head)
+    )
+
+
+def test_flat_micro_batches_do_not_change_anything():
+    rng = random.Random(4)
+    seqs = [_with_data([rng.randrange(VOCAB) for _ in range(rng.randrange(1, 15))], rng, str(i)) for i in range(9)]
+    model = tiny_model("tiny-llama", VOCAB)
+    assert_engines_agree(model, seqs, sequence_loss, FlatEngine(max_tokens=1), FlatEngine(max_tokens=10_000))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch", ["prefix of another", "grpo group", "single-token nodes"])
+def test_stock_models_within_contract(arch, batch):
+    """Unmodified transformers models (RMSNorm in float32): still within 1e-6 of flat."""
+    rng = random.Random(5)
+    seqs = [_with_data(t, rng, f"{batch}/{i}") for i, t in enumerate(HAND[batch])]
+    model = tiny_model(arch, VOCAB, exact=False)
+    for engine in (DfsEngine(), DfsEngine(chunk_tokens=2, recompute=True)):
+        assert_engines_agree(model, seqs, token_loss, engine, FlatEngine())
