@@ -73,10 +73,12 @@ def _hand_batches() -> dict[str, list[list[int]]]:
 
 HAND = _hand_batches()
 ENGINES = {
-    "keep-graph": DfsEngine(),
-    "recompute": DfsEngine(recompute=True),
+    "keep-graph": DfsEngine(recompute="never"),
+    "recompute": DfsEngine(recompute="always"),
+    "no-sibling-batching": DfsEngine(batch_tokens=0),
+    "auto-tiny-budget": DfsEngine(memory_budget_bytes=200_000, batch_tokens=16),
     "chunk-3": DfsEngine(chunk_tokens=3),
-    "chunk-1-recompute": DfsEngine(chunk_tokens=1, recompute=True),
+    "chunk-1-recompute": DfsEngine(chunk_tokens=1, recompute="always", batch_tokens=0),
 }
 
 
@@ -96,7 +98,7 @@ def test_deep_chain_longer_than_chunk():
     rng = random.Random(2)
     seqs = [_with_data([rng.randrange(VOCAB) for _ in range(40)], rng, "deep")]
     seqs.append(_with_data(seqs[0].tokens[:30].tolist() + [1, 2, 3], rng, "branch"))
-    for engine in (DfsEngine(chunk_tokens=8, recompute=True), DfsEngine(chunk_tokens=8)):
+    for engine in (DfsEngine(chunk_tokens=8, recompute="always"), DfsEngine(chunk_tokens=8, recompute="never")):
         assert_engines_agree(tiny_model("tiny-qwen3", VOCAB), seqs, token_loss, engine, FlatEngine())
 
 
@@ -120,15 +122,17 @@ def random_batches(draw):
     lists=random_batches(),
     arch=st.sampled_from(ARCHS),
     chunk=st.sampled_from([1, 2, 3, 5, 2048]),
-    recompute=st.booleans(),
+    recompute=st.sampled_from(["auto", "always", "never"]),
+    batch_tokens=st.sampled_from([0, 6, 8192]),
     sequence_level=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_random_trees(lists, arch, chunk, recompute, sequence_level, seed):
+def test_random_trees(lists, arch, chunk, recompute, batch_tokens, sequence_level, seed):
     rng = random.Random(seed)
     seqs = [_with_data(t, rng, f"s{i}") for i, t in enumerate(lists)]
     loss = sequence_loss if sequence_level else token_loss
-    assert_engines_agree(tiny_model(arch, VOCAB), seqs, loss, DfsEngine(chunk_tokens=chunk, recompute=recompute), FlatEngine())
+    engine = DfsEngine(chunk_tokens=chunk, recompute=recompute, batch_tokens=batch_tokens, memory_budget_bytes=300_000)
+    assert_engines_agree(tiny_model(arch, VOCAB), seqs, loss, engine, FlatEngine())
 
 
 def test_temperature_and_head_chunks():
@@ -156,5 +160,5 @@ def test_stock_models_within_contract(arch, batch):
     rng = random.Random(5)
     seqs = [_with_data(t, rng, f"{batch}/{i}") for i, t in enumerate(HAND[batch])]
     model = tiny_model(arch, VOCAB, exact=False)
-    for engine in (DfsEngine(), DfsEngine(chunk_tokens=2, recompute=True)):
+    for engine in (DfsEngine(), DfsEngine(chunk_tokens=2, recompute="always")):
         assert_engines_agree(model, seqs, token_loss, engine, FlatEngine())

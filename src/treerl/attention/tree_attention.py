@@ -1,41 +1,58 @@
-"""Attention for one tree node: its queries see `[ancestor K/V | own K/V]` at absolute positions.
+"""Attention for a batch of sibling tree nodes: queries see `[shared ancestor K/V | own K/V]`.
 
-The engine keeps, per layer, a preallocated K/V store for the current root-to-node path and a
-matching gradient store. A node's own K/V (after RoPE) is written into the store at its
-positions; attention reads the store's prefix, so no `torch.cat` per node. In backward, the
-gradient that flows into the ancestors' part is added to the gradient store (their own
-backward picks it up later), and the gradient that the node's descendants left there is added
-to the node's own K/V gradient. This is how the DFS engine passes K/V gradients up the tree
-without holding the descendants' graphs.
+The DFS engine runs the model on a *unit*: G sibling nodes that start at the same position P
+(one node is a unit of G = 1), padded to a common length R. Every row attends to the path's
+ancestor K/V (positions < P, shared by all rows) and causally to its own K/V. The two parts are
+computed by separate kernels and merged by log-sum-exp (treerl.attention.kernels):
+- the ancestor part folds all G rows (and grouped-query heads) into one long query against the
+  ancestors stored once: broadcast, never copied, and no mask;
+- the own part is plain causal attention per row, so right padding never leaks into real rows.
 
-The function is registered with transformers' `AttentionInterface`, so any causal LM that
-dispatches attention through it (Qwen2/2.5/3, Llama, ...) runs unchanged.
+The ancestors' K/V live in a preallocated per-layer path store; their gradient is added to a
+matching gradient store, which each ancestor collects when its subtree is finished. A unit's own
+K/V gradient from its descendants is collected into the unit (`UnitKV.key_grads`) and added in
+its backward. That is how K/V gradients travel up the tree without holding descendants' graphs.
+
+Registered with transformers' `AttentionInterface`: any causal LM that dispatches attention
+through it (Qwen2/2.5/3, Llama, ...) runs unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, PreTrainedModel
 
+from treerl.attention.kernels import attend, attend_backward, merge
+
 ATTENTION_NAME = "treerl_tree"
+
+
+@dataclass
+class UnitKV:
+    """K/V of one batched call of G sibling nodes that start at position `start`."""
+
+    start: int
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [G, kv_heads, R, head_dim]
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    key_grads: dict[int, torch.Tensor] | None = None  # what the rows' descendants sent to their K/V
+    value_grads: dict[int, torch.Tensor] | None = None
 
 
 @dataclass
 class PathKV:
     """Per-layer K/V of the current root-to-node path, and the K/V gradient flowing back up it."""
 
-    keys: list[torch.Tensor]
+    keys: list[torch.Tensor]  # layer -> [1, kv_heads, capacity, head_dim]
     values: list[torch.Tensor]
     key_grads: list[torch.Tensor] | None
     value_grads: list[torch.Tensor] | None
-    start: int = 0  # absolute position of the first token of the node being computed
+    unit: UnitKV | None = None  # the unit being computed
 
     @classmethod
     def allocate(cls, model: PreTrainedModel, capacity: int, with_grads: bool) -> PathKV:
@@ -45,10 +62,9 @@ class PathKV:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         param = next(model.parameters())
         shape = (1, kv_heads, capacity, head_dim)
-        layers = config.num_hidden_layers
 
         def stores(dtype: torch.dtype) -> list[torch.Tensor]:
-            return [torch.zeros(shape, dtype=dtype, device=param.device) for _ in range(layers)]
+            return [torch.zeros(shape, dtype=dtype, device=param.device) for _ in range(config.num_hidden_layers)]
 
         # Gradients of many descendants are summed here: keep them at least in float32.
         grad_dtype = torch.promote_types(param.dtype, torch.float32)
@@ -59,28 +75,109 @@ class PathKV:
             value_grads=stores(grad_dtype) if with_grads else None,
         )
 
+    @torch.no_grad()
+    def push(self, unit: UnitKV, row: int, length: int) -> None:
+        """Make row `row` of `unit` part of the path: its descendants will attend to it."""
+        end = unit.start + length
+        for layer, k in unit.keys.items():
+            self.keys[layer][:, :, unit.start : end] = k[row : row + 1, :, :length]
+            self.values[layer][:, :, unit.start : end] = unit.values[layer][row : row + 1, :, :length]
 
-class _AttachToPath(torch.autograd.Function):
-    """Write a node's K or V into the path store; return the store's `[0, start + L)` prefix."""
+    @torch.no_grad()
+    def pop(self, unit: UnitKV, row: int, length: int) -> None:
+        """Row `row`'s subtree is done: move the K/V gradient it received into the unit."""
+        if self.key_grads is None:
+            return
+        end = unit.start + length
+        if unit.key_grads is None:
+            unit.key_grads = {l: torch.zeros_like(k, dtype=self.key_grads[l].dtype) for l, k in unit.keys.items()}
+            unit.value_grads = {l: torch.zeros_like(v, dtype=self.value_grads[l].dtype) for l, v in unit.values.items()}
+        for layer in unit.keys:
+            for store, into in ((self.key_grads, unit.key_grads), (self.value_grads, unit.value_grads)):
+                slot = store[layer][:, :, unit.start : end]
+                into[layer][row : row + 1, :, :length] += slot
+                slot.zero_()
+
+
+def _fold(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[G, H, R, ...] -> [1, kv_heads, G * groups * R, ...]: every row's queries against one K/V."""
+    g, h = x.shape[:2]
+    x = x.reshape(g, kv_heads, h // kv_heads, *x.shape[2:]).transpose(0, 1)
+    return x.reshape(1, kv_heads, -1, *x.shape[4:])
+
+
+def _unfold(x: torch.Tensor, rows: int, heads: int, length: int) -> torch.Tensor:
+    """Inverse of `_fold`."""
+    kv_heads = x.shape[1]
+    x = x.reshape(kv_heads, rows, heads // kv_heads, length, *x.shape[3:]).transpose(0, 1)
+    return x.reshape(rows, heads, length, *x.shape[4:])
+
+
+def _expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped-query K/V [G, kv_heads, R, D] -> one K/V head per query head (own part only: small)."""
+    if groups == 1:
+        return x
+    g, kv, r, d = x.shape
+    return x[:, :, None].expand(g, kv, groups, r, d).reshape(g, kv * groups, r, d)
+
+
+def _reduce_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return x
+    g, h, r, d = x.shape
+    return x.reshape(g, h // groups, groups, r, d).sum(2)
+
+
+class _TreeAttention(torch.autograd.Function):
+    """Causal attention over own K/V merged with full attention over the path's ancestor K/V."""
 
     @staticmethod
-    def forward(ctx, own: torch.Tensor, store: torch.Tensor, grad_store: torch.Tensor | None, start: int):
-        end = start + own.shape[2]
-        # `.data` writes leave the store's version counter alone: the saved prefixes of the
-        # ancestors' graphs cover positions < start and are not touched.
-        store.data[:, :, start:end] = own
-        ctx.grad_store, ctx.start, ctx.end = grad_store, start, end
-        return store.data[:, :, :end]
+    def forward(ctx, q, k, v, path: PathKV, layer: int, scale: float):
+        unit = path.unit
+        unit.keys[layer], unit.values[layer] = k, v
+        rows, heads, length, _ = q.shape
+        kv_heads = k.shape[1]
+        groups = heads // kv_heads
+        own_out, own_lse, own_saved = attend(q, _expand_heads(k, groups), _expand_heads(v, groups), scale, True)
+        parts = [(own_out, own_lse)]
+        anc_saved: tuple = ()
+        if unit.start > 0:
+            anc_k = path.keys[layer][:, :, : unit.start]
+            anc_v = path.values[layer][:, :, : unit.start]
+            anc_out, anc_lse, anc_saved = attend(_fold(q, kv_heads), anc_k, anc_v, scale, False)
+            parts.append((_unfold(anc_out, rows, heads, length), _unfold(anc_lse, rows, heads, length)))
+        out, lse = merge(parts)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.path, ctx.unit, ctx.layer, ctx.scale = path, unit, layer, scale
+        ctx.own_saved, ctx.anc_saved = own_saved, anc_saved
+        return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        gs, start, end = ctx.grad_store, ctx.start, ctx.end
-        if gs is None:
-            raise RuntimeError("tree attention: backward through a path allocated without gradient stores")
-        gs[:, :, :start] += grad[:, :, :start]
-        own = grad[:, :, start:end] + gs[:, :, start:end]
-        gs[:, :, start:end] = 0  # the slot is reused by the next subtree
-        return own, None, None, None
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        path, unit, layer, scale = ctx.path, ctx.unit, ctx.layer, ctx.scale
+        rows, heads, length, _ = q.shape
+        kv_heads = k.shape[1]
+        groups = heads // kv_heads
+        dout = dout.contiguous()
+        dq, dk, dv = attend_backward(
+            dout, q, _expand_heads(k, groups), _expand_heads(v, groups), out, lse, ctx.own_saved, scale, True
+        )
+        dk, dv = _reduce_heads(dk, groups), _reduce_heads(dv, groups)
+        if unit.start > 0:
+            anc_k = path.keys[layer][:, :, : unit.start]
+            anc_v = path.values[layer][:, :, : unit.start]
+            fold = lambda x: _fold(x, kv_heads)  # noqa: E731
+            dq_anc, dk_anc, dv_anc = attend_backward(
+                fold(dout), fold(q), anc_k, anc_v, fold(out), fold(lse), ctx.anc_saved, scale, False
+            )
+            dq = dq + _unfold(dq_anc, rows, heads, length)
+            path.key_grads[layer][:, :, : unit.start] += dk_anc
+            path.value_grads[layer][:, :, : unit.start] += dv_anc
+        if unit.key_grads is not None:
+            dk = dk + unit.key_grads[layer].to(dk.dtype)
+            dv = dv + unit.value_grads[layer].to(dv.dtype)
+        return dq, dk, dv, None, None, None
 
 
 _CURRENT: contextvars.ContextVar[PathKV | None] = contextvars.ContextVar("treerl_path_kv", default=None)
@@ -96,27 +193,12 @@ def tree_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: query `[1, H, L, D]` against the path store's prefix."""
+    """transformers attention function: query `[G, H, R, D]` of one unit over the path."""
     path = _CURRENT.get()
-    if path is None:
-        raise RuntimeError(f"attention '{ATTENTION_NAME}' called outside treerl.attention.tree_attention(...)")
-    layer = module.layer_idx
-    key_grads = path.key_grads[layer] if path.key_grads is not None else None
-    value_grads = path.value_grads[layer] if path.value_grads is not None else None
-    k = _AttachToPath.apply(key, path.keys[layer], key_grads, path.start)
-    v = _AttachToPath.apply(value, path.values[layer], value_grads, path.start)
-    q_len, kv_len = query.shape[2], k.shape[2]
-    mask = None if q_len == kv_len else causal_lower_right(q_len, kv_len)
-    out = F.scaled_dot_product_attention(
-        query,
-        k,
-        v,
-        attn_mask=mask,
-        is_causal=mask is None,
-        dropout_p=dropout,
-        scale=scaling,
-        enable_gqa=query.shape[1] != k.shape[1],
-    )
+    if path is None or path.unit is None:
+        raise RuntimeError(f"attention '{ATTENTION_NAME}' called outside a treerl engine")
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    out = _TreeAttention.apply(query, key, value, path, module.layer_idx, scale)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -131,6 +213,8 @@ def check_supported(model: PreTrainedModel) -> None:
         raise NotImplementedError(
             f"{type(model).__name__}: sliding-window / non-full attention layers are not supported by tree attention"
         )
+    if model.training and getattr(config, "attention_dropout", 0.0):
+        raise NotImplementedError(f"{type(model).__name__}: attention dropout > 0 in training mode is not supported")
     for name, sub in model.named_modules():
         if sub.__class__.__name__.endswith("Attention") and not hasattr(sub, "layer_idx"):
             raise NotImplementedError(f"{name}: attention module has no layer_idx; cannot route tree attention")

@@ -1,31 +1,35 @@
 """Dynamic tree attention: walk the prefix tree depth-first, computing each shared prefix once.
 
-On the way down, a node's tokens run through the model with attention over
-`[ancestor K/V | own K/V]` (treerl.attention); its outputs (log-probs, entropy) are kept as
-plain values. When a sequence's last node has run, all of its outputs are known: its loss is
-evaluated on them and the gradient w.r.t. each output is added to a per-node buffer. On the way
-back up, a node's backward receives those buffered gradients plus, through the path's K/V
-gradient store, what its descendants sent to its K/V, and passes its ancestors' share on.
-Parameter gradients accumulate in `.grad`. The result equals training every sequence alone.
+The walk visits *units*: sibling nodes of similar length run as one padded batch over their
+shared ancestors' K/V (treerl.attention); a lone node is a unit of one. On the way down a unit's
+outputs (log-probs, entropy) are kept as plain values. When a sequence's last node has run, all
+of its outputs are known: its loss is evaluated on them and d(loss)/d(output) is added to a
+per-node buffer. On the way back up, a unit's backward receives those buffered gradients plus,
+through the K/V gradient store, what its descendants sent to its K/V, and passes its ancestors'
+share on. Parameter gradients accumulate in `.grad`. The result equals training each sequence
+on its own.
 
-Memory: only the current root-to-node path is held. With `recompute=True` a node that has
-children is run without a graph on the way down and again with one on the way up, so only one
-chunk's graph (at most `chunk_tokens` tokens) exists at a time.
+Memory: only the current root-to-node path is held. A unit with descendants keeps its autograd
+graph while the kept graphs fit `memory_budget_bytes` (`recompute="auto"`); otherwise it runs
+without a graph on the way down and again with one on the way up (`"always"` does that for every
+unit, AREAL-DTA style), so at most one unit's graph (<= `batch_tokens` tokens) exists at a time.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Sequence as Seq
+from typing import Iterator, Literal, Sequence as Seq
 
 import torch
 from transformers import PreTrainedModel
 
-from treerl.attention import PathKV, check_supported, tree_attention
+from treerl.attention import PathKV, UnitKV, check_supported, tree_attention
 from treerl.engine.base import LossFn, SequenceView, StepStats, check_batch, decoder, split_loss
 from treerl.engine.head import PolicyHead
-from treerl.tree import Node, PrefixTree, Sequence
+from treerl.tree import ROOT, Node, PrefixTree, Sequence
+from treerl.tree.batching import group_siblings
 
 
 @dataclass
@@ -33,37 +37,22 @@ class DfsEngine:
     """Depth-first dynamic tree attention with exact per-sequence gradients."""
 
     head: PolicyHead = field(default_factory=PolicyHead)
-    chunk_tokens: int = 2048  # longest run of tokens computed (and, with recompute, held as a graph) at once
-    recompute: bool = False  # True: hold one chunk's graph at a time; False: hold the path's graphs
+    chunk_tokens: int = 2048  # longest run of one node computed at once; longer nodes become chains
+    batch_tokens: int = 8192  # most tokens (padding included) in one batched call of siblings; 0: no batching
+    recompute: Literal["auto", "always", "never"] = "auto"
+    memory_budget_bytes: int | None = None  # kept graphs; None: half the free device memory at start
 
     def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
-        tree = self.plan(model, sequences)
-        walk = _Walk(self, model, tree, loss_fn=None)
-        results: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
+        walk = _Walk(self, model, self.plan(model, sequences), loss_fn=None)
         with torch.no_grad(), tree_attention(model, walk.path):
-            for entering, node in tree.dfs():
-                if entering:
-                    walk.run(node, grad=False)
-                    for s in node.ends:
-                        results[s] = walk.sequence_outputs(s)
-                else:
-                    walk.release(node)
-        return results
+            walk.run()
+        return walk.results
 
     def forward_backward(self, model: PreTrainedModel, sequences: Seq[Sequence], loss_fn: LossFn) -> StepStats:
         started = time.perf_counter()
-        tree = self.plan(model, sequences)
-        walk = _Walk(self, model, tree, loss_fn=loss_fn)
+        walk = _Walk(self, model, self.plan(model, sequences), loss_fn=loss_fn)
         with tree_attention(model, walk.path):
-            for entering, node in tree.dfs():
-                if entering:
-                    keep = not self.recompute or not node.children
-                    walk.run(node, grad=keep)
-                    for s in node.ends:
-                        walk.sequence_loss(s)
-                else:
-                    walk.backward(node)
-                    walk.release(node)
+            walk.run()
         walk.stats.loss = float(walk.total_loss)
         walk.stats.seconds = time.perf_counter() - started
         return walk.stats
@@ -72,75 +61,198 @@ class DfsEngine:
         """Check everything, then merge the batch into a tree whose nodes are at most `chunk_tokens` long."""
         check_batch(model, self.head, sequences)
         check_supported(model)
+        if self.recompute not in ("auto", "always", "never"):
+            raise ValueError(f"recompute must be 'auto', 'always' or 'never', got {self.recompute!r}")
         return PrefixTree.build(sequences).chunked(self.chunk_tokens)
 
 
+@dataclass
+class _Unit:
+    """Sibling nodes run as one batch: row i is `nodes[i]`, its first `lengths[i]` tokens."""
+
+    nodes: list[Node]
+    lengths: list[int]
+    kv: UnitKV
+    graph: dict[str, torch.Tensor] | None = None  # row outputs with their autograd graph
+    kept_bytes: int = 0
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths)
+
+
+def graph_bytes_per_token(model: PreTrainedModel) -> int:
+    """Rough size of what autograd saves per token for one pass through the model (for the budget)."""
+    c = model.config
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    per_layer = 3 * c.hidden_size + 5 * heads * head_dim + 4 * kv_heads * head_dim + 4 * c.intermediate_size
+    elem = next(model.parameters()).element_size()
+    return (c.num_hidden_layers * per_layer + 2 * c.hidden_size) * elem
+
+
+def _default_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") // 2
+    except (ValueError, OSError):
+        return 4 << 30
+
+
 class _Walk:
-    """State of one depth-first walk: per-node outputs, output gradients and kept graphs."""
+    """State of one depth-first walk: per-node outputs, output gradients, kept graphs."""
 
     def __init__(self, engine: DfsEngine, model: PreTrainedModel, tree: PrefixTree, loss_fn: LossFn | None):
         self.engine, self.model, self.tree, self.loss_fn = engine, model, tree, loss_fn
         self.head = engine.head
+        self.shift = 1 if self.head.shifted else 0
         self.device = model.get_input_embeddings().weight.device
         capacity = max(len(s) for s in tree.sequences)
         self.path = PathKV.allocate(model, capacity, with_grads=loss_fn is not None)
         self.values: dict[int, dict[str, torch.Tensor]] = {}  # node -> outputs for its tokens (no graph)
         self.grads: dict[int, dict[str, torch.Tensor]] = {}  # node -> d(loss)/d(outputs) for its tokens
-        self.graphs: dict[int, dict[str, torch.Tensor]] = {}  # node -> row outputs with their graph
         self.forks: dict[int, dict[str, torch.Tensor]] = {}  # child -> its first token's outputs
+        self.results: list[dict[str, torch.Tensor]] = [{} for _ in tree.sequences]
         self.stats = StepStats(sequences=len(tree.sequences), flat_tokens=sum(len(s) for s in tree.sequences))
         self.total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.budget = engine.memory_budget_bytes
+        if self.budget is None:
+            self.budget = _default_budget(self.device)
+        self.per_token = graph_bytes_per_token(model)
+        self.kept = 0
 
-    # ------------------------------------------------------------ one node
-    def inputs(self, node: Node) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Tokens to run, the hidden row behind each output, and the token each row predicts.
+    # ------------------------------------------------------------ the walk
+    def run(self) -> None:
+        """Visit every unit depth-first; backward (when training) on the way back up."""
+        for event, unit, row in self._events():
+            if event == "enter":
+                self.enter(unit)
+            elif event == "push":
+                self.path.push(unit.kv, row, unit.lengths[row])
+            elif event == "pop":
+                self.path.pop(unit.kv, row, unit.lengths[row])
+            else:
+                if self.loss_fn is not None:
+                    self.backward(unit)
+                self.release(unit)
 
-        Shifted heads: rows 0..L-2 predict the node's own tokens 1..L-1; the last row, once per
-        child, predicts that child's first token (fork logits). A leaf's last token predicts
-        nothing and feeds no one, so it is not run.
+    def _events(self) -> Iterator[tuple[str, _Unit, int]]:
+        """enter U, then for each row with children: push, the children's units, pop; then exit U."""
+        stack: list[tuple[str, _Unit | None, int, Node | None]] = [("expand", None, 0, self.tree.nodes[ROOT])]
+        while stack:
+            event, unit, row, node = stack.pop()
+            if event == "expand":  # the units below `node`, in order
+                stack.extend(("enter", u, 0, None) for u in reversed(self._units(node)))
+                continue
+            if event == "enter":
+                yield "enter", unit, 0
+                stack.append(("exit", unit, 0, None))
+                for i in reversed(range(len(unit.nodes))):
+                    if unit.nodes[i].children:
+                        stack.append(("pop", unit, i, None))
+                        stack.append(("expand", unit, i, unit.nodes[i]))
+                        stack.append(("push", unit, i, None))
+                continue
+            yield event, unit, row
+
+    def _units(self, parent: Node) -> list[_Unit]:
+        """Group `parent`'s children into batched units."""
+        children = [self.tree.nodes[c] for c in parent.children]
+        lengths = [self._run_length(n) for n in children]
+        groups = group_siblings(lengths, self.engine.batch_tokens)
+        start = parent.end if parent.index != ROOT else 0
+        return [_Unit([children[i] for i in g], [lengths[i] for i in g], UnitKV(start)) for g in groups]
+
+    def _run_length(self, node: Node) -> int:
+        """Tokens to run: a leaf's last token predicts nothing and feeds no one (shifted heads)."""
+        return node.length - (self.shift if not node.children else 0)
+
+    # ------------------------------------------------------------ one unit
+    def enter(self, unit: _Unit) -> None:
+        """Run the unit; keep its graph if it must backpropagate and fits; record outputs; losses."""
+        training = self.loss_fn is not None
+        has_children = any(n.children for n in unit.nodes)
+        size = len(unit.nodes) * unit.width * self.per_token
+        mode = self.engine.recompute
+        keep = training and (not has_children or mode == "never" or (mode == "auto" and self.kept + size <= self.budget))
+        outputs = self._compute(unit, grad=keep)
+        if keep and has_children:
+            unit.graph, unit.kept_bytes = outputs, size
+            self.kept += size
+        elif keep:
+            unit.graph = outputs
+        self._record(unit, outputs)
+        ends = [s for n in unit.nodes for s in n.ends]
+        if training:
+            self._sequence_losses(ends)
+        else:
+            for s in ends:
+                self.results[s] = self.sequence_outputs(s)
+
+    def _rows(self, unit: _Unit) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat hidden-state row of every output, and the token it predicts.
+
+        Shifted heads: row j of a node predicts its token j+1; its last row, once per child,
+        predicts that child's first token (fork logits). Unshifted: row j gives token j.
         """
-        tokens = node.tokens
-        if not self.head.shifted:
-            return tokens, torch.arange(len(tokens)), tokens
-        forks = [self.tree.nodes[c].tokens[0] for c in node.children]
-        run = tokens if node.children else tokens[:-1]
-        rows = torch.cat([torch.arange(len(tokens) - 1), torch.full((len(forks),), len(tokens) - 1)])
-        targets = torch.cat([tokens[1:], torch.stack(forks)]) if forks else tokens[1:]
-        return run, rows, targets
+        rows, targets = [], []
+        width = unit.width
+        for i, node in enumerate(unit.nodes):
+            base = i * width
+            if not self.shift:
+                rows.append(torch.arange(base, base + node.length))
+                targets.append(node.tokens)
+                continue
+            rows.append(torch.arange(base, base + node.length - 1))
+            targets.append(node.tokens[1:])
+            if node.children:
+                rows.append(torch.full((len(node.children),), base + node.length - 1))
+                targets.append(torch.stack([self.tree.nodes[c].tokens[0] for c in node.children]))
+        return torch.cat(rows), torch.cat(targets)
 
-    def run(self, node: Node, grad: bool) -> None:
-        """Compute the node's outputs; with `grad`, keep their graph for `backward`."""
-        outputs = self._compute(node, grad)
-        values = {name: out.detach() for name, out in outputs.items()}
-        if self.head.shifted:
-            own = node.length - 1
-            first = self.forks.pop(node.index, None)  # from the parent's last row; none at the top
-            for name, out in values.items():
-                for i, child in enumerate(node.children):
-                    self.forks.setdefault(child, {})[name] = out[own + i : own + i + 1]
-                head_value = first[name] if first is not None else out.new_zeros(1)
-                values[name] = torch.cat([head_value, out[:own]])
-        self.values[node.index] = values
-        if self.loss_fn is not None:
-            self.grads[node.index] = {name: torch.zeros_like(v) for name, v in values.items()}
-            if grad:
-                self.graphs[node.index] = outputs
-
-    def _compute(self, node: Node, grad: bool) -> dict[str, torch.Tensor]:
-        """Run the node's tokens at their absolute positions over the path's K/V; apply the head."""
-        run, rows, targets = self.inputs(node)
-        if len(run) == 0:  # a one-token leaf: its only output came from the parent's fork row
+    def _compute(self, unit: _Unit, grad: bool) -> dict[str, torch.Tensor]:
+        """Run the unit's rows at their absolute positions over the path's K/V; apply the head."""
+        rows, targets = self._rows(unit)
+        width = unit.width
+        if width == 0:  # one-token leaves: their only outputs came from the parent's fork row
             dtype = torch.promote_types(next(self.model.parameters()).dtype, torch.float32)
             return {name: torch.zeros(0, dtype=dtype, device=self.device) for name in self.head.outputs}
-        self.path.start = node.start
-        self.stats.model_tokens += len(run)
+        ids = torch.zeros(len(unit.nodes), width, dtype=torch.long)
+        for i, (node, n) in enumerate(zip(unit.nodes, unit.lengths)):
+            ids[i, :n] = node.tokens[:n]
+        start = unit.kv.start
+        positions = torch.arange(start, start + width).expand(len(unit.nodes), -1)
+        self.stats.model_tokens += sum(unit.lengths)
+        self.path.unit = unit.kv
         with torch.set_grad_enabled(grad):
-            ids = run.to(self.device)[None]
-            positions = torch.arange(node.start, node.start + len(run), device=self.device)[None]
-            hidden = decoder(self.model)(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0]
-            if not torch.equal(rows, torch.arange(len(run))):
+            hidden = decoder(self.model)(
+                input_ids=ids.to(self.device), position_ids=positions.to(self.device), use_cache=False
+            ).last_hidden_state.reshape(len(unit.nodes) * width, -1)
+            if not torch.equal(rows, torch.arange(len(hidden))):
                 hidden = hidden[rows.to(self.device)]
             return self.head(self.model, hidden, targets.to(self.device))
+
+    def _record(self, unit: _Unit, outputs: dict[str, torch.Tensor]) -> None:
+        """Split the unit's row outputs into per-node values (and fork values for the children)."""
+        offset = 0
+        for node in unit.nodes:
+            own = node.length - self.shift
+            forks = len(node.children) if self.shift else 0
+            first = self.forks.pop(node.index, None)  # from the parent's last row; none at the top
+            values = {}
+            for name, out in outputs.items():
+                out = out.detach()[offset : offset + own + forks]
+                for i, child in enumerate(node.children[:forks]):
+                    self.forks.setdefault(child, {})[name] = out[own + i : own + i + 1]
+                parts = [first[name] if first is not None else out.new_zeros(1)] if self.shift else []
+                values[name] = torch.cat(parts + [out[:own]])
+            offset += own + forks
+            self.values[node.index] = values
+            if self.loss_fn is not None:
+                self.grads[node.index] = {name: torch.zeros_like(v) for name, v in values.items()}
 
     # ------------------------------------------------------------ sequences
     def sequence_outputs(self, s: int) -> dict[str, torch.Tensor]:
@@ -149,48 +261,61 @@ class _Walk:
         nodes = self.tree.path(s)
         return {name: torch.cat([self.values[i][name] for i in nodes])[:n] for name in self.head.outputs}
 
-    def sequence_loss(self, s: int) -> None:
-        """Evaluate the loss of sequence `s`; add d(loss)/d(outputs) into its nodes' buffers."""
-        outputs = {k: v.requires_grad_() for k, v in self.sequence_outputs(s).items()}
-        loss, metrics = split_loss(self.loss_fn(SequenceView(s, self.tree.sequences[s], outputs)))
-        self.total_loss += loss.detach()
-        self.stats.add_metrics(metrics)
-        if not loss.requires_grad:
+    def _sequence_losses(self, ends: list[int]) -> None:
+        """Evaluate the losses of the sequences that end here; add d(loss)/d(outputs) to their nodes."""
+        if not ends:
             return
-        names = list(outputs)
-        grads = torch.autograd.grad(loss, [outputs[k] for k in names], allow_unused=True)
-        n = len(self.tree.sequences[s])
-        for name, g in zip(names, grads):
+        leaves, losses = [], []
+        for s in ends:
+            outputs = {k: v.requires_grad_() for k, v in self.sequence_outputs(s).items()}
+            loss, metrics = split_loss(self.loss_fn(SequenceView(s, self.tree.sequences[s], outputs)))
+            self.stats.add_metrics(metrics)
+            leaves.append((s, outputs))
+            losses.append(loss)
+        total = torch.stack(losses).sum()
+        self.total_loss += total.detach().to(self.total_loss.dtype)
+        if not total.requires_grad:
+            return
+        inputs = [(s, name, t) for s, outputs in leaves for name, t in outputs.items()]
+        grads = torch.autograd.grad(total, [t for _, _, t in inputs], allow_unused=True)
+        for (s, name, _), g in zip(inputs, grads):
             if g is None:
                 continue
+            n = len(self.tree.sequences[s])
             for i in self.tree.path(s):
                 node = self.tree.nodes[i]
                 hi = min(node.end, n)
                 self.grads[i][name][: hi - node.start] += g[node.start : hi]
 
     # ------------------------------------------------------------ way back up
-    def backward(self, node: Node) -> None:
-        """Back-propagate the node's buffered output gradients (and, via the store, its K/V's)."""
-        outputs = self.graphs.pop(node.index, None)
-        if outputs is None:
-            outputs = self._compute(node, grad=True)
-        shifted = 1 if self.head.shifted else 0
+    def backward(self, unit: _Unit) -> None:
+        """Back-propagate the unit's buffered output gradients (and, via the store, its K/V's)."""
+        outputs = unit.graph if unit.graph is not None else self._compute(unit, grad=True)
         tensors, grads = [], []
         for name, out in outputs.items():
             if not out.requires_grad:
                 continue
-            parts = [self.grads[node.index][name][shifted:]]
-            parts += [self.grads[c][name][:1] for c in (node.children if shifted else [])]
+            parts = []
+            for node in unit.nodes:
+                parts.append(self.grads[node.index][name][self.shift :])
+                if self.shift:
+                    parts += [self.grads[c][name][:1] for c in node.children]
             tensors.append(out)
             grads.append(torch.cat(parts).to(out.dtype))
         if tensors:
             torch.autograd.backward(tensors, grads)
+        self.kept -= unit.kept_bytes
+        unit.graph, unit.kept_bytes = None, 0
 
-    def release(self, node: Node) -> None:
-        """Forget a finished subtree's state; the node's own buffers stay until its parent is done."""
-        for c in node.children:
-            self.values.pop(c, None)
-            self.grads.pop(c, None)
-        if node.parent == 0:
-            self.values.pop(node.index, None)
-            self.grads.pop(node.index, None)
+    def release(self, unit: _Unit) -> None:
+        """Forget the unit's children's state (their gradients reached the unit's fork rows)."""
+        for node in unit.nodes:
+            for c in node.children:
+                self.values.pop(c, None)
+                self.grads.pop(c, None)
+            if node.parent == ROOT:
+                self.values.pop(node.index, None)
+                self.grads.pop(node.index, None)
+        unit.kv.keys.clear()
+        unit.kv.values.clear()
+        unit.kv.key_grads = unit.kv.value_grads = None
