@@ -99,3 +99,39 @@ class PolicyHead:
             hidden, lm_head.weight, lm_head.bias, targets, self.temperature, self.chunk_rows
         )
         return {"logprobs": logprobs, "entropy": entropy}
+
+
+@dataclass
+class ValueHead:
+    """A critic's per-token values: its scalar `score` layer applied to the final hidden states.
+
+    The critic is a transformers `*ForTokenClassification` model with one label (see
+    `treerl.algo.critic.build_critic`): `model.base_model` is the decoder, `model.score` the value layer.
+    `shifted=True` (default): `values[j]` comes from the hidden state at j - 1, i.e. it is V(tokens[:j]),
+    the value of the state in which token j was chosen, aligned with `logprobs[j]`; position 0 holds 0.
+    `shifted=False`: `values[j]` = V(tokens[:j+1]), from the hidden state at j.
+    """
+
+    outputs: tuple[str, ...] = ("values",)
+    shifted: bool = True
+
+    def check(self, model: PreTrainedModel) -> None:
+        """Reject models without a one-output linear `score`, or with dropout the engines would not apply."""
+        score = getattr(model, "score", None)
+        if not isinstance(score, torch.nn.Linear) or score.out_features != 1:
+            raise NotImplementedError(
+                f"{type(model).__name__}: a value head needs `model.score`, an nn.Linear with one output "
+                "(a *ForTokenClassification model with num_labels=1; see treerl.algo.critic.build_critic)"
+            )
+        dropout = getattr(model, "dropout", None)
+        if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
+            raise NotImplementedError(
+                f"{type(model).__name__}: value dropout p={dropout.p} is not applied by the engines; "
+                "set config.classifier_dropout = 0"
+            )
+
+    def __call__(self, model: PreTrainedModel, hidden: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows of `hidden` `[N, d]` -> `{"values": [N]}` (the targets are not read: a value has no token)."""
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        values = torch.nn.functional.linear(hidden, model.score.weight, model.score.bias)[:, 0]
+        return {"values": values.to(dtype)}

@@ -1,0 +1,211 @@
+"""Advantages from rewards: group-normalised (GRPO), leave-one-out (RLOO), GAE, whitened returns.
+
+Rewards live in `info["reward"]`: one number per sequence (the outcome), or, for a sequence that
+holds a whole multi-turn episode, a list with one reward per turn, where a turn is a maximal run
+of trained tokens (loss_mask > 0). Token-level estimators (gae, returns) put each turn's reward
+on the turn's last trained token (an outcome reward on the last trained token) and discount
+from one trained token to the next by `gamma`, times `turn_discount` across a turn boundary.
+When every model call of an episode is its own sequence, give call k the discounted return
+`turn_returns(rewards, turn_discount)[k]` as its reward.
+
+Group estimators need `info["group"]` (sequences answering the same prompt share it).
+`compute_advantages` writes the per-token fields `advantages` (0 outside the loss mask) and,
+for GAE, `returns` (the critic's targets); it must see the whole batch, as a group or a
+whitening statistic spans it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Hashable, Sequence as Seq
+
+import torch
+
+from treerl.algo.checks import check_mask_and_logprobs, check_reward, require_field
+from treerl.algo.config import AlgoConfig
+from treerl.algo.policy import kl_penalty
+from treerl.tree import BatchError, Sequence, validate_sequences
+
+
+def _groups(groups: Seq[Hashable]) -> dict[Hashable, list[int]]:
+    members: dict[Hashable, list[int]] = defaultdict(list)
+    for i, g in enumerate(groups):
+        members[g].append(i)
+    return members
+
+
+def group_advantages(rewards: torch.Tensor, groups: Seq[Hashable], scale_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: (r - mean of the group) / (std of the group + eps); Dr. GRPO: without the std (unbiased std, n - 1).
+
+    A group of one has no baseline: its advantage is 0.
+    """
+    out = torch.zeros_like(rewards, dtype=torch.float64)
+    for members in _groups(groups).values():
+        r = rewards[members].double()
+        if len(members) == 1:
+            continue
+        centred = r - r.mean()
+        out[members] = centred / (r.std() + eps) if scale_std else centred
+    return out
+
+
+def rloo_advantages(rewards: torch.Tensor, groups: Seq[Hashable]) -> torch.Tensor:
+    """RLOO: r_i minus the mean reward of the OTHER members of its group (groups need >= 2 members)."""
+    out = torch.zeros_like(rewards, dtype=torch.float64)
+    for group, members in _groups(groups).items():
+        if len(members) < 2:
+            raise ValueError(f"group {group!r} has one member; leave-one-out needs at least two")
+        r = rewards[members].double()
+        out[members] = r - (r.sum() - r) / (len(members) - 1)
+    return out
+
+
+def turn_spans(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """The turns of a sequence: maximal runs [start, end) of trained tokens."""
+    trained = (mask > 0).tolist()
+    spans, start = [], None
+    for t, on in enumerate(trained + [False]):
+        if on and start is None:
+            start = t
+        elif not on and start is not None:
+            spans.append((start, t))
+            start = None
+    return spans
+
+
+def turn_returns(rewards: Seq[float], discount: float) -> list[float]:
+    """G_k = r_k + discount * G_{k+1}: the discounted return from each turn on."""
+    returns, running = [], 0.0
+    for r in reversed(rewards):
+        running = r + discount * running
+        returns.append(running)
+    return returns[::-1]
+
+
+def token_rewards(mask: torch.Tensor, reward: float | Seq[float]) -> torch.Tensor:
+    """Rewards per token: turn k's reward on its last trained token (a number: on the last trained token)."""
+    spans = turn_spans(mask)
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    per_turn = list(reward) if isinstance(reward, (list, tuple)) else None
+    if per_turn is not None and len(per_turn) != len(spans):
+        raise ValueError(f"{len(per_turn)} per-turn rewards for {len(spans)} turns (runs of loss_mask > 0)")
+    if per_turn is None:
+        if spans:
+            out[spans[-1][1] - 1] = reward
+        return out
+    for (_, end), r in zip(spans, per_turn):
+        out[end - 1] = r
+    return out
+
+
+def step_discounts(mask: torch.Tensor, gamma: float, turn_discount: float) -> torch.Tensor:
+    """Discount from each trained token to the next trained one: gamma, times turn_discount across turns."""
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    for start, end in turn_spans(mask):
+        out[start:end] = gamma
+        out[end - 1] = gamma * turn_discount
+    return out
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, discounts: torch.Tensor, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the trained tokens only (others are skipped, not steps).
+
+    values[t] = V(tokens[:t]), the value of the state in which token t was chosen; the state after
+    the last trained token is terminal (value 0). delta_t = r_t + d_t V_next - V_t,
+    A_t = delta_t + d_t lam A_next, returns_t = A_t + V_t, with d_t = `discounts[t]`.
+    """
+    r, v, d = rewards.tolist(), values.tolist(), discounts.tolist()
+    advantages = [0.0] * len(r)
+    next_value, next_advantage = 0.0, 0.0
+    for t in reversed((mask > 0).nonzero().flatten().tolist()):
+        delta = r[t] + d[t] * next_value - v[t]
+        next_advantage = delta + d[t] * lam * next_advantage
+        advantages[t] = next_advantage
+        next_value = v[t]
+    adv = torch.tensor(advantages, dtype=torch.float64)
+    return adv, torch.where(mask > 0, adv + values.double(), 0.0)
+
+
+def whiten(per_sequence: list[torch.Tensor], masks: list[torch.Tensor], eps: float) -> list[torch.Tensor]:
+    """(a - mean) / (std + eps) over the trained tokens of the whole batch; 0 on untrained tokens."""
+    trained = torch.cat([a[m > 0] for a, m in zip(per_sequence, masks)])
+    if trained.numel() == 0:
+        return per_sequence
+    mean = trained.mean()
+    std = trained.std() if trained.numel() > 1 else torch.zeros((), dtype=trained.dtype)
+    return [torch.where(m > 0, (a - mean) / (std + eps), 0.0) for a, m in zip(per_sequence, masks)]
+
+
+def compute_advantages(config: AlgoConfig, sequences: Seq[Sequence]) -> None:
+    """Fill fields `advantages` (and, for GAE, `returns`) of every sequence of the WHOLE batch, in place."""
+    config = config.resolved()
+    if config.advantage == "none":
+        return
+    validate_sequences(sequences)
+    for i, seq in enumerate(sequences):
+        check_mask_and_logprobs(seq, i)
+    masks = [seq.fields["loss_mask"] for seq in sequences]
+    rewards = [check_reward(seq, i) for i, seq in enumerate(sequences)]
+    if config.advantage in ("group", "group_mean", "rloo"):
+        advantages = _group_estimate(config, sequences, rewards, masks)
+    else:
+        advantages = _token_estimate(config, sequences, rewards, masks)
+    if config.whiten:
+        advantages = whiten(advantages, masks, config.adv_eps)
+    dtype = torch.get_default_dtype()
+    for seq, adv in zip(sequences, advantages):
+        seq.fields["advantages"] = adv.to(dtype)
+
+
+def _group_estimate(
+    config: AlgoConfig, sequences: Seq[Sequence], rewards: list, masks: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """One advantage per sequence from its group's rewards, on every trained token."""
+    groups = []
+    for i, (seq, reward) in enumerate(zip(sequences, rewards)):
+        if isinstance(reward, list):
+            raise BatchError(
+                f"{seq.label(i)}: field 'reward' is a list of per-turn rewards, but algo.advantage={config.advantage} "
+                "needs one number per sequence (give each turn's sequence turn_returns(...)[k], or use gae/returns)"
+            )
+        if "group" not in seq.info:
+            raise BatchError(f"{seq.label(i)}: field 'group' is missing from info (needed by algo.advantage={config.advantage})")
+        groups.append(seq.info["group"])
+    r = torch.tensor(rewards, dtype=torch.float64)
+    if config.advantage == "rloo":
+        sizes = _groups(groups)
+        for i, g in enumerate(groups):
+            if len(sizes[g]) < 2:
+                raise BatchError(f"{sequences[i].label(i)}: field 'group' {g!r} has no other member; RLOO needs >= 2")
+        scalar = rloo_advantages(r, groups)
+    else:
+        scalar = group_advantages(r, groups, scale_std=config.advantage == "group", eps=config.adv_eps)
+    return [torch.where(m > 0, a, 0.0).double() for a, m in zip(scalar, masks)]
+
+
+def _token_estimate(
+    config: AlgoConfig, sequences: Seq[Sequence], rewards: list, masks: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """GAE (with the critic's `values`) or discounted returns, from rewards placed on tokens."""
+    out = []
+    for i, (seq, reward, mask) in enumerate(zip(sequences, rewards, masks)):
+        try:
+            r = token_rewards(mask, reward)
+        except ValueError as e:
+            raise BatchError(f"{seq.label(i)}: field 'reward': {e}") from None
+        if config.kl_in_reward and config.kl_coef > 0:
+            purpose = "needed by algo.kl_in_reward"
+            old = require_field(seq, i, "old_logprobs", purpose).double()
+            ref = require_field(seq, i, "ref_logprobs", purpose).double()
+            r = r - config.kl_coef * kl_penalty(old, ref, mask, config.kl_estimator)
+        discounts = step_discounts(mask, config.gamma, config.turn_discount)
+        if config.advantage == "gae":
+            values = require_field(seq, i, "values", "the critic's values, needed by algo.advantage=gae")
+            adv, returns = gae(r, values.double(), mask, discounts, config.lam)
+            seq.fields["returns"] = returns.to(torch.get_default_dtype())
+        else:
+            adv, _ = gae(r, torch.zeros_like(r), mask, discounts, lam=1.0)
+        out.append(adv)
+    return out

@@ -1,0 +1,103 @@
+"""`AlgoConfig`: every choice of the RL/SFT objective, as the `algo` section of the trainer's YAML.
+
+Options left at None take the usual value of the chosen `loss` (the table `LOSS_DEFAULTS`), so
+`algo.loss=dr_grpo` alone gives Dr. GRPO's advantages and aggregation, and any single key can
+still be overridden (`algo.loss=grpo algo.aggregation=token_mean` is DAPO's token-level GRPO).
+The config holds the Nones; `resolved()` fills them in when a loss or advantage is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+LOSSES = ("ppo", "decoupled_ppo", "grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "sft")
+ADVANTAGES = ("group", "group_mean", "rloo", "gae", "returns", "none")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+# The usual settings of each loss (AReaL, verl, TRL, OpenRLHF); a key set in the config wins.
+LOSS_DEFAULTS: dict[str, dict[str, object]] = {
+    "ppo": dict(advantage="gae", aggregation="token_mean", whiten=True),
+    "decoupled_ppo": dict(advantage="group", aggregation="token_mean", whiten=False),
+    "grpo": dict(advantage="group", aggregation="seq_mean_token_mean", whiten=False),
+    "dr_grpo": dict(advantage="group_mean", aggregation="seq_sum", whiten=False),
+    "gspo": dict(advantage="group", aggregation="seq_mean_token_mean", whiten=False, clip_eps=3e-4, clip_eps_high=4e-4),
+    "rloo": dict(advantage="rloo", aggregation="token_mean", whiten=False),
+    "reinforce_pp": dict(advantage="returns", aggregation="token_mean", whiten=True, kl_in_reward=True),
+    "sft": dict(advantage="none", aggregation="token_mean", whiten=False),
+}
+
+
+@dataclass
+class AlgoConfig:
+    """The objective of one training run; see docs/algorithms.md for each formula."""
+
+    # What is optimised.
+    loss: str = "grpo"  # ppo | decoupled_ppo | grpo | dr_grpo | gspo | rloo | reinforce_pp | sft
+    aggregation: Optional[str] = None  # token_mean | seq_mean_token_mean | seq_sum (None: the loss's usual)
+    seq_sum_scale: float = 1.0  # seq_sum divides each sequence's token sum by this (Dr. GRPO: max generation length)
+
+    # Clipped surrogate (every policy loss).
+    clip_eps: Optional[float] = None  # ratio clipped to [1 - clip_eps, 1 + clip_eps_high] (None: 0.2; GSPO 3e-4)
+    clip_eps_high: Optional[float] = None  # upper clip (DAPO's clip-higher); None: clip_eps (GSPO 4e-4)
+    dual_clip: Optional[float] = None  # c > 1: for negative advantages the token loss is capped at c * |A|
+    behav_imp_weight_cap: Optional[float] = None  # decoupled_ppo: tokens with pi_prox/pi_behav above it are dropped
+
+    # Regularisers.
+    kl_coef: float = 0.0  # weight of the KL penalty to the reference policy (needs field ref_logprobs)
+    kl_estimator: str = "k3"  # k1: d, k2: d^2/2, k3: exp(-d) - 1 + d, with d = log pi - log pi_ref
+    kl_in_reward: Optional[bool] = None  # True: -kl_coef * KL(behaviour) is added to token rewards, not the loss
+    entropy_coef: float = 0.0  # entropy bonus: the loss gets -entropy_coef * entropy
+
+    # Advantages (treerl.algo.advantages.compute_advantages).
+    advantage: Optional[str] = None  # group | group_mean | rloo | gae | returns | none (None: the loss's usual)
+    whiten: Optional[bool] = None  # normalise advantages to mean 0, std 1 over all trained tokens of the batch
+    adv_eps: float = 1e-6  # added to a std before dividing by it
+    gamma: float = 1.0  # discount from one trained token to the next (gae, returns)
+    lam: float = 1.0  # GAE lambda
+    turn_discount: float = 1.0  # extra discount from one turn to the next (multi-turn episodes; see turn_returns)
+
+    # Critic (treerl.algo.critic.build_value_loss).
+    value_clip: Optional[float] = 0.2  # new values kept within +-value_clip of field `values`; None: no clipping
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Reject unknown choices and out-of-range numbers, naming the `algo.` key."""
+        choices = dict(loss=LOSSES, aggregation=AGGREGATIONS, kl_estimator=KL_ESTIMATORS, advantage=ADVANTAGES)
+        for key, allowed in choices.items():
+            value = getattr(self, key)
+            if value is not None and value not in allowed:
+                raise ValueError(f"algo.{key}={value!r} is not one of: {', '.join(allowed)}")
+        positive = ["seq_sum_scale", "clip_eps", "clip_eps_high", "behav_imp_weight_cap", "value_clip"]
+        for key in positive:
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ValueError(f"algo.{key}={value} must be > 0")
+        for key in ["kl_coef", "entropy_coef", "adv_eps"]:
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"algo.{key}={getattr(self, key)} must be >= 0")
+        for key in ["gamma", "lam", "turn_discount"]:
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(f"algo.{key}={getattr(self, key)} must be in [0, 1]")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"algo.dual_clip={self.dual_clip} must be > 1")
+        if self.behav_imp_weight_cap is not None and self.loss != "decoupled_ppo":
+            raise ValueError("algo.behav_imp_weight_cap only applies to algo.loss=decoupled_ppo")
+
+    def resolved(self) -> AlgoConfig:
+        """A copy with every None replaced by the loss's usual value."""
+        defaults = dict(clip_eps=0.2, kl_in_reward=False) | LOSS_DEFAULTS[self.loss]
+        filled = {
+            f.name: defaults[f.name] for f in fields(self) if getattr(self, f.name) is None and f.name in defaults
+        }
+        out = replace(self, **filled)
+        if out.clip_eps_high is None:
+            out.clip_eps_high = out.clip_eps
+        if out.kl_in_reward and out.advantage not in ("gae", "returns"):
+            raise ValueError(
+                f"algo.kl_in_reward=True needs per-token rewards (algo.advantage=gae or returns), not {out.advantage}"
+            )
+        return out

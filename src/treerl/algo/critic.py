@@ -1,0 +1,75 @@
+"""The critic: a value model that the same tree engines run, and PPO's clipped value loss.
+
+A critic is a transformers `*ForTokenClassification` model with one label on a causal LM body
+(verl's choice): `model.base_model` is the decoder the engines drive, `model.score` the value
+layer that `treerl.engine.head.ValueHead` applies. Run it with `DfsEngine(head=ValueHead())`:
+`forward` gives per-token values (values[t] = V(tokens[:t]), aligned with logprobs[t]) and
+`forward_backward(critic, batch, build_value_loss(config, normalizer))` trains them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForTokenClassification, PreTrainedModel
+
+from treerl.algo.checks import check_sequence
+from treerl.algo.config import AlgoConfig
+from treerl.algo.loss import field
+from treerl.algo.normalizer import LossNormalizer
+from treerl.engine.base import LossFn, LossResult, SequenceView
+from treerl.models import load_config, model_config
+
+
+def build_critic(
+    path: str | None = None,
+    shape: str = "tiny-qwen3",
+    vocab_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """A value model: the body of a local causal LM checkpoint (or shape `shape`, random) plus a fresh value layer."""
+    if path and not Path(path).exists():
+        raise FileNotFoundError(f"critic path {path!r} does not exist (treerl never downloads weights)")
+    config = load_config(path) if path else model_config(shape, vocab_size=vocab_size)
+    config.update(dict(num_labels=1, classifier_dropout=0.0))
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)  # the value layer is always freshly initialised
+    if path:
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
+    else:
+        model = AutoModelForTokenClassification.from_config(config, dtype=dtype)
+    return model.to(device)
+
+
+def build_value_loss(config: AlgoConfig, normalizer: LossNormalizer) -> LossFn:
+    """0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-value_clip) - R)^2), aggregated like the policy loss.
+
+    Reads fields `returns` (R) and, when clipping, `values` (V_old, the critic's values when the
+    batch was made); `normalizer` must count the whole batch.
+    """
+    config = config.resolved()
+
+    def loss_fn(view: SequenceView) -> LossResult:
+        check_sequence(config, view.sequence, view.index, critic=True)
+        values = view.values
+        mask = field(view, "loss_mask", values)
+        returns = field(view, "returns", values)
+        error = (values - returns) ** 2
+        clipped = torch.zeros_like(error, dtype=torch.bool)
+        if config.value_clip is not None:
+            old = field(view, "values", values)
+            clipped_error = (old + (values - old).clamp(-config.value_clip, config.value_clip) - returns) ** 2
+            clipped = clipped_error > error
+            error = torch.maximum(error, clipped_error)
+
+        def aggregate(x: torch.Tensor) -> torch.Tensor:
+            return normalizer.aggregate(x, mask, config.aggregation, config.seq_sum_scale)
+
+        loss = aggregate(0.5 * error)
+        return loss, {"value_loss": loss.detach(), "value_clip_fraction": aggregate(clipped.to(values.dtype))}
+
+    return loss_fn

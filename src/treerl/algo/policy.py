@@ -1,0 +1,71 @@
+"""Per-token terms of the policy losses: importance ratios, the clipped surrogate, KL estimators.
+
+Every function takes tensors aligned with a sequence's tokens and returns one value per token;
+positions outside the loss mask hold harmless values (log-ratios are zeroed there before any
+`exp`, so an untrained token can never produce inf or NaN) and are dropped by the aggregation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_log_ratio(logp: torch.Tensor, other: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log(pi / pi_other) on trained tokens, 0 elsewhere (so exp() of it is finite everywhere)."""
+    return torch.where(mask > 0, logp - other, 0.0)
+
+
+def token_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """PPO's per-token importance ratio pi_theta(y_t) / pi_old(y_t)."""
+    return torch.exp(masked_log_ratio(logp, old, mask))
+
+
+def sequence_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO-token's ratio: value s = exp(mean_t log(pi/pi_old)) on every token, gradient s * grad log pi_t.
+
+    With one advantage per sequence and the sequence-mean aggregation this is exactly GSPO's
+    sequence-level objective (value, clipping and gradient); it also accepts per-token advantages.
+    """
+    trained = mask.sum()
+    log_s = (masked_log_ratio(logp, old, mask) * mask).sum() / torch.where(trained > 0, trained, 1.0)
+    return torch.exp(logp - logp.detach() + log_s.detach())
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float, dual_clip: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic token loss max(-A r, -A clip(r, 1-lo, 1+hi)), and where clipping decided it.
+
+    Dual clip (c > 1): a negative advantage's loss is capped at -c A, so a huge ratio on a bad
+    token cannot dominate the batch.
+    """
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        capped = (advantages < 0) & (loss > cap)
+        loss = torch.where(capped, cap, loss)
+        was_clipped = was_clipped | capped
+    return loss, was_clipped.detach()
+
+
+def behaviour_weight(prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Decoupled PPO's constant weight pi_prox / pi_behav per token; 0 where it exceeds `cap` (token dropped)."""
+    weight = torch.exp(masked_log_ratio(prox, behav, mask))
+    if cap is not None:
+        weight = torch.where(weight > cap, 0.0, weight)
+    return weight.detach()
+
+
+def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from d = log pi - log pi_ref at the sampled token (Schulman's k1/k2/k3)."""
+    d = masked_log_ratio(logp, ref, mask)
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"unknown KL estimator {estimator!r}")
