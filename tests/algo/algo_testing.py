@@ -9,16 +9,23 @@ import torch
 from treerl.algo import fill_fields
 from treerl.engine import FlatEngine
 from treerl.engine.head import ValueHead
+from treerl.testing import relative_error
 from treerl.tree import Sequence
 from treerl.tree.workloads import random_trees
 
-VOCAB = 512
-RTOL = 1e-6
+VOCAB = 64
+RTOL = 1e-10  # the policy's RMSNorm runs in float64 (tests/support.py): engines agree to ~1e-15
+STOCK_RTOL = 1e-6  # a stock float64 model (float32 RMSNorm): the project's standard
 
 
 def make_batch(
-    model: torch.nn.Module, seed: int, sequences: int = 5, length: int = 10, sharing: float = 3.0,
-    noise: float = 0.3, zero_masks: bool = False,
+    model: torch.nn.Module,
+    seed: int,
+    sequences: int = 5,
+    length: int = 10,
+    sharing: float = 3.0,
+    noise: float = 0.3,
+    zero_masks: bool = False,
 ) -> list[Sequence]:
     """A random tree whose sequences carry their own mask, advantages, rewards and log-probs.
 
@@ -37,15 +44,14 @@ def make_batch(
         if zero_masks and rng.random() < 0.4:
             mask.zero_()
 
-        def near(base: torch.Tensor) -> torch.Tensor:
-            return (base + noise * torch.randn(n, generator=gen)).clamp(max=0.0)
-
+        old, prox, ref = ((logp + noise * torch.randn(n, generator=gen)).clamp(max=0.0) for _ in range(3))
+        advantages = torch.randn(n, generator=gen, dtype=torch.float64)
         seq.fields = {
             "loss_mask": mask,
-            "advantages": torch.randn(n, generator=gen, dtype=torch.float64),
-            "old_logprobs": near(logp),
-            "prox_logprobs": near(logp),
-            "ref_logprobs": near(logp),
+            "advantages": advantages,
+            "old_logprobs": old,
+            "prox_logprobs": prox,
+            "ref_logprobs": ref,
         }
         seq.info = {"reward": float(rng.randint(0, 3)), "group": i % 2}
     return batch
@@ -61,7 +67,9 @@ def add_critic_fields(critic: torch.nn.Module, batch: list[Sequence], seed: int)
         seq.fields["returns"] = torch.randn(n, generator=gen, dtype=torch.float64)
 
 
-def train_step(engine, model, parts: list[list[Sequence]], loss_fn) -> tuple[float, dict[str, float], dict[str, torch.Tensor]]:
+def train_step(
+    engine, model, parts: list[list[Sequence]], loss_fn
+) -> tuple[float, dict[str, float], dict[str, torch.Tensor]]:
     """Zero the gradients, run forward_backward on each part; the summed loss, metrics and gradients.
 
     The loss is the float64 sum of what `loss_fn` returned for each sequence (StepStats.loss of
@@ -81,14 +89,16 @@ def train_step(engine, model, parts: list[list[Sequence]], loss_fn) -> tuple[flo
         for k, v in stats.metrics.items():
             metrics[k] = metrics.get(k, 0.0) + v
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)  # shared test models are left as found
     return float(torch.stack(per_sequence).sum()), metrics, grads
 
 
 def assert_same_step(got, want, rtol: float = RTOL) -> None:
     """Loss, metrics and every parameter gradient agree to `rtol` (relative, per tensor).
 
-    A gradient that is zero analytically (e.g. layer-0 queries when every sequence has two
-    tokens) is rounding noise on both sides: it is measured against 1e-6 of the total norm.
+    A gradient that is zero analytically (e.g. the queries when every sequence has two tokens)
+    is rounding noise on both sides: a tensor's error is measured against at least 1e-4 of the
+    total gradient norm.
     """
     (loss, metrics, grads), (loss_ref, metrics_ref, grads_ref) = got, want
     assert abs(loss - loss_ref) <= rtol * abs(loss_ref) + 1e-12, (loss, loss_ref)
@@ -96,7 +106,7 @@ def assert_same_step(got, want, rtol: float = RTOL) -> None:
     for k in metrics:
         assert abs(metrics[k] - metrics_ref[k]) <= rtol * abs(metrics_ref[k]) + 1e-12, (k, metrics[k], metrics_ref[k])
     assert grads.keys() == grads_ref.keys()
-    total = torch.sqrt(sum(g.norm() ** 2 for g in grads_ref.values()))
+    floor = max(1e-4 * float(torch.sqrt(sum(g.norm() ** 2 for g in grads_ref.values()))), 1e-12)
     for name in grads:
-        err, norm = (grads[name] - grads_ref[name]).norm(), grads_ref[name].norm()
-        assert err <= rtol * (norm + 1e-6 * total), f"{name}: |diff| {err:.3e} vs |grad| {norm:.3e}"
+        err = relative_error(grads[name], grads_ref[name], floor=floor)
+        assert err <= rtol, f"{name}: relative error {err:.3e}"

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treerl.algo import AlgoConfig, compute_advantages, gae, group_advantages, rloo_advantages, token_rewards, turn_returns
+from treerl.algo import (
+    AlgoConfig,
+    compute_advantages,
+    gae,
+    group_advantages,
+    rloo_advantages,
+    token_rewards,
+    turn_returns,
+)
 from treerl.algo.advantages import step_discounts, turn_spans, whiten
 from treerl.tree import BatchError, Sequence
 
@@ -18,7 +26,9 @@ def test_group_advantages_by_hand() -> None:
     want = [0.5 / std_a, -0.5 / std_a, 0.5 / std_a, -0.5 / std_a, -1 / 2**0.5, 1 / 2**0.5, 0.0]
     assert got.tolist() == pytest.approx(want)
     # Dr. GRPO: centred only; a group of one has no baseline.
-    assert group_advantages(rewards, groups, scale_std=False).tolist() == pytest.approx([0.5, -0.5, 0.5, -0.5, -1, 1, 0])
+    assert group_advantages(rewards, groups, scale_std=False).tolist() == pytest.approx(
+        [0.5, -0.5, 0.5, -0.5, -1, 1, 0]
+    )
 
 
 def test_group_of_equal_rewards_has_zero_advantage() -> None:
@@ -46,7 +56,10 @@ def reference_gae(rewards: list[float], values: list[float], gamma: float, lam: 
 def test_gae_matches_the_textbook_loop_and_skips_untrained_tokens() -> None:
     gen = torch.Generator().manual_seed(0)
     mask = torch.tensor([0, 0, 1, 1, 0, 1, 1, 1, 0, 1], dtype=torch.float64)
-    rewards, values = torch.randn(10, generator=gen, dtype=torch.float64), torch.randn(10, generator=gen, dtype=torch.float64)
+    rewards, values = (
+        torch.randn(10, generator=gen, dtype=torch.float64),
+        torch.randn(10, generator=gen, dtype=torch.float64),
+    )
     rewards[mask == 0] = 0.0
     actions = mask.nonzero().flatten()
     for gamma, lam in [(1.0, 1.0), (0.9, 0.95), (0.5, 0.0)]:
@@ -62,7 +75,9 @@ def test_gae_small_numbers_by_hand() -> None:
     # actions at 1, 2 with V = 0.5, 0.25, reward 1 at the end, gamma 0.9, lambda 0.8:
     # delta_2 = 1 - 0.25 = 0.75; delta_1 = 0 + 0.9 * 0.25 - 0.5 = -0.275; A_1 = -0.275 + 0.72 * 0.75 = 0.265.
     mask = torch.tensor([0.0, 1.0, 1.0])
-    adv, returns = gae(torch.tensor([0.0, 0.0, 1.0]), torch.tensor([9.0, 0.5, 0.25]), mask, step_discounts(mask, 0.9, 1.0), 0.8)
+    adv, returns = gae(
+        torch.tensor([0.0, 0.0, 1.0]), torch.tensor([9.0, 0.5, 0.25]), mask, step_discounts(mask, 0.9, 1.0), 0.8
+    )
     assert adv.tolist() == pytest.approx([0.0, 0.265, 0.75])
     assert returns.tolist() == pytest.approx([0.0, 0.765, 1.0])
 
@@ -109,22 +124,31 @@ def test_reinforce_pp_whitens_over_the_whole_batch_with_kl_in_the_reward() -> No
     flat = torch.tensor(raw[0] + raw[1], dtype=torch.float64)
     want = ((flat - flat.mean()) / (flat.std() + 1e-6)).tolist()
     trained = a.fields["loss_mask"] > 0
-    assert a.fields["advantages"][trained].tolist() + b.fields["advantages"][trained].tolist() == pytest.approx(want, rel=1e-5)
+    assert a.fields["advantages"][trained].tolist() + b.fields["advantages"][trained].tolist() == pytest.approx(
+        want, rel=1e-5
+    )
 
 
 def test_compute_advantages_gae_writes_returns() -> None:
-    seq = Sequence(torch.arange(3), {"loss_mask": torch.tensor([0.0, 1.0, 1.0]), "values": torch.tensor([0.0, 0.5, 0.25])},
-                   {"reward": 1.0})
+    seq = Sequence(
+        torch.arange(3),
+        {"loss_mask": torch.tensor([0.0, 1.0, 1.0]), "values": torch.tensor([0.0, 0.5, 0.25])},
+        {"reward": 1.0},
+    )
     compute_advantages(AlgoConfig(loss="ppo", whiten=False, gamma=0.9, lam=0.8), [seq])
     assert seq.fields["advantages"].tolist() == pytest.approx([0.0, 0.265, 0.75])
     assert seq.fields["returns"].tolist() == pytest.approx([0.0, 0.765, 1.0])
 
 
-@pytest.mark.parametrize("loss, per_sequence", [("grpo", [1 / 2**0.5, -1 / 2**0.5, 0.0]), ("dr_grpo", [0.5, -0.5, 0.0]),
-                                                ("rloo", [1.0, -1.0, None])])
+@pytest.mark.parametrize(
+    "loss, per_sequence",
+    [("grpo", [1 / 2**0.5, -1 / 2**0.5, 0.0]), ("dr_grpo", [0.5, -0.5, 0.0]), ("rloo", [1.0, -1.0, None])],
+)
 def test_compute_advantages_group_estimators(loss: str, per_sequence: list) -> None:
-    batch = [Sequence(torch.arange(4), {"loss_mask": torch.tensor([0.0, 0.0, 1.0, 1.0])}, {"reward": r, "group": g})
-             for r, g in [(1.0, "p"), (0.0, "p"), (3.0, "q")]]
+    batch = [
+        Sequence(torch.arange(4), {"loss_mask": torch.tensor([0.0, 0.0, 1.0, 1.0])}, {"reward": r, "group": g})
+        for r, g in [(1.0, "p"), (0.0, "p"), (3.0, "q")]
+    ]
     if loss == "rloo":
         with pytest.raises(BatchError, match=r"sequence 2: field 'group' 'q' has no other member"):
             compute_advantages(AlgoConfig(loss=loss), batch)

@@ -72,14 +72,18 @@ def test_per_turn_rewards_must_match_the_turns() -> None:
 
 @pytest.mark.parametrize("field", ["old_logprobs", "ref_logprobs"])
 def test_positive_logprobs(field: str) -> None:
-    with pytest.raises(BatchError, match=rf"sequence 1 \('bad'\): field '{field}' is 0.5 at token 2; log-probabilities must be <= 0"):
+    with pytest.raises(
+        BatchError, match=rf"sequence 1 \('bad'\): field '{field}' is 0.5 at token 2; log-probabilities must be <= 0"
+    ):
         validate_batch(CONFIG, batch_with(field, 0.5))
 
 
 def test_mismatched_lengths() -> None:
     batch = [good_sequence("ok"), good_sequence("bad")]
     batch[1].fields["old_logprobs"] = torch.full((4,), -1.0)
-    with pytest.raises(BatchError, match=r"sequence 1 \('bad'\): field 'old_logprobs' has shape \(4,\), but the sequence has 5 tokens"):
+    with pytest.raises(
+        BatchError, match=r"sequence 1 \('bad'\): field 'old_logprobs' has shape \(4,\), but the sequence has 5 tokens"
+    ):
         validate_batch(CONFIG, batch)
     with pytest.raises(BatchError, match=r"sequence 1 \('bad'\): field 'old_logprobs' has shape"):
         LossNormalizer.from_sequences(batch)
@@ -94,12 +98,16 @@ def test_missing_fields(field: str) -> None:
 
 
 def test_decoupled_ppo_needs_proximal_logprobs() -> None:
-    with pytest.raises(BatchError, match=r"sequence 0 \('ok'\): field 'prox_logprobs' is missing \(needed by algo.loss=decoupled_ppo\)"):
+    with pytest.raises(
+        BatchError, match=r"sequence 0 \('ok'\): field 'prox_logprobs' is missing \(needed by algo.loss=decoupled_ppo\)"
+    ):
         validate_batch(AlgoConfig(loss="decoupled_ppo"), [good_sequence("ok")])
 
 
 def test_trained_token_zero_and_negative_masks() -> None:
-    with pytest.raises(BatchError, match=r"sequence 1 \('bad'\): field 'loss_mask' is 1.0 at token 0, but token 0 has no prediction"):
+    with pytest.raises(
+        BatchError, match=r"sequence 1 \('bad'\): field 'loss_mask' is 1.0 at token 0, but token 0 has no prediction"
+    ):
         validate_batch(CONFIG, batch_with("loss_mask", 1.0, position=0))
     with pytest.raises(BatchError, match=r"sequence 1 \('bad'\): field 'loss_mask' is -1.0 at token 2"):
         validate_batch(CONFIG, batch_with("loss_mask", -1.0))

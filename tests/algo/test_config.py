@@ -16,8 +16,13 @@ def from_overrides(*dotlist: str) -> AlgoConfig:
 
 
 def test_yaml_overrides_build_a_config() -> None:
-    config = from_overrides("algo.loss=grpo", "algo.clip_eps=0.2", "algo.kl_coef=0.04", "algo.kl_estimator=k3",
-                            "algo.aggregation=token_mean")
+    config = from_overrides(
+        "algo.loss=grpo",
+        "algo.clip_eps=0.2",
+        "algo.kl_coef=0.04",
+        "algo.kl_estimator=k3",
+        "algo.aggregation=token_mean",
+    )
     assert isinstance(config, AlgoConfig)
     assert (config.loss, config.clip_eps, config.kl_coef, config.aggregation) == ("grpo", 0.2, 0.04, "token_mean")
 

@@ -16,7 +16,10 @@ from treerl.algo.config import AGGREGATIONS, KL_ESTIMATORS, LOSSES
 from treerl.engine import DfsEngine, FlatEngine
 from treerl.tree import Sequence
 
-TREE_ENGINES = {"dfs": DfsEngine(), "dfs-recompute-chunked": DfsEngine(recompute=True, chunk_tokens=3)}
+TREE_ENGINES = {
+    "dfs": DfsEngine(),
+    "dfs-no-sibling-batching-recompute-chunked": DfsEngine(recompute="always", chunk_tokens=3, batch_tokens=0),
+}
 
 
 def full_config(loss: str, aggregation: str, kl_estimator: str = "k3") -> AlgoConfig:
@@ -83,17 +86,25 @@ def test_duplicates_and_prefixes_with_different_fields(policy, loss: str) -> Non
     """Identical sequences and a sequence that is a prefix of another, each with its own fields."""
     base = make_batch(policy, seed=7, sequences=2, length=10, sharing=1.0)
     long = base[0]
-    twin = Sequence(long.tokens.clone(), {k: v.flip(0) * 0.5 if k == "advantages" else v.clone() for k, v in long.fields.items()},
-                    dict(long.info, reward=5.0), name="twin")
+    twin = Sequence(
+        long.tokens.clone(),
+        {k: v.flip(0) * 0.5 if k == "advantages" else v.clone() for k, v in long.fields.items()},
+        dict(long.info, reward=5.0),
+        name="twin",
+    )
     twin.fields["old_logprobs"] = (twin.fields["old_logprobs"] - 0.2).clamp(max=0.0)
-    prefix = Sequence(long.tokens[:6].clone(), {k: v[:6].clone() + (0.3 if k == "advantages" else 0.0) for k, v in long.fields.items()},
-                      dict(long.info), name="prefix")
+    prefix = Sequence(
+        long.tokens[:6].clone(),
+        {k: v[:6].clone() + (0.3 if k == "advantages" else 0.0) for k, v in long.fields.items()},
+        dict(long.info),
+        name="prefix",
+    )
     batch = [long, twin, prefix, base[1]]
     for aggregation in AGGREGATIONS:
         loss_fn = build_loss(full_config(loss, aggregation), LossNormalizer.from_sequences(batch))
         want = train_step(FlatEngine(), policy, [batch], loss_fn)
         assert_same_step(train_step(DfsEngine(), policy, [batch], loss_fn), want)
-        assert_same_step(train_step(DfsEngine(chunk_tokens=2, recompute=True), policy, [batch], loss_fn), want)
+        assert_same_step(train_step(DfsEngine(chunk_tokens=2, recompute="always"), policy, [batch], loss_fn), want)
 
 
 def test_all_zero_masks_give_zero_loss_and_gradient(policy) -> None:

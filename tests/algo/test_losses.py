@@ -15,7 +15,9 @@ from treerl.tree import Sequence
 LN = math.log
 
 
-def make_view(logprobs: list[float], entropy: list[float] | None = None, info: dict | None = None, **fields) -> SequenceView:
+def make_view(
+    logprobs: list[float], entropy: list[float] | None = None, info: dict | None = None, **fields
+) -> SequenceView:
     """A one-sequence view whose model outputs are leaves we can differentiate by."""
     n = len(logprobs)
     tensors = {k: torch.tensor(v, dtype=torch.float64) for k, v in fields.items()}
@@ -72,9 +74,8 @@ def test_ppo_pessimism_keeps_the_unclipped_side() -> None:
 
 def test_clip_higher() -> None:
     # r = 1.25, A = 1: clipped at 1.2 with eps 0.2, inside [0.8, 1.28] with eps_high 0.28.
-    view = lambda: ppo_view([1.25], [1.0])  # noqa: E731
-    assert evaluate(PPO, view())[:2] == (pytest.approx(-1.2), pytest.approx([0.0, 0.0]))
-    loss, grad, _, _ = evaluate(AlgoConfig(loss="ppo", clip_eps_high=0.28), view())
+    assert evaluate(PPO, ppo_view([1.25], [1.0]))[:2] == (pytest.approx(-1.2), pytest.approx([0.0, 0.0]))
+    loss, grad, _, _ = evaluate(AlgoConfig(loss="ppo", clip_eps_high=0.28), ppo_view([1.25], [1.0]))
     assert (loss, grad) == (pytest.approx(-1.25), pytest.approx([0.0, -1.25]))
 
 
@@ -110,7 +111,9 @@ def test_decoupled_ppo_clips_against_the_proximal_policy() -> None:
 
 def test_importance_weight_cap_drops_the_token_but_keeps_it_in_the_count() -> None:
     view = make_view(
-        [0.0, LN(0.55), LN(0.55)], old_logprobs=[0.0, LN(0.4), LN(0.5)], prox_logprobs=[0.0, LN(0.5), LN(0.5)],
+        [0.0, LN(0.55), LN(0.55)],
+        old_logprobs=[0.0, LN(0.4), LN(0.5)],
+        prox_logprobs=[0.0, LN(0.5), LN(0.5)],
         advantages=[0.0, 1.0, 1.0],
     )
     # token 1: weight 1.25 > cap 1.2 -> dropped; token 2: weight 1.0, ratio 1.1. Mean over 2 tokens.
@@ -147,7 +150,9 @@ def test_gspo_equals_the_sequence_level_objective_by_autograd() -> None:
 def test_group_and_reinforce_losses_are_the_clipped_surrogate(loss: str) -> None:
     # They differ from PPO in their advantages and default aggregation, not in the token loss.
     config = AlgoConfig(loss=loss, aggregation="token_mean")
-    assert evaluate(config, ppo_view([1.5, 0.9], [1.0, -1.0]))[:2] == evaluate(PPO, ppo_view([1.5, 0.9], [1.0, -1.0]))[:2]
+    assert (
+        evaluate(config, ppo_view([1.5, 0.9], [1.0, -1.0]))[:2] == evaluate(PPO, ppo_view([1.5, 0.9], [1.0, -1.0]))[:2]
+    )
 
 
 def test_kl_estimators_by_hand() -> None:

@@ -22,7 +22,14 @@ Batch-wide denominators come from `LossNormalizer.from_sequences(whole_batch)`, 
 and passed to `build_loss`, so any split into trees, micro-batches or ranks sums to the same loss.
 """
 
-from treerl.algo.advantages import compute_advantages, gae, group_advantages, rloo_advantages, token_rewards, turn_returns
+from treerl.algo.advantages import (
+    compute_advantages,
+    gae,
+    group_advantages,
+    rloo_advantages,
+    token_rewards,
+    turn_returns,
+)
 from treerl.algo.checks import validate_batch
 from treerl.algo.config import AlgoConfig
 from treerl.algo.critic import build_critic, build_value_loss

@@ -34,7 +34,9 @@ def _groups(groups: Seq[Hashable]) -> dict[Hashable, list[int]]:
     return members
 
 
-def group_advantages(rewards: torch.Tensor, groups: Seq[Hashable], scale_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, groups: Seq[Hashable], scale_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO: (r - mean of the group) / (std of the group + eps); Dr. GRPO: without the std (unbiased std, n - 1).
 
     A group of one has no baseline: its advantage is 0.
@@ -171,7 +173,9 @@ def _group_estimate(
                 "needs one number per sequence (give each turn's sequence turn_returns(...)[k], or use gae/returns)"
             )
         if "group" not in seq.info:
-            raise BatchError(f"{seq.label(i)}: field 'group' is missing from info (needed by algo.advantage={config.advantage})")
+            raise BatchError(
+                f"{seq.label(i)}: field 'group' is missing from info (needed by algo.advantage={config.advantage})"
+            )
         groups.append(seq.info["group"])
     r = torch.tensor(rewards, dtype=torch.float64)
     if config.advantage == "rloo":

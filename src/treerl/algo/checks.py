@@ -47,7 +47,9 @@ def check_loss_mask(seq: Sequence, index: int) -> None:
     mask = require_field(seq, index, "loss_mask", "1 on trained tokens, 0 elsewhere")
     if bool((mask < 0).any()):
         pos = int((mask < 0).nonzero()[0])
-        raise BatchError(f"{seq.label(index)}: field 'loss_mask' is {mask[pos].item()} at token {pos}; weights must be >= 0")
+        raise BatchError(
+            f"{seq.label(index)}: field 'loss_mask' is {mask[pos].item()} at token {pos}; weights must be >= 0"
+        )
     if mask.numel() and bool(mask[0] != 0):
         raise BatchError(
             f"{seq.label(index)}: field 'loss_mask' is {mask[0].item()} at token 0, but token 0 has no prediction "
@@ -60,8 +62,9 @@ def check_logprobs(seq: Sequence, index: int, name: str) -> None:
     values = seq.fields[name]
     if bool((values > 0).any()):
         pos = int((values > 0).nonzero()[0])
+        value = values[pos].item()
         raise BatchError(
-            f"{seq.label(index)}: field {name!r} is {values[pos].item():.6g} at token {pos}; log-probabilities must be <= 0"
+            f"{seq.label(index)}: field {name!r} is {value:.6g} at token {pos}; log-probabilities must be <= 0"
         )
 
 

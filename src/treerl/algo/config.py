@@ -9,7 +9,6 @@ The config holds the Nones; `resolved()` fills them in when a loss or advantage 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Optional
 
 LOSSES = ("ppo", "decoupled_ppo", "grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "sft")
 ADVANTAGES = ("group", "group_mean", "rloo", "gae", "returns", "none")
@@ -35,31 +34,31 @@ class AlgoConfig:
 
     # What is optimised.
     loss: str = "grpo"  # ppo | decoupled_ppo | grpo | dr_grpo | gspo | rloo | reinforce_pp | sft
-    aggregation: Optional[str] = None  # token_mean | seq_mean_token_mean | seq_sum (None: the loss's usual)
+    aggregation: str | None = None  # token_mean | seq_mean_token_mean | seq_sum (None: the loss's usual)
     seq_sum_scale: float = 1.0  # seq_sum divides each sequence's token sum by this (Dr. GRPO: max generation length)
 
     # Clipped surrogate (every policy loss).
-    clip_eps: Optional[float] = None  # ratio clipped to [1 - clip_eps, 1 + clip_eps_high] (None: 0.2; GSPO 3e-4)
-    clip_eps_high: Optional[float] = None  # upper clip (DAPO's clip-higher); None: clip_eps (GSPO 4e-4)
-    dual_clip: Optional[float] = None  # c > 1: for negative advantages the token loss is capped at c * |A|
-    behav_imp_weight_cap: Optional[float] = None  # decoupled_ppo: tokens with pi_prox/pi_behav above it are dropped
+    clip_eps: float | None = None  # ratio clipped to [1 - clip_eps, 1 + clip_eps_high] (None: 0.2; GSPO 3e-4)
+    clip_eps_high: float | None = None  # upper clip (DAPO's clip-higher); None: clip_eps (GSPO 4e-4)
+    dual_clip: float | None = None  # c > 1: for negative advantages the token loss is capped at c * |A|
+    behav_imp_weight_cap: float | None = None  # decoupled_ppo: tokens with pi_prox/pi_behav above it are dropped
 
     # Regularisers.
     kl_coef: float = 0.0  # weight of the KL penalty to the reference policy (needs field ref_logprobs)
     kl_estimator: str = "k3"  # k1: d, k2: d^2/2, k3: exp(-d) - 1 + d, with d = log pi - log pi_ref
-    kl_in_reward: Optional[bool] = None  # True: -kl_coef * KL(behaviour) is added to token rewards, not the loss
+    kl_in_reward: bool | None = None  # True: -kl_coef * KL(behaviour) is added to token rewards, not the loss
     entropy_coef: float = 0.0  # entropy bonus: the loss gets -entropy_coef * entropy
 
     # Advantages (treerl.algo.advantages.compute_advantages).
-    advantage: Optional[str] = None  # group | group_mean | rloo | gae | returns | none (None: the loss's usual)
-    whiten: Optional[bool] = None  # normalise advantages to mean 0, std 1 over all trained tokens of the batch
+    advantage: str | None = None  # group | group_mean | rloo | gae | returns | none (None: the loss's usual)
+    whiten: bool | None = None  # normalise advantages to mean 0, std 1 over all trained tokens of the batch
     adv_eps: float = 1e-6  # added to a std before dividing by it
     gamma: float = 1.0  # discount from one trained token to the next (gae, returns)
     lam: float = 1.0  # GAE lambda
     turn_discount: float = 1.0  # extra discount from one turn to the next (multi-turn episodes; see turn_returns)
 
     # Critic (treerl.algo.critic.build_value_loss).
-    value_clip: Optional[float] = 0.2  # new values kept within +-value_clip of field `values`; None: no clipping
+    value_clip: float | None = 0.2  # new values kept within +-value_clip of field `values`; None: no clipping
 
     def __post_init__(self) -> None:
         self.check()

@@ -43,10 +43,11 @@ class LossNormalizer:
             check_loss_mask(seq, i)
             trained = float(seq.fields["loss_mask"].sum())
             tokens += trained
-            count += trained > 0
+            count += int(trained > 0)
         return cls(tokens=tokens, sequences=count)
 
     def __add__(self, other: LossNormalizer) -> LossNormalizer:
+        """The counts of two disjoint parts of one batch together (e.g. two ranks' local batches)."""
         return LossNormalizer(self.tokens + other.tokens, self.sequences + other.sequences)
 
     def aggregate(

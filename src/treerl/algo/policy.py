@@ -60,7 +60,7 @@ def behaviour_weight(prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor
 
 
 def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from d = log pi - log pi_ref at the sampled token (Schulman's k1/k2/k3)."""
+    """Per-token estimate of KL(pi || pi_ref) from d = log pi - log pi_ref at the sampled token (Schulman's k1-k3)."""
     d = masked_log_ratio(logp, ref, mask)
     if estimator == "k1":
         return d
