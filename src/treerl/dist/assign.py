@@ -5,15 +5,22 @@ micro-batches' estimated costs (treerl.dist.cost), while every shared prefix is 
 few ranks as possible.
 
 The treerl balancer works on the batch in trie order (treerl.dist.order), where every tree is a
-contiguous run and a cut between two neighbours recomputes exactly their common prefix:
-1. Items are the batch's trees, each cut into micro-batch-sized pieces if it exceeds the budget.
-2. LPT with splitting under a cap: items largest first, each to the least-loaded rank; an item
-   that does not fit under the cap there is cut in two along the trie order (at the cut, among
-   those that fill the rank, that recomputes the shortest prefix) and the rest goes back in the
-   queue. Bisection finds the smallest cap that places everything.
-3. Each rank's sequences are cut into micro-batches by dynamic programming over its own trie
-   order (cheapest set of contiguous micro-batches under the token budget).
-A tree is split only when that beats the best whole-tree assignment by more than `keep_together`.
+contiguous run and a cut between two neighbours recomputes exactly their common prefix. It
+builds candidate plans of contiguous runs per rank:
+- whole trees: LPT by estimated cost (trees over the micro-batch budget cut into budget-sized
+  pieces first), no tree split;
+- LPT with splitting under a cap: an item that does not fit under the cap on the least-loaded
+  rank is cut in two along the trie order (among the cuts that fill a share `fill` of the room,
+  the one that recomputes the shortest prefix) and the rest goes back in the queue; bisection
+  finds the smallest cap that places everything (one plan per cut policy in FILLS);
+- the trie order cut into K contiguous runs of least maximal cost (only K-1 prefixes recomputed);
+each followed by a local search that moves or swaps pieces off the most loaded rank. Each rank's
+sequences are then cut into micro-batches by dynamic programming over its own trie order
+(cheapest contiguous micro-batches under the token budget). Every candidate, and the two
+baselines' assignments, is priced exactly (each micro-batch as the tree the engine will build)
+and the least makespan wins, so the result is never worse than a baseline under the cost
+model; among equal makespans the one that recomputes least. Trees stay whole unless splitting
+lowers the makespan by more than `keep_together`.
 
 Baselines a user would write: `first_fit` (sequences in batch order, ranks filled by flat token
 count) and `lpt` (whole prefix groups, longest first by unique tokens, to the least-loaded rank).
@@ -29,7 +36,7 @@ from typing import Sequence as Seq
 import numpy as np
 
 from treerl.dist.cost import CostModel
-from treerl.dist.order import FEATURES, TrieOrder, run_features
+from treerl.dist.order import FEATURES, TrieOrder
 from treerl.tree import BatchError, Sequence
 
 Range = tuple[int, int]  # positions [a, b) in a trie order
@@ -92,15 +99,9 @@ def evaluate(assignment: Assignment, sequences: Seq[Sequence], cost: CostModel) 
     """Exact estimated cost per rank: each micro-batch priced as the prefix tree the engine will build."""
     order = TrieOrder(sequences)
     w = cost.vector
-    rank_costs, computed, batches = [], 0, 0
-    for rank in assignment.ranks:
-        total = 0.0
-        for batch in rank:
-            features = order.features(np.sort(order.position[batch]))
-            total += float(w @ features)
-            computed += int(features[FEATURES.index("unique_tokens")])
-            batches += 1
-        rank_costs.append(total)
+    unique = np.eye(len(FEATURES))[FEATURES.index("unique_tokens")]
+    rank_costs = _rank_costs(assignment.ranks, order, w)
+    computed = int(sum(_rank_costs(assignment.ranks, order, unique)))
     everything = order.features(np.arange(len(order)))
     return BalanceStats(
         rank_costs=tuple(rank_costs),
@@ -108,8 +109,13 @@ def evaluate(assignment: Assignment, sequences: Seq[Sequence], cost: CostModel) 
         computed_tokens=computed,
         unique_tokens=int(everything[FEATURES.index("unique_tokens")]),
         flat_tokens=int(order.length.sum()),
-        micro_batches=batches,
+        micro_batches=sum(len(rank) for rank in assignment.ranks),
     )
+
+
+def _rank_costs(ranks: list[list[list[int]]], order: TrieOrder, weights: np.ndarray) -> list[float]:
+    """Each rank's cost: its micro-batches priced as the prefix trees the engine will build."""
+    return [sum(float(weights @ order.features(np.sort(order.position[b]))) for b in rank) for rank in ranks]
 
 
 # ------------------------------------------------------------------ pricing runs in trie order
@@ -197,8 +203,80 @@ def _place(items: list[Range], ranks: int, run: _Run, cap: float, fill: float) -
     return plan
 
 
+def _planned(plan: list[list[Range]], run: _Run) -> float:
+    """Makespan if every piece were its own tree (an upper bound: pieces of one tree on one rank share)."""
+    return max(sum(float(run.cost(a, b)) for a, b in pieces) for pieces in plan)
+
+
+def _smallest_cap(place, run: _Run, start: list[list[Range]]) -> list[list[Range]]:
+    """Bisect the smallest cap under which `place(cap)` places everything; its plan."""
+    ranks = len(start)
+    lo = max(float(run.cost(0, run.n)) / ranks, float(run.first.max()))
+    best, hi = start, _planned(start, run)
+    while hi - lo > 1e-4 * hi:
+        cap = (lo + hi) / 2
+        plan = place(cap)
+        if plan is None:
+            lo = cap
+        else:
+            best, hi = plan, min(cap, _planned(plan, run))
+    return best
+
+
+def _linear_partition(run: _Run, ranks: int) -> list[list[Range]]:
+    """The whole trie order cut into `ranks` contiguous runs of least maximal cost: only K-1 prefixes recomputed."""
+
+    def place(cap: float) -> list[list[Range]] | None:
+        plan: list[list[Range]] = []
+        a = 0
+        while a < run.n:
+            ends = np.arange(a + 1, run.n + 1)
+            fits = ends[run.cost(a, ends) <= cap]
+            if len(fits) == 0 or len(plan) == ranks:
+                return None
+            plan.append([(a, int(fits[-1]))])
+            a = int(fits[-1])
+        return plan + [[] for _ in range(ranks - len(plan))]
+
+    return _smallest_cap(place, run, [[(0, run.n)]] + [[] for _ in range(ranks - 1)])
+
+
+def _improve(plan: list[list[Range]], run: _Run, rounds: int = 100) -> list[list[Range]]:
+    """Local search on LPT's result: move or swap a piece off the most loaded rank while that lowers it."""
+    plan = [list(pieces) for pieces in plan]
+    costs = [np.array([float(run.cost(a, b)) for a, b in pieces]) for pieces in plan]
+    loads = np.array([c.sum() for c in costs])
+    for _ in range(rounds):
+        m = int(np.argmax(loads))
+        best = (loads[m] * (1 - 1e-9), None)  # (max of the two ranks after the change, change)
+        for i, x in enumerate(costs[m]):
+            for r in range(len(plan)):
+                if r == m:
+                    continue
+                if max(loads[r] + x, loads[m] - x) < best[0]:
+                    best = (max(loads[r] + x, loads[m] - x), (i, r, None))
+                if len(costs[r]):
+                    pair = np.maximum(loads[m] - x + costs[r], loads[r] + x - costs[r])
+                    j = int(np.argmin(pair))
+                    if pair[j] < best[0]:
+                        best = (float(pair[j]), (i, r, j))
+        if best[1] is None:
+            break
+        i, r, j = best[1]
+        moved, cost = plan[m].pop(i), costs[m][i]
+        costs[m] = np.delete(costs[m], i)
+        if j is not None:
+            plan[m].append(plan[r].pop(j))
+            costs[m] = np.append(costs[m], costs[r][j])
+            costs[r] = np.delete(costs[r], j)
+        plan[r].append(moved)
+        costs[r] = np.append(costs[r], cost)
+        loads = np.array([c.sum() for c in costs])
+    return plan
+
+
 def _realise(plan: list[list[Range]], order: TrieOrder, weights: np.ndarray, budget: int | None):
-    """Micro-batches of each rank from its own trie order; returns (rank -> batches of indices, rank costs)."""
+    """Micro-batches of each rank, cut from its own trie order: (rank -> batches of indices, rank costs)."""
     ranks, costs = [], []
     for pieces in plan:
         positions = np.sort(np.concatenate([np.arange(a, b) for a, b in pieces])) if pieces else np.zeros(0, int)
@@ -218,7 +296,7 @@ def balance(
     ranks: int,
     micro_batch_tokens: int | None = None,
     cost: CostModel = CostModel(),
-    keep_together: float = 0.01,
+    keep_together: float = 0.0,
 ) -> Assignment:
     """Assign `sequences` to `ranks` ranks and micro-batches of at most `micro_batch_tokens` unique tokens.
 
@@ -231,25 +309,22 @@ def balance(
     items = [piece for a, b in order.trees() for piece in run.micro_batches(a, b, micro_batch_tokens)]
 
     whole = _place(items, ranks, run, cap=math.inf, fill=1.0)  # plain LPT by cost: no tree is split
-    plans = [whole]
-    planned = lambda plan: max(sum(run.cost(a, b) for a, b in p) for p in plan)  # noqa: E731
+    plans = {"whole trees": _improve(whole, run), "trie-order partition": _improve(_linear_partition(run, ranks), run)}
     for fill in FILLS:
-        lo = max(float(run.cost(0, run.n)) / ranks, float(run.first.max()))
-        hi = planned(whole)
-        while hi - lo > 1e-4 * hi:  # bisect the smallest cap under which everything is placed
-            cap = (lo + hi) / 2
-            plan = _place(items, ranks, run, cap, fill)
-            if plan is None:
-                lo = cap
-            else:
-                plans.append(plan)
-                hi = min(cap, planned(plan))
-
-    realised = [_realise(plan, order, weights, micro_batch_tokens) for plan in plans]
-    best = min(range(len(realised)), key=lambda i: (max(realised[i][1]), sum(realised[i][1]), i))
-    if max(realised[0][1]) <= max(realised[best][1]) * (1 + keep_together):
-        best = 0
-    return Assignment(ranks=realised[best][0], method="treerl")
+        place = lambda cap: _place(items, ranks, run, cap, fill)  # noqa: E731
+        plans[f"LPT+split (fill {fill:g})"] = _improve(_smallest_cap(place, run, whole), run)
+    candidates = {name: _realise(plan, order, weights, micro_batch_tokens)[0] for name, plan in plans.items()}
+    # The baselines' assignments are candidates too: the result is never worse than either under `cost`.
+    for baseline in (first_fit, lpt):
+        assignment = baseline(sequences, ranks, micro_batch_tokens)
+        candidates[assignment.method] = assignment.ranks
+    priced = {name: _rank_costs(batches, order, weights) for name, batches in candidates.items()}
+    names = list(candidates)
+    # Least makespan; among equals, least total work (fewest recomputed prefixes), then the earlier candidate.
+    best = min(names, key=lambda n: (max(priced[n]), sum(priced[n]), names.index(n)))
+    if max(priced[names[0]]) <= max(priced[best]) * (1 + keep_together):
+        best = names[0]
+    return Assignment(ranks=candidates[best], method=f"treerl ({best})")
 
 
 # ------------------------------------------------------------------ baselines
