@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from treerl.dist import CostModel, TrieOrder, balance, evaluate, first_fit, lpt
 from treerl.tree import BatchError, PrefixTree, Sequence

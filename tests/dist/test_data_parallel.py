@@ -15,6 +15,7 @@ from treerl.models import build_model
 from treerl.tree import Sequence
 
 STRATEGIES = ("ddp", "fsdp2")
+two_ranks = pytest.mark.slow  # starting 2 processes that import torch and transformers takes ~10 s on 2 cores
 LR = 0.5
 
 
@@ -66,9 +67,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str, micro_batch_tokens: 
                 DfsEngine().forward_backward(model, [sequences[i] for i in micro_batch], token_mean_loss(denominator))
         step_calls = dict(calls)
         optimizer.step()
+        with dp.gathered() as model:  # forward-only engine call on the updated parameters (FSDP2: gathered)
+            logprobs = DfsEngine().forward(model, sequences[:2])
         state = dp.full_state_dict()
         if env.is_main:
-            result = {"state": state, "ranks": assignment.ranks, "calls": step_calls}
+            result = {"state": state, "ranks": assignment.ranks, "calls": step_calls, "logprobs": logprobs}
             torch.save(result, os.path.join(out_dir, f"{strategy}.pt"))
     torch.distributed.destroy_process_group()
 
@@ -101,7 +104,7 @@ def two_rank_results(tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def single_process() -> tuple[dict, dict]:
+def single_process() -> dict:
     """Parameters before and after one SGD step of the flat reference on the whole batch, in one process."""
     model = build_model(shape="tiny-qwen3", dtype=torch.float64)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -110,15 +113,25 @@ def single_process() -> tuple[dict, dict]:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     FlatEngine().forward_backward(model, sequences, token_mean_loss(denominator))
     optimizer.step()
-    return before, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    after = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"before": before, "after": after, "logprobs": FlatEngine().forward(model, sequences[:2])}
 
 
+@two_ranks
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_forward_after_the_step_sees_the_updated_model(strategy, two_rank_results, single_process):
+    for got, want in zip(two_rank_results[strategy]["logprobs"], single_process["logprobs"]):
+        torch.testing.assert_close(got["logprobs"], want["logprobs"], rtol=1e-6, atol=1e-9)
+
+
+@two_ranks
 def test_trees_are_split_across_ranks(two_rank_results):
     ranks = two_rank_results["ddp"]["ranks"]
     assert all(len(rank) >= 1 for rank in ranks), ranks  # both ranks work, so both compute the shared system prompt
     assert any(len(rank) >= 2 for rank in ranks), ranks  # and a rank runs several micro-batches without syncing
 
 
+@two_ranks
 def test_gradients_sync_once_per_step_not_once_per_node(two_rank_results):
     """The DFS engine runs one backward per tree node; the wrappers must still reduce once per step."""
     print({s: r["calls"] for s, r in two_rank_results.items()})
@@ -127,9 +140,10 @@ def test_gradients_sync_once_per_step_not_once_per_node(two_rank_results):
     assert two_rank_results["fsdp2"]["calls"] == {"all_gather_single": fsdp_groups, "reduce_scatter_single": fsdp_groups}
 
 
+@two_ranks
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_one_step_equals_single_process(strategy, two_rank_results, single_process):
-    before, after = single_process
+    before, after = single_process["before"], single_process["after"]
     state = two_rank_results[strategy]["state"]
     assert set(state) == set(after)
     for name in after:
@@ -137,3 +151,24 @@ def test_one_step_equals_single_process(strategy, two_rank_results, single_proce
         assert torch.linalg.norm(got - want) <= 1e-6 * torch.linalg.norm(want), name
         update, want_update = got - before[name], want - before[name]
         assert torch.linalg.norm(update - want_update) <= 1e-6 * torch.linalg.norm(want_update) + 1e-300, name
+
+
+def test_single_process_without_torchrun(monkeypatch):
+    """Plain `python`: rank 0 of 1, no process group; strategy 'none' is a pass-through."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    from treerl.dist import DataParallel, init_distributed
+
+    env = init_distributed()
+    assert (env.rank, env.world_size, env.is_main) == (0, 1, True)
+    model = build_model(shape="tiny-qwen3", dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="process group"):
+        DataParallel(model, "ddp")
+    with pytest.raises(ValueError, match="strategy"):
+        DataParallel(model, "zero3")
+    dp = DataParallel(model, "none")
+    sequences = batch()
+    with dp.gradient_step() as same:
+        assert same is model
+        DfsEngine().forward_backward(same, sequences, token_mean_loss(1.0))
+    assert model.lm_head.weight.grad is not None and set(dp.full_state_dict()) == set(model.state_dict())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from treerl.dist import FEATURES, CostModel, TrieOrder, tree_features
 from treerl.tree import PrefixTree, Sequence

@@ -28,6 +28,7 @@ count) and `lpt` (whole prefix groups, longest first by unique tokens, to the le
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass
@@ -128,7 +129,7 @@ class _Run:
         self.n = n
         self.length = length
         self.lcp = lcp
-        tri = lambda x: x.astype(np.float64) * (x + 1) / 2  # noqa: E731
+        tri = lambda x: x.astype(np.float64) * (x + 1) / 2
         per_sequence = w["sequences"] + w["flat_tokens"] * length
         added = (length - lcp).astype(np.float64)
         # A member's cost when it opens a run (all its tokens) and when it follows its predecessor.
@@ -295,23 +296,24 @@ def balance(
     sequences: Seq[Sequence],
     ranks: int,
     micro_batch_tokens: int | None = None,
-    cost: CostModel = CostModel(),
+    cost: CostModel | None = None,
     keep_together: float = 0.0,
 ) -> Assignment:
     """Assign `sequences` to `ranks` ranks and micro-batches of at most `micro_batch_tokens` unique tokens.
 
+    `cost` prices a micro-batch (default: unfitted, its unique tokens).
     Deterministic: every rank computes the same assignment from the same batch, with no communication.
     """
     _check(sequences, ranks, micro_batch_tokens)
     order = TrieOrder(sequences)
-    weights = cost.vector
+    weights = (cost or CostModel()).vector
     run = _Run(order.length, order.lcp, weights)
     items = [piece for a, b in order.trees() for piece in run.micro_batches(a, b, micro_batch_tokens)]
 
     whole = _place(items, ranks, run, cap=math.inf, fill=1.0)  # plain LPT by cost: no tree is split
     plans = {"whole trees": _improve(whole, run), "trie-order partition": _improve(_linear_partition(run, ranks), run)}
     for fill in FILLS:
-        place = lambda cap: _place(items, ranks, run, cap, fill)  # noqa: E731
+        place = functools.partial(_place, items, ranks, run, fill=fill)  # place(cap)
         plans[f"LPT+split (fill {fill:g})"] = _improve(_smallest_cap(place, run, whole), run)
     candidates = {name: _realise(plan, order, weights, micro_batch_tokens)[0] for name, plan in plans.items()}
     # The baselines' assignments are candidates too: the result is never worse than either under `cost`.

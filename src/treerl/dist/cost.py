@@ -11,7 +11,8 @@ it is fitted it is the unique-token count, which is what prefix sharing saves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence as Seq
+from typing import Iterable
+from typing import Sequence as Seq
 
 import numpy as np
 from scipy.optimize import nnls

@@ -11,6 +11,7 @@ its ends, and cutting it at position i recomputes exactly the prefix `lcp[i]` on
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence as Seq
 
 import numpy as np
@@ -53,7 +54,7 @@ class TrieOrder:
     def trees(self, below: int = 0) -> list[tuple[int, int]]:
         """Runs [a, b) of positions whose sequences share more than `below` tokens: the batch's trees."""
         cuts = [0] + [p for p in range(1, len(self)) if self.lcp[p] <= below] + [len(self)]
-        return list(zip(cuts[:-1], cuts[1:]))
+        return list(itertools.pairwise(cuts))
 
     def common_prefix(self) -> int:
         """Tokens shared by every sequence of the batch (a system prompt), 0 when there are several trees."""

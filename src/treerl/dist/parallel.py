@@ -59,7 +59,7 @@ def init_distributed(backend: str | None = None) -> DistEnv:
     rank 0 of 1 and no process group.
     """
     cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

@@ -72,9 +72,10 @@ def balance_markdown(rows: list[dict]) -> str:
     out = []
     methods = list(dict.fromkeys(r["method"] for r in rows))
     for cost_name in dict.fromkeys(r["cost_model"] for r in rows):
-        out += [f"**Cost model: {cost_name}.** Cell: max/mean cost across ranks · makespan / ideal · "
-                "compression T/U kept after assignment (global T/U in the first column). Lower makespan is better; "
-                "the best per row is bold.", ""]
+        legend = (f"**Cost model: {cost_name}.** Cell: max/mean cost across ranks · makespan / ideal · "
+                  "compression T/U kept after assignment (global T/U in the first column). Lower makespan is better; "
+                  "the best per row is bold.")
+        out += [legend, ""]
         out.append("| workload (T/U) | K | " + " | ".join(methods) + " |")
         out.append("|---|---:|" + "---:|" * len(methods))
         keys = dict.fromkeys((r["workload"], r["ranks"]) for r in rows if r["cost_model"] == cost_name)
