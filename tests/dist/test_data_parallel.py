@@ -51,9 +51,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, micro_batch_tokens: 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from treerl.dist import DataParallel, init_distributed
+    from treerl.dist import DataParallel, global_sum, init_distributed
 
     env = init_distributed()
+    assert global_sum(env.rank + 1) == 3.0
     sequences = batch()
     denominator = sum(float(s.fields["loss_mask"].sum()) for s in sequences)  # every rank holds the global batch
     assignment = balance(sequences, env.world_size, micro_batch_tokens=micro_batch_tokens)
@@ -62,9 +63,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str, micro_batch_tokens: 
         dp = DataParallel(build_model(shape="tiny-qwen3", dtype=torch.float64), strategy)
         optimizer = torch.optim.SGD(dp.parameters(), lr=LR)
         calls.clear()
+        # FSDP2 also with recomputation and chunked nodes: forwards between the engine's backward calls.
+        engine = DfsEngine(recompute=True, chunk_tokens=8) if strategy == "fsdp2" else DfsEngine()
         with dp.gradient_step() as model:
             for micro_batch in assignment.micro_batches(env.rank):
-                DfsEngine().forward_backward(model, [sequences[i] for i in micro_batch], token_mean_loss(denominator))
+                engine.forward_backward(model, [sequences[i] for i in micro_batch], token_mean_loss(denominator))
         step_calls = dict(calls)
         optimizer.step()
         with dp.gathered() as model:  # forward-only engine call on the updated parameters (FSDP2: gathered)
