@@ -84,3 +84,20 @@ def test_bad_weights_and_samples_are_rejected():
         CostModel.fit([([Sequence(torch.tensor([1, 2]))], float("nan"))])
     with pytest.raises(ValueError, match="at least one"):
         CostModel.fit([])
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), kind=st.integers(0, 2), data=st.data())
+def test_balancer_run_prices_equal_the_features(seed, kind, data):
+    """The balancer's O(1) prefix-sum prices of a contiguous run equal weights . features of that run."""
+    from treerl.dist.assign import _Run
+
+    sequences = small_batch(seed, kind)
+    order = TrieOrder(sequences)
+    weights = np.array(data.draw(st.lists(st.floats(0, 10), min_size=len(FEATURES), max_size=len(FEATURES))))
+    run = _Run(order.length, order.lcp, weights)
+    i = data.draw(st.integers(0, len(order) - 1))
+    j = data.draw(st.integers(i + 1, len(order)))
+    features = order.features(np.arange(i, j))
+    assert run.cost(i, j) == pytest.approx(float(weights @ features), rel=1e-9, abs=1e-9)
+    assert run.unique(i, j) == features[FEATURES.index("unique_tokens")]
