@@ -1,0 +1,81 @@
+"""How long a forward_backward over one prefix tree takes, estimated from the tree's shape.
+
+A DFS step costs: a constant per call, the linear layers on every unique token, attention of each
+unique token over its prefix (the "attention" feature: sum over unique tokens of position + 1, i.e.
+sum over nodes of length x (depth + length/2)), per-leaf work (a root-to-leaf walk, node launches),
+per-sequence loss evaluation and per-flat-token log-prob gathering. The cost is a non-negative
+combination of these features, fitted by least squares from measured (tree, seconds) pairs; until
+it is fitted it is the unique-token count, which is what prefix sharing saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+from typing import Sequence as Seq
+
+import numpy as np
+from scipy.optimize import nnls
+
+from treerl.dist.order import FEATURES, TrieOrder
+from treerl.tree import PrefixTree, Sequence
+
+UNFITTED = tuple(1.0 if name == "unique_tokens" else 0.0 for name in FEATURES)
+
+
+def tree_features(batch: PrefixTree | Seq[Sequence]) -> np.ndarray:
+    """FEATURES of one micro-batch's prefix tree (see treerl.dist.order.FEATURES)."""
+    sequences = batch.sequences if isinstance(batch, PrefixTree) else batch
+    order = TrieOrder(sequences)
+    return order.features(np.arange(len(order)))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Estimated seconds of one DFS forward_backward: `weights . FEATURES(tree)`, weights >= 0."""
+
+    weights: tuple[float, ...] = UNFITTED
+
+    def __post_init__(self) -> None:
+        if len(self.weights) != len(FEATURES):
+            raise ValueError(f"CostModel needs {len(FEATURES)} weights ({', '.join(FEATURES)}), got {len(self.weights)}")
+        if any(not np.isfinite(w) or w < 0 for w in self.weights):
+            raise ValueError(f"CostModel weights must be finite and >= 0, got {self.weights}")
+
+    @property
+    def fitted(self) -> bool:
+        return self.weights != UNFITTED
+
+    @property
+    def vector(self) -> np.ndarray:
+        return np.asarray(self.weights, dtype=np.float64)
+
+    def __call__(self, batch: PrefixTree | Seq[Sequence]) -> float:
+        """Estimated cost of one forward_backward over `batch`."""
+        return float(self.vector @ tree_features(batch))
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[PrefixTree | Seq[Sequence], float]]) -> CostModel:
+        """Non-negative least squares on measured (micro-batch, seconds) pairs, e.g. a trainer's step timings.
+
+        Columns are scaled to unit norm first so that features of very different magnitudes
+        (calls ~ 1, attention ~ 1e8) are weighed alike; a feature that never varies is left at 0.
+        """
+        rows, seconds = [], []
+        for batch, t in samples:
+            if not np.isfinite(t) or t < 0:
+                raise ValueError(f"CostModel.fit: measured seconds must be finite and >= 0, got {t}")
+            rows.append(tree_features(batch))
+            seconds.append(float(t))
+        if not rows:
+            raise ValueError("CostModel.fit needs at least one (tree, seconds) sample")
+        x, y = np.stack(rows), np.asarray(seconds)
+        scale = np.linalg.norm(x, axis=0)
+        scale[scale == 0] = 1.0
+        w, _ = nnls(x / scale, y)
+        return cls(tuple(float(v) for v in w / scale))
+
+    def describe(self) -> str:
+        """One line naming each non-zero weight."""
+        parts = [f"{name}={w:.3g}" for name, w in zip(FEATURES, self.weights) if w > 0]
+        return ("fitted: " if self.fitted else "unfitted: ") + ", ".join(parts or ["all zero"])

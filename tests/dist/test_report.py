@@ -1,0 +1,32 @@
+"""The --balance report: rows, markdown, and the claim it exists to show."""
+
+from __future__ import annotations
+
+import pytest
+
+from treerl.dist.report import balance_markdown, balance_report
+from treerl.tree.workloads import grpo_groups
+
+
+def test_rows_and_markdown_on_a_small_batch():
+    rows = balance_report(ranks=(2, 4), batches={"grpo": grpo_groups(prompts=3, group_size=4, prompt_len=30, response_len=9)})
+    assert len(rows) == 2 * 2 * 3  # cost models x K x methods
+    assert {r["method"] for r in rows} == {"treerl", "first-fit", "LPT"}
+    for r in rows:
+        assert r["max_over_mean"] >= 1.0 and r["makespan_over_ideal"] >= 1.0 - 1e-9
+        assert 0 < r["compression_kept"] <= 1.0
+    text = balance_markdown(rows)
+    assert "| grpo (" in text and text.count("| grpo (") == 4 and "**" in text
+
+
+@pytest.mark.slow
+def test_balancer_beats_the_baselines_on_the_benchmark_workloads():
+    rows = balance_report(scale=0.1)
+    groups: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        groups.setdefault((r["workload"], r["cost_model"], r["ranks"]), {})[r["method"]] = r["makespan"]
+    for (workload, cost_model, k), makespan in groups.items():
+        baseline = min(makespan["first-fit"], makespan["LPT"])
+        assert makespan["treerl"] <= baseline * (1 + 1e-12), (workload, cost_model, k)
+        if workload == "tau2-like agent" and k >= 4:
+            assert makespan["treerl"] < baseline, (workload, cost_model, k)
