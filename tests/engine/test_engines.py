@@ -7,11 +7,11 @@ import torch
 from support import tiny_model
 
 from treerl.bench.memory import peak_memory
-from treerl.engine import DfsEngine, FlatEngine
+from treerl.engine import DfsEngine, FlatEngine, PackedEngine
 from treerl.tree import BatchError, Sequence
 from treerl.tree.workloads import grpo_groups
 
-ENGINES = [FlatEngine(), DfsEngine(), DfsEngine(recompute="always", chunk_tokens=4)]
+ENGINES = [FlatEngine(), DfsEngine(), DfsEngine(recompute="always", chunk_tokens=4), PackedEngine()]
 
 
 def _loss(view):
@@ -55,7 +55,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("engine", ENGINES, ids=["flat", "dfs", "dfs-recompute"])
+@pytest.mark.parametrize("engine", ENGINES, ids=["flat", "dfs", "dfs-recompute", "packed"])
 @pytest.mark.parametrize("bad, message", BAD, ids=[m for _, m in BAD])
 def test_bad_input_is_named_before_any_compute(engine, bad, message):
     model = tiny_model("tiny-qwen3")

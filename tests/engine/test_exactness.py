@@ -13,7 +13,7 @@ from support import ARCHS, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from treerl.engine import DfsEngine, FlatEngine, PolicyHead
+from treerl.engine import DfsEngine, FlatEngine, PackedEngine, PolicyHead
 from treerl.testing import assert_engines_agree
 from treerl.tree import Sequence
 
@@ -79,6 +79,8 @@ ENGINES = {
     "auto-tiny-budget": DfsEngine(memory_budget_bytes=200_000, batch_tokens=16),
     "chunk-3": DfsEngine(chunk_tokens=3),
     "chunk-1-recompute": DfsEngine(chunk_tokens=1, recompute="always", batch_tokens=0),
+    "packed": PackedEngine(),
+    "packed-small-packs": PackedEngine(max_tokens=4),
 }
 
 
@@ -133,6 +135,7 @@ def test_random_trees(lists, arch, chunk, recompute, batch_tokens, sequence_leve
     loss = sequence_loss if sequence_level else token_loss
     engine = DfsEngine(chunk_tokens=chunk, recompute=recompute, batch_tokens=batch_tokens, memory_budget_bytes=300_000)
     assert_engines_agree(tiny_model(arch, VOCAB), seqs, loss, engine, FlatEngine())
+    assert_engines_agree(tiny_model(arch, VOCAB), seqs, loss, PackedEngine(max_tokens=chunk * 4), FlatEngine())
 
 
 def test_temperature_and_head_chunks():
@@ -141,9 +144,8 @@ def test_temperature_and_head_chunks():
     p = [rng.randrange(VOCAB) for _ in range(6)]
     seqs = [_with_data(p + [rng.randrange(VOCAB) for _ in range(5)], rng, str(i)) for i in range(4)]
     head = PolicyHead(temperature=0.7, chunk_rows=2)
-    assert_engines_agree(
-        tiny_model("tiny-qwen3", VOCAB), seqs, token_loss, DfsEngine(head=head, chunk_tokens=4), FlatEngine(head=head)
-    )
+    for engine in (DfsEngine(head=head, chunk_tokens=4), PackedEngine(head=head)):
+        assert_engines_agree(tiny_model("tiny-qwen3", VOCAB), seqs, token_loss, engine, FlatEngine(head=head))
 
 
 def test_flat_micro_batches_do_not_change_anything():
@@ -160,5 +162,5 @@ def test_stock_models_within_contract(arch, batch):
     rng = random.Random(5)
     seqs = [_with_data(t, rng, f"{batch}/{i}") for i, t in enumerate(HAND[batch])]
     model = tiny_model(arch, VOCAB, exact=False)
-    for engine in (DfsEngine(), DfsEngine(chunk_tokens=2, recompute="always")):
+    for engine in (DfsEngine(), DfsEngine(chunk_tokens=2, recompute="always"), PackedEngine()):
         assert_engines_agree(model, seqs, token_loss, engine, FlatEngine())

@@ -221,13 +221,22 @@ def check_supported(model: PreTrainedModel) -> None:
 
 
 @contextlib.contextmanager
-def tree_attention(model: PreTrainedModel, path: PathKV) -> Iterator[PathKV]:
-    """Route `model`'s attention through the path store for the duration of the block."""
+def attention_implementation(model: PreTrainedModel, name: str) -> Iterator[None]:
+    """Switch `model`'s transformers attention implementation for the duration of the block."""
     previous = model.config._attn_implementation
-    token = _CURRENT.set(path)
-    model.config._attn_implementation = ATTENTION_NAME
+    model.config._attn_implementation = name
     try:
-        yield path
+        yield
     finally:
         model.config._attn_implementation = previous
+
+
+@contextlib.contextmanager
+def tree_attention(model: PreTrainedModel, path: PathKV) -> Iterator[PathKV]:
+    """Route `model`'s attention through the path store for the duration of the block."""
+    token = _CURRENT.set(path)
+    try:
+        with attention_implementation(model, ATTENTION_NAME):
+            yield path
+    finally:
         _CURRENT.reset(token)

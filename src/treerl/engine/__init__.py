@@ -3,6 +3,7 @@
 from treerl.engine.base import Engine, LossFn, SequenceView, StepStats
 from treerl.engine.dfs import DfsEngine
 from treerl.engine.flat import FlatEngine
-from treerl.engine.head import PolicyHead
+from treerl.engine.head import PolicyHead, ValueHead
+from treerl.engine.packed import PackedEngine
 
-__all__ = ["DfsEngine", "Engine", "FlatEngine", "LossFn", "PolicyHead", "SequenceView", "StepStats"]
+__all__ = ["DfsEngine", "Engine", "FlatEngine", "LossFn", "PackedEngine", "PolicyHead", "SequenceView", "StepStats", "ValueHead"]

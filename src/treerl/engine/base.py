@@ -8,7 +8,7 @@ from typing import Any, Callable, Protocol, Sequence as Seq
 import torch
 from transformers import PreTrainedModel
 
-from treerl.tree import Sequence, validate_sequences
+from treerl.tree import Node, PrefixTree, Sequence, validate_sequences
 
 
 @dataclass
@@ -89,6 +89,35 @@ class Engine(Protocol):
     def forward_backward(self, model: PreTrainedModel, sequences: Seq[Sequence], loss_fn: LossFn) -> StepStats:
         """Accumulate into `.grad` the gradient of sum_s loss_fn(s), each sequence as if on its own."""
         ...
+
+
+def run_length(node: Node, shifted: bool) -> int:
+    """Tokens of `node` the model must run: a leaf's last token predicts nothing and feeds no one."""
+    return node.length - (1 if shifted and not node.children else 0)
+
+
+def head_rows(tree: PrefixTree, node: Node, shifted: bool, base: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden-state rows of `node`'s outputs (its first token at row `base`) and the tokens they predict.
+
+    Shifted heads: row j predicts the node's token j + 1, and its last row, once per child,
+    predicts that child's first token (fork logits); a node's own first token comes from its
+    parent's fork row. Unshifted heads: row j gives token j.
+    """
+    if not shifted:
+        return torch.arange(base, base + node.length), node.tokens
+    rows = torch.arange(base, base + node.length - 1)
+    targets = node.tokens[1:]
+    if node.children:
+        rows = torch.cat([rows, torch.full((len(node.children),), base + node.length - 1)])
+        targets = torch.cat([targets, torch.stack([tree.nodes[c].tokens[0] for c in node.children])])
+    return rows, targets
+
+
+def empty_outputs(model: PreTrainedModel, head: Head) -> dict[str, torch.Tensor]:
+    """Outputs of a call with nothing to run (one-token leaves: their only output is a fork row)."""
+    param = next(model.parameters())
+    dtype = torch.promote_types(param.dtype, torch.float32)
+    return {name: torch.zeros(0, dtype=dtype, device=param.device) for name in head.outputs}
 
 
 def check_batch(model: PreTrainedModel, head: Head, sequences: Seq[Sequence]) -> None:

@@ -26,7 +26,18 @@ import torch
 from transformers import PreTrainedModel
 
 from treerl.attention import PathKV, UnitKV, check_supported, tree_attention
-from treerl.engine.base import LossFn, SequenceView, StepStats, check_batch, decoder, split_loss
+from treerl.engine.base import (
+    Head,
+    LossFn,
+    SequenceView,
+    StepStats,
+    check_batch,
+    decoder,
+    empty_outputs,
+    head_rows,
+    run_length,
+    split_loss,
+)
 from treerl.engine.head import PolicyHead
 from treerl.tree import ROOT, Node, PrefixTree, Sequence
 from treerl.tree.batching import group_siblings
@@ -36,7 +47,7 @@ from treerl.tree.batching import group_siblings
 class DfsEngine:
     """Depth-first dynamic tree attention with exact per-sequence gradients."""
 
-    head: PolicyHead = field(default_factory=PolicyHead)
+    head: Head = field(default_factory=PolicyHead)
     chunk_tokens: int = 2048  # longest run of one node computed at once; longer nodes become chains
     batch_tokens: int = 8192  # most tokens (padding included) in one batched call of siblings; 0: no batching
     recompute: Literal["auto", "always", "never"] = "auto"
@@ -161,14 +172,10 @@ class _Walk:
     def _units(self, parent: Node) -> list[_Unit]:
         """Group `parent`'s children into batched units."""
         children = [self.tree.nodes[c] for c in parent.children]
-        lengths = [self._run_length(n) for n in children]
+        lengths = [run_length(n, self.head.shifted) for n in children]
         groups = group_siblings(lengths, self.engine.batch_tokens)
         start = parent.end if parent.index != ROOT else 0
         return [_Unit([children[i] for i in g], [lengths[i] for i in g], UnitKV(start)) for g in groups]
-
-    def _run_length(self, node: Node) -> int:
-        """Tokens to run: a leaf's last token predicts nothing and feeds no one (shifted heads)."""
-        return node.length - (self.shift if not node.children else 0)
 
     # ------------------------------------------------------------ one unit
     def enter(self, unit: _Unit) -> None:
@@ -193,33 +200,16 @@ class _Walk:
                 self.results[s] = self.sequence_outputs(s)
 
     def _rows(self, unit: _Unit) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat hidden-state row of every output, and the token it predicts.
-
-        Shifted heads: row j of a node predicts its token j+1; its last row, once per child,
-        predicts that child's first token (fork logits). Unshifted: row j gives token j.
-        """
-        rows, targets = [], []
-        width = unit.width
-        for i, node in enumerate(unit.nodes):
-            base = i * width
-            if not self.shift:
-                rows.append(torch.arange(base, base + node.length))
-                targets.append(node.tokens)
-                continue
-            rows.append(torch.arange(base, base + node.length - 1))
-            targets.append(node.tokens[1:])
-            if node.children:
-                rows.append(torch.full((len(node.children),), base + node.length - 1))
-                targets.append(torch.stack([self.tree.nodes[c].tokens[0] for c in node.children]))
-        return torch.cat(rows), torch.cat(targets)
+        """Flat hidden-state row of every output of the unit (row i starts at i x width), and its target."""
+        parts = [head_rows(self.tree, node, self.head.shifted, i * unit.width) for i, node in enumerate(unit.nodes)]
+        return torch.cat([rows for rows, _ in parts]), torch.cat([targets for _, targets in parts])
 
     def _compute(self, unit: _Unit, grad: bool) -> dict[str, torch.Tensor]:
         """Run the unit's rows at their absolute positions over the path's K/V; apply the head."""
         rows, targets = self._rows(unit)
         width = unit.width
         if width == 0:  # one-token leaves: their only outputs came from the parent's fork row
-            dtype = torch.promote_types(next(self.model.parameters()).dtype, torch.float32)
-            return {name: torch.zeros(0, dtype=dtype, device=self.device) for name in self.head.outputs}
+            return empty_outputs(self.model, self.head)
         ids = torch.zeros(len(unit.nodes), width, dtype=torch.long)
         for i, (node, n) in enumerate(zip(unit.nodes, unit.lengths)):
             ids[i, :n] = node.tokens[:n]

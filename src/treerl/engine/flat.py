@@ -14,7 +14,7 @@ from typing import Sequence as Seq
 import torch
 from transformers import PreTrainedModel
 
-from treerl.engine.base import LossFn, SequenceView, StepStats, check_batch, decoder, split_loss
+from treerl.engine.base import Head, LossFn, SequenceView, StepStats, check_batch, decoder, split_loss
 from treerl.engine.head import PolicyHead
 from treerl.tree import Sequence
 
@@ -23,7 +23,7 @@ from treerl.tree import Sequence
 class FlatEngine:
     """Each sequence computed independently; the exactness reference and the "dense" baseline."""
 
-    head: PolicyHead = field(default_factory=PolicyHead)
+    head: Head = field(default_factory=PolicyHead)
     max_tokens: int = 16384  # padded tokens per micro-batch
 
     def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:

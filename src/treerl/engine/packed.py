@@ -1,0 +1,171 @@
+"""Tree packing: the whole tree as one sequence with an ancestor-only attention mask.
+
+The unique tokens of one or more trees are laid out in depth-first order, each at its absolute
+position (its depth), and every token attends to its own node's earlier tokens and to all
+tokens of its ancestor nodes. One forward and one backward compute everything; a token shared
+by k sequences feeds k sequences' losses, and autograd sums their gradients ("gradient
+restoration" of the Tree Training paper, the "sparse" baseline of AReaL). Cheap for small trees;
+the mask is quadratic in the packed length, so large trees are split into packs of whole
+top-level subtrees under `max_tokens`.
+
+The mask goes to the model's own attention: a dense boolean mask with SDPA, or on CUDA a
+FlexAttention block mask that skips the blocks no token may see.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+import torch
+from transformers import PreTrainedModel
+
+from treerl.attention import attention_implementation
+from treerl.engine.base import (
+    Head,
+    LossFn,
+    SequenceView,
+    StepStats,
+    check_batch,
+    decoder,
+    empty_outputs,
+    head_rows,
+    run_length,
+    split_loss,
+)
+from treerl.engine.head import PolicyHead
+from treerl.tree import ROOT, PrefixTree, Sequence
+
+
+@dataclass
+class PackedEngine:
+    """All unique tokens in one packed call per pack, with a tree (ancestor) attention mask."""
+
+    head: Head = field(default_factory=PolicyHead)
+    max_tokens: int = 8192  # unique tokens per pack (a larger single top-level subtree is packed alone)
+    flex_attention: bool = True  # on CUDA, use FlexAttention's block-sparse mask
+
+    def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
+        check_batch(model, self.head, sequences)
+        tree = PrefixTree.build(sequences)
+        results: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
+        with torch.no_grad():
+            for pack in self.packs(tree):
+                for s, outputs in self._run(model, tree, pack):
+                    results[s] = outputs
+        return results
+
+    def forward_backward(self, model: PreTrainedModel, sequences: Seq[Sequence], loss_fn: LossFn) -> StepStats:
+        check_batch(model, self.head, sequences)
+        started = time.perf_counter()
+        tree = PrefixTree.build(sequences)
+        stats = StepStats(sequences=len(sequences), flat_tokens=sum(len(s) for s in sequences))
+        total = torch.zeros((), dtype=torch.float64)
+        for pack in self.packs(tree):
+            losses = []
+            for s, outputs in self._run(model, tree, pack):
+                loss, metrics = split_loss(loss_fn(SequenceView(s, sequences[s], outputs)))
+                losses.append(loss)
+                stats.add_metrics(metrics)
+            pack_loss = torch.stack(losses).sum()
+            if pack_loss.requires_grad:
+                pack_loss.backward()
+            total += pack_loss.detach().cpu().double()
+            stats.model_tokens += sum(run_length(tree.nodes[i], self.head.shifted) for i in pack)
+        stats.loss = float(total)
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+    def packs(self, tree: PrefixTree) -> list[list[int]]:
+        """Whole top-level subtrees, in order, greedily filling packs of <= max_tokens run tokens."""
+        packs: list[list[int]] = []
+        size = 0
+        for top in tree.nodes[ROOT].children:
+            subtree, stack = [], [top]
+            while stack:
+                index = stack.pop()
+                subtree.append(index)
+                stack.extend(reversed(tree.nodes[index].children))
+            tokens = sum(run_length(tree.nodes[i], self.head.shifted) for i in subtree)
+            if packs and size + tokens <= self.max_tokens:
+                packs[-1] += subtree
+                size += tokens
+            else:
+                packs.append(subtree)
+                size = tokens
+        return packs
+
+    def _run(self, model: PreTrainedModel, tree: PrefixTree, pack: list[int]) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """One packed call over `pack` (node indices in preorder); per-sequence outputs aligned with tokens."""
+        device = model.get_input_embeddings().weight.device
+        shifted = self.head.shifted
+        lengths = [run_length(tree.nodes[i], shifted) for i in pack]
+        offsets = torch.tensor([0] + lengths).cumsum(0).tolist()
+        ids = torch.cat([tree.nodes[i].tokens[:n] for i, n in zip(pack, lengths)])
+        positions = torch.cat([torch.arange(tree.nodes[i].start, tree.nodes[i].start + n) for i, n in zip(pack, lengths)])
+        parts = [head_rows(tree, tree.nodes[i], shifted, offsets[k]) for k, i in enumerate(pack)]
+        rows = torch.cat([r for r, _ in parts])
+        targets = torch.cat([t for _, t in parts])
+        if len(ids) == 0:
+            outputs = empty_outputs(model, self.head)
+        else:
+            mask = self._mask(tree, pack, lengths, device)
+            implementation = "flex_attention" if not isinstance(mask, torch.Tensor) else model.config._attn_implementation
+            with attention_implementation(model, implementation):
+                hidden = decoder(model)(
+                    input_ids=ids[None].to(device), position_ids=positions[None].to(device), attention_mask=mask,
+                    use_cache=False,
+                ).last_hidden_state[0]
+            outputs = self.head(model, hidden[rows.to(device)], targets.to(device))
+        index = self._sequence_index(tree, pack, [len(r) for r, _ in parts])
+        padded = {name: torch.cat([out, out.new_zeros(1)]) for name, out in outputs.items()}
+        results = []
+        for s, idx in index.items():
+            idx = idx.to(device)
+            results.append((s, {name: out[idx] for name, out in padded.items()}))
+        return results
+
+    def _sequence_index(self, tree: PrefixTree, pack: list[int], row_counts: list[int]) -> dict[int, torch.Tensor]:
+        """For every sequence ending in the pack, the output row behind each of its tokens (-1: none)."""
+        shift = 1 if self.head.shifted else 0
+        first, token_rows = {}, {}
+        offset = 0
+        for index, count in zip(pack, row_counts):
+            node = tree.nodes[index]
+            own = node.length - shift
+            token_rows[index] = torch.arange(offset, offset + own)
+            for i, child in enumerate(node.children if shift else []):
+                first[child] = offset + own + i
+            offset += count
+        out = {}
+        for index in pack:
+            for s in tree.nodes[index].ends:
+                pieces = []
+                for n in tree.path(s):
+                    if shift:
+                        pieces.append(torch.tensor([first.get(n, -1)]))
+                    pieces.append(token_rows[n])
+                out[s] = torch.cat(pieces)[: len(tree.sequences[s])]
+        return out
+
+    def _mask(self, tree: PrefixTree, pack: list[int], lengths: list[int], device: torch.device):
+        """Token q sees token k iff k <= q and q's node lies in the subtree of k's node."""
+        local = {index: k for k, index in enumerate(pack)}
+        subtree_end = list(range(len(pack)))  # last pack position of each node's subtree (preorder)
+        for k in reversed(range(len(pack))):
+            parent = local.get(tree.nodes[pack[k]].parent)
+            if parent is not None:
+                subtree_end[parent] = max(subtree_end[parent], subtree_end[k])
+        node_of = torch.repeat_interleave(torch.arange(len(pack)), torch.tensor(lengths)).to(device)
+        end_of = torch.tensor(subtree_end, device=device)[node_of]
+        n = len(node_of)
+        if device.type == "cuda" and self.flex_attention:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def tree_mask(b, h, q, k):
+                return (k <= q) & (node_of[q] <= end_of[k])
+
+            return create_block_mask(tree_mask, B=None, H=None, Q_LEN=n, KV_LEN=n, device=device)
+        q = torch.arange(n, device=device)
+        return ((q[None, :] <= q[:, None]) & (node_of[:, None] <= end_of[None, :]))[None, None]
