@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, micro_batch_tokens: 
         optimizer = torch.optim.SGD(dp.parameters(), lr=LR)
         calls.clear()
         # FSDP2 also with recomputation and chunked nodes: forwards between the engine's backward calls.
-        engine = DfsEngine(recompute=True, chunk_tokens=8) if strategy == "fsdp2" else DfsEngine()
+        engine = DfsEngine(recompute="always", chunk_tokens=8) if strategy == "fsdp2" else DfsEngine()
         with dp.gradient_step() as model:
             for micro_batch in assignment.micro_batches(env.rank):
                 engine.forward_backward(model, [sequences[i] for i in micro_batch], token_mean_loss(denominator))
