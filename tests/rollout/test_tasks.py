@@ -18,7 +18,7 @@ def _zero(prompt, completion, answer):
 
 @pytest.mark.parametrize(
     "completion, expected",
-    [("12", 1.0), (" 12 ", 1.0), ("13", 0.2 + 0.4 * 0.9), ("40", 0.2), ("1a", 0.1), ("ab", 0.0), ("", 0.0)],
+    [("12", 1.0), ("13", 0.2), ("1a", 0.1), (" 12 ", 0.2 * 0.5 * 0.5), ("123456", 0.2 * 2 / 6), ("ab", 0.0), ("", 0.0)],
 )
 def test_arithmetic_reward_partial_credit(completion, expected):
     assert arithmetic_reward(prompt="5+7=", completion=completion, answer=12) == pytest.approx(expected)
@@ -44,7 +44,7 @@ def test_guess_environment_feedback_and_rewards():
     first = env.step("3")
     assert first.messages == [{"role": "tool", "content": "higher"}] and not first.done
     assert first.reward == pytest.approx(FORMAT_CREDIT)
-    second = env.step("zz8!")  # a guess inside noise counts, without format credit
+    second = env.step(" 8")  # a guess inside noise counts, without format credit
     assert second.messages[0]["content"] == "lower" and second.reward == 0.0
     win = env.step("6")
     assert win.done and win.messages[0]["content"] == "correct"

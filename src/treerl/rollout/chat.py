@@ -77,6 +77,12 @@ class ChatFormat:
             )
         return rendered[stops[-1] + 1 :]
 
-    def decode(self, token_ids: list[int]) -> str:
-        """Text of generated tokens, without special tokens (what a reward function reads)."""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def reply_text(self, token_ids: list[int]) -> str:
+        """What a reward function or environment reads: the reply without its final stop token.
+
+        Special tokens are kept, so a reply padded with role markers or <pad> is not mistaken
+        for a clean answer.
+        """
+        if token_ids and token_ids[-1] in self.stop_token_ids:
+            token_ids = token_ids[:-1]
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)

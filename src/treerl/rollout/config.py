@@ -30,7 +30,7 @@ class RolloutConfig:
     max_context_tokens: int = 4096  # a trajectory ends before its context + max_new_tokens would exceed this
 
     # Built-in tasks.
-    max_operand: int = 9  # arithmetic: operands in [0, max_operand]
+    max_operand: int = 4  # arithmetic: operands in [0, max_operand] (4: one-digit sums, learnt in minutes)
     max_number: int = 9  # guess_number: the secret is in [1, max_number]
 
     # Your data (task = "dataset").

@@ -110,7 +110,7 @@ class MultiTurnWorkflow:
         stats.model_calls += 1
         stats.generated_tokens += len(completion.tokens)
         stats.truncated_replies += completion.finish_reason == "length"
-        text = self.chat.decode(completion.tokens)
+        text = self.chat.reply_text(completion.tokens)
         try:
             reply = trajectory.env.step(text)
             reward = check_reward(reply.reward)

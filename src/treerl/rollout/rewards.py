@@ -1,7 +1,7 @@
 """Reward functions: loading a user's by import path, and calling any of them without crashing a run.
 
 A reward function is called with keyword arguments `fn(prompt=..., completion=..., answer=...)`:
-the prompt's text (its last user message), the model's reply as text (special tokens removed), and
+the prompt's text (its last user message), the model's reply as text (without its final stop token), and
 the reference answer of the data row (None when there is none); it returns a number. A function
 that raises, or returns NaN/inf or something that is not a number, does not stop training: the
 sample is dropped, counted under its reason and reported with its prompt and completion

@@ -35,7 +35,7 @@ class SingleTurnWorkflow:
                 stats.model_calls += 1
                 stats.generated_tokens += len(completion.tokens)
                 stats.truncated_replies += completion.finish_reason == "length"
-                text = self.chat.decode(completion.tokens)
+                text = self.chat.reply_text(completion.tokens)
                 reward = call_reward(
                     lambda: self.task.reward_fn(prompt=prompt.text, completion=text, answer=prompt.answer)
                 )

@@ -1,7 +1,8 @@
 """Built-in single-turn task: add two numbers, answer with digits.
 
-The reward gives partial credit so a random-init policy scores above zero and has a gradient to
-follow: a share for answering with digits only, more for a number close to the sum, 1 for the sum.
+The reward gives format credit so a random-init policy scores above zero and has a gradient to
+follow (answer with digits, then stop), and 1 for exactly the sum. The reply is read as written,
+without its stop token: padding with spaces or special tokens does not pass for a short answer.
 """
 
 from __future__ import annotations
@@ -12,21 +13,23 @@ from treerl.rollout.tasks.base import Prompt, rng_for
 
 
 def reward(prompt: str, completion: str, answer: int) -> float:
-    """1 for the exact sum; else 0.2 x (share of digit characters) + 0.4 x closeness of a digits-only answer."""
-    text = completion.strip()
-    if text == str(answer):
+    """1 for exactly the sum's digits; else 0.2 x format: the share of digit characters, scaled down
+    when the reply is longer than the sum (a reply that never stops, or pads with spaces, earns little).
+
+    No credit for "close" numbers: it would pull the policy to one constant answer near the middle,
+    while format credit is indifferent among digits and keeps them all in play until the sums are learnt.
+    """
+    if completion == str(answer):
         return 1.0
-    score = 0.2 * sum(c.isdigit() for c in text) / max(len(text), 1)
-    if text.isdigit():
-        score += 0.4 * max(0.0, 1.0 - abs(int(text) - answer) / 10)
-    return score
+    length = max(len(completion), 1)
+    return 0.2 * sum(c.isdigit() for c in completion) / length * min(1.0, len(str(answer)) / length)
 
 
 @dataclass
 class Arithmetic:
     """'a+b=' with 0 <= a, b <= max_operand; the reply is the sum."""
 
-    max_operand: int = 9
+    max_operand: int = 4
     seed: int = 0
     name: str = "arithmetic"
     reward_fn = staticmethod(reward)

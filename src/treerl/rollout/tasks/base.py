@@ -53,7 +53,7 @@ class Environment(Protocol):
     """One episode's state. Deep-copied where the episode branches, so `step` may mutate it."""
 
     def step(self, reply: str) -> EnvReply:
-        """React to the model's reply (text, special tokens removed)."""
+        """React to the model's reply (its text, without the final stop token)."""
         ...
 
 

@@ -1,9 +1,10 @@
 """Built-in multi-turn task: find a secret number; after each guess the environment says higher or lower.
 
-Rewards (a trajectory's reward is their sum): 0.05 per turn whose reply is exactly a number in
-range (format); on a correct guess 1 - 0.1 x (turns used - 1), ending the episode; after the last
-turn without success, 0.5 x closeness of the best guess. A random policy often writes some digit,
-so it earns closeness credit; a policy that bisects with clean answers approaches 1.
+The first number in a reply is the guess. Rewards (a trajectory's reward is their sum): 0.05 per
+turn whose reply is exactly that number (format); on a correct guess 1 - 0.1 x (turns used - 1),
+ending the episode; after the last turn without success, 0.5 x closeness of the best guess. A
+random policy often writes some digit, so it earns closeness credit; a policy that answers cleanly
+and uses the feedback approaches 1.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class GuessEnv:
         if guess is None or not 1 <= guess <= self.max_number:
             feedback = f"1-{self.max_number}?"  # not a guess in range
         else:
-            if reply.strip() == str(guess):
+            if reply == str(guess):
                 reward += FORMAT_CREDIT
             distance = abs(guess - self.secret)
             self.best_distance = distance if self.best_distance is None else min(distance, self.best_distance)
