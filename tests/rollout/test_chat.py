@@ -17,12 +17,27 @@ def _conversation_by_continuation(chat: ChatFormat, turns: list[tuple[str, str]]
     return context
 
 
-@pytest.mark.parametrize("template", ["builtin", "plain"])
-def test_incremental_context_equals_full_rendering(template):
+# Qwen's ChatML layout: the model's stop token <|im_end|> is followed by a newline it does not generate.
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _tokenizer(template: str):
     tokenizer = builtin_tokenizer()
     if template == "plain":
         tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
-    chat = ChatFormat(tokenizer)
+    if template == "chatml":
+        tokenizer.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
+        tokenizer.eos_token = "<|im_end|>"
+        tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+@pytest.mark.parametrize("template", ["builtin", "plain", "chatml"])
+def test_incremental_context_equals_full_rendering(template):
+    chat = ChatFormat(_tokenizer(template))
     turns = [("5", "higher"), ("7", "lower"), ("6", "correct")]
     messages = [{"role": "user", "content": "guess"}]
     for reply, tool in turns:

@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ValidationError
 
 from treerl.engine import FlatEngine, PolicyHead
 from treerl.rollout import CompletionsClient, EmbeddedEngine, Rollout, RolloutConfig, build_engine
@@ -83,6 +85,19 @@ def test_bad_config_is_a_clear_error(overrides, message, tokenizer, policy):
     config = RolloutConfig(**overrides)
     with pytest.raises(ValueError, match=message):
         Rollout(config, tokenizer, EmbeddedEngine(policy))
+
+
+def test_config_works_as_an_omegaconf_structured_config():
+    """The trainer embeds RolloutConfig in its OmegaConf tree: typed, unknown keys refused."""
+    config = OmegaConf.structured(RolloutConfig)
+    config.merge_with_dotlist(["task=guess_number", "branch_at=[1,2]", "max_new_tokens=5"])
+    rollout_config = OmegaConf.to_object(config)
+    assert isinstance(rollout_config, RolloutConfig) and rollout_config.branch_at == [1, 2]
+    rollout_config.check()
+    with pytest.raises(ConfigAttributeError):
+        config.merge_with_dotlist(["group_sise=4"])
+    with pytest.raises(ValidationError):
+        config.merge_with_dotlist(["group_size=many"])
 
 
 def test_build_engine_picks_the_server_client_or_needs_the_model():

@@ -15,7 +15,7 @@ seed are derived from them, so resuming at step k repeats step k exactly, with n
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -82,7 +82,6 @@ class Rollout:
         started = time.perf_counter()
         prompts = self.task.prompts(step, self.config.prompts_per_step)
         seed = rng_for("sampling", self.config.seed, step).getrandbits(62)
-        self.workflow.sampling = replace(self.workflow.sampling, seed=seed)
-        sequences = self.workflow.run(self.engine, prompts, stats)
+        sequences = self.workflow.run(self.engine, prompts, stats, seed=seed)
         stats.seconds = time.perf_counter() - started
         return RolloutBatch(sequences, stats)

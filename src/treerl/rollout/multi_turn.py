@@ -68,14 +68,17 @@ class MultiTurnWorkflow:
 
     task: AgentTask
     chat: ChatFormat
-    sampling: SamplingParams  # n is set per turn from group_size / branch_factor
+    sampling: SamplingParams  # n and seed are set per turn
     group_size: int = 4
     branch_at: tuple[int, ...] = (1,)
     branch_factor: int = 2
     max_turns: int = 4
     max_context_tokens: int = 4096
 
-    def run(self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats) -> list[Sequence]:
+    def run(
+        self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
+    ) -> list[Sequence]:
+        """The training sequences of the episodes that start with `prompts`; `stats` counts what happened."""
         live = [Trajectory(p, self.task.environment(p), self.chat.prompt(p.messages), p.id) for p in prompts]
         stats.prompts += len(prompts)
         finished: list[Trajectory] = []
@@ -83,8 +86,8 @@ class MultiTurnWorkflow:
             if not live:
                 break
             n = self.group_size if turn == 0 else self.branch_factor if turn in self.branch_at else 1
-            seed = None if self.sampling.seed is None else self.sampling.seed + turn
-            groups = engine.generate([t.context for t in live], replace(self.sampling, n=n, seed=seed))
+            turn_seed = None if seed is None else seed + turn
+            groups = engine.generate([t.context for t in live], replace(self.sampling, n=n, seed=turn_seed))
             next_live = []
             for parent, group in zip(live, groups):
                 for j, completion in enumerate(group):
@@ -107,9 +110,7 @@ class MultiTurnWorkflow:
 
     def _play(self, trajectory: Trajectory, completion: Completion, turn: int, stats: RolloutStats) -> str:
         """Show the reply to the environment: the trajectory "continues", has "ended", or was "dropped"."""
-        stats.model_calls += 1
-        stats.generated_tokens += len(completion.tokens)
-        stats.truncated_replies += completion.finish_reason == "length"
+        stats.count_reply(completion)
         text = self.chat.reply_text(completion.tokens)
         try:
             reply = trajectory.env.step(text)

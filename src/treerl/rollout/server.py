@@ -90,7 +90,7 @@ def build_app(engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, model_
             raise HTTPException(400, "treerl serve does not support 'stream' or 'echo'")
         prompts = _prompt_ids(request.prompt, tokenizer)
         stop = set(request.stop_token_ids or [])
-        if not request.ignore_eos:
+        if not request.ignore_eos and tokenizer.eos_token_id is not None:
             stop.add(tokenizer.eos_token_id)
         try:
             params = SamplingParams(

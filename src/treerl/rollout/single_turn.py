@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from treerl.rollout.chat import ChatFormat
 from treerl.rollout.inference import InferenceEngine, SamplingParams
@@ -23,18 +23,19 @@ class SingleTurnWorkflow:
 
     task: SingleTurnTask
     chat: ChatFormat
-    sampling: SamplingParams  # n = group size
+    sampling: SamplingParams  # n = group size; the seed is set per run
 
-    def run(self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats) -> list[Sequence]:
+    def run(
+        self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
+    ) -> list[Sequence]:
+        """The training sequences of `prompts`; `stats` counts what was sampled, kept and dropped."""
         contexts = [self.chat.prompt(p.messages) for p in prompts]
-        groups = engine.generate(contexts, self.sampling)
+        groups = engine.generate(contexts, replace(self.sampling, seed=seed))
         stats.prompts += len(prompts)
         sequences = []
         for prompt, context, group in zip(prompts, contexts, groups):
             for j, completion in enumerate(group):
-                stats.model_calls += 1
-                stats.generated_tokens += len(completion.tokens)
-                stats.truncated_replies += completion.finish_reason == "length"
+                stats.count_reply(completion)
                 text = self.chat.reply_text(completion.tokens)
                 reward = call_reward(
                     lambda: self.task.reward_fn(prompt=prompt.text, completion=text, answer=prompt.answer)

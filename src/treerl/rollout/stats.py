@@ -7,6 +7,8 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
+from treerl.rollout.inference import Completion
+
 log = logging.getLogger("treerl.rollout")
 
 REPORTED_SAMPLES = 8  # dropped samples kept (with their text) per step; all are counted
@@ -40,6 +42,12 @@ class RolloutStats:
     rewards: list[float] = field(default_factory=list)  # one per kept trajectory
     dropped: Counter[str] = field(default_factory=Counter)  # reason -> count
     dropped_samples: list[DroppedSample] = field(default_factory=list)  # the first REPORTED_SAMPLES, with text
+
+    def count_reply(self, completion: Completion) -> None:
+        """Count one sampled reply."""
+        self.model_calls += 1
+        self.generated_tokens += len(completion.tokens)
+        self.truncated_replies += completion.finish_reason == "length"
 
     def drop(self, sample: DroppedSample, kind: str) -> None:
         """Count a lost sample under `kind` and report it (log warning, kept for the trainer)."""
