@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from treerl.cli import inspect_cmd
+from treerl.cli import inspect_cmd, serve_cmd
 
 app = typer.Typer(
     help="treerl: RL post-training that never computes a shared prefix twice.",
@@ -20,6 +20,7 @@ def main() -> None:
 
 
 app.command("inspect")(inspect_cmd.inspect)
+app.command("serve")(serve_cmd.serve)
 
 
 if __name__ == "__main__":

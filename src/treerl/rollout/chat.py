@@ -1,0 +1,88 @@
+"""Conversations as token ids: the prompt of a first turn, and what follows a model reply in a later turn.
+
+A multi-turn episode is built token by token, never by re-rendering the whole conversation: the
+context of turn i+1 is exactly the context of turn i, plus the reply the model sampled, plus the
+tokens of the environment's answer. That is what makes the sequences of one episode extend each
+other (so the prefix tree shares them) and keeps the trained tokens identical to the sampled ones.
+The tokens of the environment's answer come from the chat template itself, as the difference of
+two renderings of a fixed conversation (the same trick as verl's multi-turn rollout).
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+Message = dict[str, str]
+
+# A fixed conversation ending in an assistant reply, to read off how the template continues after one.
+_BASE = [{"role": "user", "content": "0"}, {"role": "assistant", "content": "0"}]
+
+
+class ChatFormat:
+    """Renders messages with the tokenizer's chat template and knows which tokens end a reply."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_tokens: list[str] | tuple[str, ...] = ()):
+        if tokenizer.chat_template is None:
+            raise ValueError("the tokenizer has no chat template; load it with treerl.rollout.load_tokenizer")
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos token: cannot tell where a reply ends")
+        self.tokenizer = tokenizer
+        extra = []
+        for token in stop_tokens:
+            token_id = tokenizer.convert_tokens_to_ids(token)
+            if token_id is None or token_id == tokenizer.unk_token_id:
+                raise ValueError(f"stop token {token!r} is not a single token of the tokenizer")
+            extra.append(token_id)
+        self.stop_token_ids: list[int] = list(dict.fromkeys([tokenizer.eos_token_id, *extra]))
+        self._base = self.render(_BASE, add_generation_prompt=False)
+        self._glue = self._end_of_turn_glue()
+
+    def render(self, messages: list[Message], add_generation_prompt: bool) -> list[int]:
+        """Token ids of a conversation, as the model's chat template writes it."""
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            )
+        )
+
+    def prompt(self, messages: list[Message]) -> list[int]:
+        """The first turn's context: the conversation so far and the assistant's generation prompt."""
+        return self.render(messages, add_generation_prompt=True)
+
+    def continuation(self, messages: list[Message], reply_stopped: bool = True) -> list[int]:
+        """Tokens to append after a model reply: end of its turn, `messages` (tool results), next generation prompt.
+
+        A reply cut off at `max_new_tokens` has no stop token; one is inserted (not trained on) so the
+        conversation stays well formed.
+        """
+        before = self._base
+        after = self.render(_BASE + list(messages), add_generation_prompt=True)
+        if after[: len(before)] != before:
+            raise ValueError(
+                "the chat template renders an assistant turn differently once messages follow it, so a "
+                "multi-turn context cannot be extended token by token; use a template without that behaviour"
+            )
+        end = [] if reply_stopped else [self.stop_token_ids[0]]
+        return end + self._glue + after[len(before) :]
+
+    def _end_of_turn_glue(self) -> list[int]:
+        """Tokens the template writes after an assistant's stop token (e.g. Qwen's newline after <|im_end|>)."""
+        rendered = self._base
+        stops = [i for i, token in enumerate(rendered) if token in self.stop_token_ids]
+        if not stops:
+            raise ValueError(
+                "the chat template does not close an assistant turn with a stop token "
+                f"({self.tokenizer.convert_ids_to_tokens(self.stop_token_ids)}); "
+                "pass the token that does as a stop token"
+            )
+        return rendered[stops[-1] + 1 :]
+
+    def reply_text(self, token_ids: list[int]) -> str:
+        """What a reward function or environment reads: the reply without its final stop token.
+
+        Special tokens are kept, so a reply padded with role markers or <pad> is not mistaken
+        for a clean answer.
+        """
+        if token_ids and token_ids[-1] in self.stop_token_ids:
+            token_ids = token_ids[:-1]
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)

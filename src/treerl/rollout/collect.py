@@ -1,0 +1,87 @@
+"""The rollout of one training step: prompts -> samples -> rewards -> training sequences, plus counters.
+
+The trainer's whole interface:
+
+    engine = build_engine(config, model)            # embedded, or a client of config.server_url
+    rollout = Rollout(config, tokenizer, engine)
+    batch = rollout.collect(step)                    # RolloutBatch(sequences, stats)
+    ...train on batch.sequences, log batch.stats.metrics()...
+    engine.version = step + 1                        # after the optimizer step (embedded engine)
+
+`collect(step)` depends only on (config, step, weights): the prompts of a step and the sampling
+seed are derived from them, so resuming at step k repeats step k exactly, with no state to save.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from treerl.rollout.chat import ChatFormat
+from treerl.rollout.client import CompletionsClient
+from treerl.rollout.config import RolloutConfig
+from treerl.rollout.embedded import EmbeddedEngine
+from treerl.rollout.inference import InferenceEngine, SamplingParams
+from treerl.rollout.multi_turn import MultiTurnWorkflow
+from treerl.rollout.rewards import load_reward_fn
+from treerl.rollout.single_turn import SingleTurnWorkflow
+from treerl.rollout.stats import RolloutStats
+from treerl.rollout.tasks import AgentTask, SingleTurnTask, build_task
+from treerl.rollout.tasks.base import rng_for
+from treerl.tree import Sequence
+
+
+@dataclass
+class RolloutBatch:
+    """One step's training sequences and what happened while making them."""
+
+    sequences: list[Sequence]  # may be empty if every sample was dropped: skip the step
+    stats: RolloutStats = field(default_factory=RolloutStats)
+
+
+def build_engine(config: RolloutConfig, model: PreTrainedModel | None = None) -> InferenceEngine:
+    """A client of `config.server_url` if set, else the embedded engine sampling with `model`."""
+    if config.server_url:
+        return CompletionsClient(config.server_url, model=config.server_model, timeout=config.request_timeout)
+    if model is None:
+        raise ValueError("rollout: no rollout.server_url, so the embedded engine needs the model")
+    return EmbeddedEngine(model)
+
+
+class Rollout:
+    """Makes the training sequences of each step from the configured task."""
+
+    def __init__(self, config: RolloutConfig, tokenizer: PreTrainedTokenizerBase, engine: InferenceEngine):
+        config.check()
+        self.config = config
+        self.engine = engine
+        self.chat = ChatFormat(tokenizer, config.stop_tokens)
+        reward_fn = load_reward_fn(config.reward_fn) if config.task == "dataset" else None
+        self.task: SingleTurnTask | AgentTask = build_task(config, reward_fn)
+        sampling = SamplingParams(
+            n=config.group_size,
+            max_new_tokens=config.max_new_tokens or self.task.max_new_tokens,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            stop_token_ids=tuple(self.chat.stop_token_ids),
+        )
+        if hasattr(self.task, "environment"):
+            self.workflow: SingleTurnWorkflow | MultiTurnWorkflow = MultiTurnWorkflow(
+                self.task, self.chat, sampling, group_size=config.group_size, branch_at=tuple(config.branch_at),
+                branch_factor=config.branch_factor, max_turns=config.max_turns or self.task.max_turns,
+                max_context_tokens=config.max_context_tokens,
+            )
+        else:
+            self.workflow = SingleTurnWorkflow(self.task, self.chat, sampling)
+
+    def collect(self, step: int) -> RolloutBatch:
+        """The training sequences of step `step` and their counters."""
+        stats = RolloutStats()
+        started = time.perf_counter()
+        prompts = self.task.prompts(step, self.config.prompts_per_step)
+        seed = rng_for("sampling", self.config.seed, step).getrandbits(62)
+        sequences = self.workflow.run(self.engine, prompts, stats, seed=seed)
+        stats.seconds = time.perf_counter() - started
+        return RolloutBatch(sequences, stats)

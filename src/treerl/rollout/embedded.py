@@ -1,0 +1,116 @@
+"""The embedded inference engine: sampling from the trainer's own transformers model, in process.
+
+Each distinct prompt is prefilled once; its KV cache is then repeated `n` times and the `n`
+samples decode together, so the prompt of a GRPO group is computed once, not `n` times. Prompts
+are left-padded into one batch; finished rows are dropped from the cache as they stop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from treerl.rollout.inference import Completion, SamplingParams, check_prompts
+
+
+@dataclass
+class EmbeddedEngine:
+    """Samples with `model` itself; runs anywhere the model runs (CPU included)."""
+
+    model: PreTrainedModel
+    version: int = 0  # policy version of the current weights; the trainer sets it after each update
+    max_rows: int = 256  # sampled rows decoded at once (prompts x n); more prompts are split into chunks
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """`params.n` completions per prompt; log-probs are log_softmax(logits / T) of each sampled token."""
+        check_prompts(prompts, self.model.get_input_embeddings().num_embeddings)
+        device = self.model.get_input_embeddings().weight.device
+        generator = torch.Generator(device=device)
+        generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
+        per_chunk = max(1, self.max_rows // params.n)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            results: list[list[Completion]] = []
+            for lo in range(0, len(prompts), per_chunk):
+                results.extend(self._generate(prompts[lo : lo + per_chunk], params, generator))
+            return results
+        finally:
+            self.model.train(was_training)
+
+    @torch.inference_mode()
+    def _generate(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
+    ) -> list[list[Completion]]:
+        """Prefill the distinct prompts, repeat their cache n-fold, decode until every row stops."""
+        model, n = self.model, params.n
+        device = generator.device
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # left padding: every prompt ends at the last column
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
+
+        cache.batch_repeat_interleave(n)
+        logits = logits.repeat_interleave(n, dim=0)
+        mask = mask.repeat_interleave(n, dim=0)
+        next_position = positions[:, -1].repeat_interleave(n) + 1
+        active = torch.arange(len(prompts) * n, device=device)  # which output row each cache row is
+        stop = torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
+        tokens: list[list[int]] = [[] for _ in range(len(prompts) * n)]
+        logprobs: list[list[float]] = [[] for _ in range(len(prompts) * n)]
+        finish: list[str] = ["length"] * (len(prompts) * n)
+
+        for step in range(params.max_new_tokens):
+            token, logprob = sample(logits, params.temperature, params.top_p, generator)
+            stopped = torch.isin(token, stop)
+            for row, t, lp, s in zip(active.tolist(), token.tolist(), logprob.tolist(), stopped.tolist()):
+                tokens[row].append(t)
+                logprobs[row].append(lp)
+                if s:
+                    finish[row] = "stop"
+            if step == params.max_new_tokens - 1 or bool(stopped.all()):
+                break
+            if bool(stopped.any()):  # drop finished rows from the cache
+                keep = (~stopped).nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                active, token, mask, next_position = active[keep], token[keep], mask[keep], next_position[keep]
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
+            out = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position[:, None],
+                        past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1]
+            next_position = next_position + 1
+
+        completions = [
+            Completion(tokens[r], logprobs[r], finish[r], [self.version] * len(tokens[r]))  # type: ignore[arg-type]
+            for r in range(len(prompts) * n)
+        ]
+        return [completions[p * n : (p + 1) * n] for p in range(len(prompts))]
+
+
+def sample(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from softmax(logits / T) (nucleus-truncated if top_p < 1), and its untruncated log-prob.
+
+    Logits are promoted to at least float32 before the temperature, as `PolicyHead` does.
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    logprobs = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
+    probs = logprobs.exp()
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # mass before this token already reaches top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return token, logprobs.gather(-1, token[:, None]).squeeze(1)

@@ -1,0 +1,150 @@
+"""Multi-turn agent episodes that branch: one episode is a tree of model calls.
+
+An episode starts from a prompt. Every turn, each live trajectory asks the model for a reply
+and the environment answers it (tool results, a turn reward, done or not). At turn 0 the model
+samples `group_size` replies; at each turn listed in `branch_at` every live trajectory forks into
+`branch_factor` replies (the environment is deep-copied per branch); otherwise one. A trajectory
+is one root-to-leaf path of that tree; all trajectories of an episode form its group.
+
+Training data, as in DESIGN.md's agentic setting: every model call is its own sequence, the
+context so far (token for token what the model saw) plus that reply, so the sequences of a
+trajectory extend each other and the prefix tree shares them. A call is emitted once per
+trajectory that contains it: a call made before a fork appears in each branch below it, with
+identical tokens and that branch's reward (the prefix tree merges the copies, so they cost
+nothing), which gives exactly the policy gradient of training each trajectory on its own.
+
+Reward choice: a sequence's `reward` is its trajectory's return (the sum of the environment's
+turn rewards along the path); the turn's own reward is in `turn_reward`. Other info: `group`
+(the episode), `trajectory` (the path), `turn`, `turns` (calls in the trajectory),
+`finish_reason` of the reply, `truncated` (the trajectory hit max_turns or max_context_tokens
+before the environment was done). An environment that raises, or returns a NaN/inf reward,
+drops that trajectory (counted and reported); its sibling branches go on.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+
+from treerl.rollout.chat import ChatFormat
+from treerl.rollout.inference import Completion, InferenceEngine, SamplingParams
+from treerl.rollout.rewards import RewardFailure, check_reward
+from treerl.rollout.sequences import model_call_sequence
+from treerl.rollout.stats import DroppedSample, RolloutStats
+from treerl.rollout.tasks.base import AgentTask, Environment, Prompt
+from treerl.tree import Sequence
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """One reply of the model in an episode, and the context it was sampled from."""
+
+    context: list[int]
+    completion: Completion
+    turn: int
+    turn_reward: float
+
+
+@dataclass
+class Trajectory:
+    """A path through the episode tree, in progress or finished."""
+
+    prompt: Prompt
+    env: Environment
+    context: list[int]  # what the model sees at the next turn
+    id: str
+    calls: list[ModelCall] = field(default_factory=list)
+    reward: float = 0.0
+    truncated: bool = False
+
+    def fork(self, branch: int) -> "Trajectory":
+        """A branch that shares the calls so far and owns a copy of the environment."""
+        return replace(self, env=copy.deepcopy(self.env), calls=list(self.calls), id=f"{self.id}/{branch}")
+
+
+@dataclass
+class MultiTurnWorkflow:
+    """Plays a batch of episodes turn by turn, all live trajectories in one engine call per turn."""
+
+    task: AgentTask
+    chat: ChatFormat
+    sampling: SamplingParams  # n and seed are set per turn
+    group_size: int = 4
+    branch_at: tuple[int, ...] = (1,)
+    branch_factor: int = 2
+    max_turns: int = 4
+    max_context_tokens: int = 4096
+
+    def run(
+        self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
+    ) -> list[Sequence]:
+        """The training sequences of the episodes that start with `prompts`; `stats` counts what happened."""
+        live = [Trajectory(p, self.task.environment(p), self.chat.prompt(p.messages), p.id) for p in prompts]
+        stats.prompts += len(prompts)
+        finished: list[Trajectory] = []
+        for turn in range(self.max_turns):
+            if not live:
+                break
+            n = self.group_size if turn == 0 else self.branch_factor if turn in self.branch_at else 1
+            turn_seed = None if seed is None else seed + turn
+            groups = engine.generate([t.context for t in live], replace(self.sampling, n=n, seed=turn_seed))
+            next_live = []
+            for parent, group in zip(live, groups):
+                for j, completion in enumerate(group):
+                    child = parent.fork(j) if n > 1 else parent
+                    outcome = self._play(child, completion, turn, stats)
+                    if outcome == "continues":
+                        next_live.append(child)
+                    elif outcome == "ended":
+                        finished.append(child)
+            live = next_live
+        for trajectory in live:  # max_turns reached before the environment was done
+            trajectory.truncated = True
+            finished.append(trajectory)
+        sequences = []
+        for trajectory in finished:
+            stats.keep(trajectory.reward)
+            sequences.extend(self._sequences(trajectory))
+        stats.sequences += len(sequences)
+        return sequences
+
+    def _play(self, trajectory: Trajectory, completion: Completion, turn: int, stats: RolloutStats) -> str:
+        """Show the reply to the environment: the trajectory "continues", has "ended", or was "dropped"."""
+        stats.count_reply(completion)
+        text = self.chat.reply_text(completion.tokens)
+        try:
+            reply = trajectory.env.step(text)
+            reward = check_reward(reply.reward)
+        except Exception as e:  # an environment may raise anything; the trajectory is dropped and reported
+            reward = RewardFailure("raised", f"raised {type(e).__name__}: {e}")
+        if isinstance(reward, RewardFailure):
+            sample = DroppedSample(f"environment {reward.message}", trajectory.id, trajectory.prompt.text, text)
+            stats.drop(sample, f"reward_{reward.kind}")
+            return "dropped"
+        trajectory.calls.append(ModelCall(trajectory.context, completion, turn, reward))
+        trajectory.reward += reward
+        if reply.done:
+            return "ended"
+        context = trajectory.context + completion.tokens + self.chat.continuation(
+            reply.messages, reply_stopped=completion.finish_reason == "stop"
+        )
+        if len(context) + self.sampling.max_new_tokens > self.max_context_tokens:
+            trajectory.truncated = True
+            stats.context_limit += 1
+            return "ended"
+        trajectory.context = context
+        return "continues"
+
+    def _sequences(self, trajectory: Trajectory) -> list[Sequence]:
+        """One sequence per model call of the trajectory, each carrying the trajectory's reward."""
+        return [
+            model_call_sequence(
+                call.context,
+                call.completion,
+                info={"reward": trajectory.reward, "turn_reward": call.turn_reward, "group": trajectory.prompt.id,
+                      "trajectory": trajectory.id, "turn": call.turn, "turns": len(trajectory.calls),
+                      "finish_reason": call.completion.finish_reason, "truncated": trajectory.truncated},
+                name=f"{trajectory.id}/turn{call.turn}",
+            )
+            for call in trajectory.calls
+        ]

@@ -1,0 +1,37 @@
+"""One model call as a training sequence: the context it saw plus the reply it sampled.
+
+Per-token fields, aligned with the tokens:
+- `loss_mask` (float32): 1 on the reply's tokens (the ones this call generated), 0 on the context.
+  In a multi-turn episode the earlier replies inside the context are 0 here: each is trained in
+  the sequence of the call that generated it.
+- `old_logprobs` (float64): the behaviour log-prob of each reply token (0 on the context).
+- `versions` (int64): the policy version that produced each reply token (-1 on the context).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from treerl.rollout.inference import Completion
+from treerl.tree import Sequence
+
+
+def model_call_sequence(context: list[int], completion: Completion, info: dict[str, Any], name: str) -> Sequence:
+    """The training sequence of one model call."""
+    n_context, n_reply = len(context), len(completion.tokens)
+    return Sequence(
+        tokens=torch.tensor(context + completion.tokens, dtype=torch.long),
+        fields={
+            "loss_mask": torch.cat([torch.zeros(n_context), torch.ones(n_reply)]),
+            "old_logprobs": torch.cat(
+                [torch.zeros(n_context, dtype=torch.float64), torch.tensor(completion.logprobs, dtype=torch.float64)]
+            ),
+            "versions": torch.cat(
+                [torch.full((n_context,), -1, dtype=torch.long), torch.tensor(completion.versions, dtype=torch.long)]
+            ),
+        },
+        info=info,
+        name=name,
+    )

@@ -1,0 +1,196 @@
+"""`treerl serve`: the embedded engine behind an OpenAI-compatible completions API (FastAPI + uvicorn).
+
+`transformers serve` cannot be used for RL: its /v1/completions ignores `logprobs`. This server
+answers the subset of vLLM's / SGLang's API that `CompletionsClient` uses, with the same shapes:
+
+- `POST /v1/completions`: `prompt` (token ids, a list of them, or text), `n`, `max_tokens`,
+  `temperature`, `top_p`, `logprobs`, `stop_token_ids`, `ignore_eos`, `seed`, `return_token_ids`,
+  `return_tokens_as_token_ids`, `skip_special_tokens`. Each choice carries `token_ids`,
+  `logprobs.token_logprobs` (log_softmax(logits / T) of the sampled token, see
+  `treerl.rollout.inference`), `finish_reason` and `stop_reason`; `metadata.weight_version` is
+  the policy version. `top_logprobs` holds only the sampled token (no top-k alternatives).
+  Generation stops at the tokenizer's eos token unless `ignore_eos`, and at any `stop_token_ids`;
+  the stop token is part of `token_ids`. Streaming and `echo` are refused.
+- `POST /update_weights_from_disk` (as SGLang): `{"model_path": ..., "weight_version": ...}`.
+- `GET /health`, `GET /v1/models`.
+
+Requests are served one at a time (a lock around the model); a request's prompts and samples
+are batched together by the engine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+
+from treerl.rollout.embedded import EmbeddedEngine
+from treerl.rollout.inference import Completion, SamplingParams
+
+
+class CompletionRequest(BaseModel):
+    """The fields of an OpenAI / vLLM completions request that the server honours (others are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: list[int] | list[list[int]] | str | list[str]
+    n: int = Field(1, ge=1)
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    logprobs: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    echo: bool = False
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model_path: str
+    weight_version: str | None = None
+
+
+def build_app(engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, model_name: str = "default") -> FastAPI:
+    """The FastAPI app serving `engine` (its model) and `tokenizer` under the name `model_name`."""
+    app = FastAPI(title="treerl serve")
+    lock = threading.Lock()
+
+    @app.exception_handler(HTTPException)
+    def openai_error(_, exc: HTTPException) -> JSONResponse:
+        """Errors in the OpenAI shape, so every client prints the message."""
+        return JSONResponse(
+            status_code=exc.status_code,
+            content={"error": {"message": str(exc.detail), "type": "invalid_request_error", "code": exc.status_code}},
+        )
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "treerl"}]}
+
+    @app.post("/v1/completions")
+    def completions(request: CompletionRequest) -> dict[str, Any]:
+        if request.stream or request.echo:
+            raise HTTPException(400, "treerl serve does not support 'stream' or 'echo'")
+        prompts = _prompt_ids(request.prompt, tokenizer)
+        stop = set(request.stop_token_ids or [])
+        if not request.ignore_eos and tokenizer.eos_token_id is not None:
+            stop.add(tokenizer.eos_token_id)
+        try:
+            params = SamplingParams(
+                n=request.n, max_new_tokens=request.max_tokens, temperature=request.temperature,
+                top_p=request.top_p, stop_token_ids=tuple(sorted(stop)), seed=request.seed,
+            )
+            with lock:
+                groups = engine.generate(prompts, params)
+                version = engine.version
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+        choices = [
+            _choice(p * request.n + j, completion, prompt, request, tokenizer)
+            for p, (prompt, group) in enumerate(zip(prompts, groups))
+            for j, completion in enumerate(group)
+        ]
+        generated = sum(len(c.tokens) for group in groups for c in group)
+        prompt_tokens = sum(len(p) for p in prompts)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                      "total_tokens": prompt_tokens + generated},
+            "metadata": {"weight_version": str(version)},
+        }
+
+    @app.post("/update_weights_from_disk")
+    def update_weights_from_disk(request: UpdateWeightsRequest) -> dict[str, Any]:
+        model = engine.model
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(request.model_path, dtype=model.dtype, local_files_only=True)
+            with lock:
+                model.load_state_dict(loaded.state_dict())
+                engine.version = int(request.weight_version) if request.weight_version else engine.version + 1
+        except (OSError, ValueError, RuntimeError) as e:
+            return {"success": False, "message": f"{type(e).__name__}: {e}"}
+        return {"success": True, "message": f"loaded {request.model_path}", "weight_version": str(engine.version)}
+
+    return app
+
+
+def _prompt_ids(
+    prompt: list[int] | list[list[int]] | str | list[str], tokenizer: PreTrainedTokenizerBase
+) -> list[list[int]]:
+    """Every accepted prompt form as a list of token-id lists (text is tokenized without special tokens)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise HTTPException(400, "'prompt' is empty")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]  # type: ignore[arg-type]
+    if isinstance(prompt[0], str):
+        return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompt]  # type: ignore[misc]
+    return [list(p) for p in prompt]  # type: ignore[arg-type]
+
+
+def _choice(
+    index: int,
+    completion: Completion,
+    prompt: list[int],
+    request: CompletionRequest,
+    tokenizer: PreTrainedTokenizerBase,
+) -> dict[str, Any]:
+    """One choice in vLLM's shape."""
+    if request.return_tokens_as_token_ids:
+        names = [f"token_id:{t}" for t in completion.tokens]
+    else:
+        names = [tokenizer.decode([t]) for t in completion.tokens]
+    logprobs = None
+    if request.logprobs is not None:
+        offsets, offset = [], 0
+        for name in names:
+            offsets.append(offset)
+            offset += len(name)
+        logprobs = {
+            "tokens": names,
+            "token_logprobs": completion.logprobs,
+            "top_logprobs": [{name: lp} for name, lp in zip(names, completion.logprobs)],
+            "text_offset": offsets,
+        }
+    last = completion.tokens[-1] if completion.tokens else None
+    stopped_by_request = completion.finish_reason == "stop" and last in (request.stop_token_ids or [])
+    return {
+        "index": index,
+        "text": tokenizer.decode(completion.tokens, skip_special_tokens=request.skip_special_tokens),
+        "logprobs": logprobs,
+        "finish_reason": completion.finish_reason,
+        "stop_reason": last if stopped_by_request else None,
+        "token_ids": completion.tokens if request.return_token_ids else None,
+        "prompt_token_ids": prompt if request.return_token_ids else None,
+    }
+
+
+def run_server(
+    engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, host: str, port: int, model_name: str = "default"
+) -> None:
+    """Serve until interrupted."""
+    import uvicorn
+
+    uvicorn.run(build_app(engine, tokenizer, model_name), host=host, port=port, log_level="warning")

@@ -1,0 +1,52 @@
+"""Single-turn verifiable tasks: each prompt -> `group_size` samples -> one reward each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from treerl.rollout.chat import ChatFormat
+from treerl.rollout.inference import InferenceEngine, SamplingParams
+from treerl.rollout.rewards import RewardFailure, call_reward
+from treerl.rollout.sequences import model_call_sequence
+from treerl.rollout.stats import DroppedSample, RolloutStats
+from treerl.rollout.tasks.base import Prompt, SingleTurnTask
+from treerl.tree import Sequence
+
+
+@dataclass
+class SingleTurnWorkflow:
+    """Samples a group per prompt in one engine call (each prompt prefilled once) and scores every sample.
+
+    Each sample is one sequence, prompt + reply, with info: `reward`, `group` (the prompt's id,
+    shared by its samples), `trajectory` (the sample's id), `turn` (0), `finish_reason`.
+    """
+
+    task: SingleTurnTask
+    chat: ChatFormat
+    sampling: SamplingParams  # n = group size; the seed is set per run
+
+    def run(
+        self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
+    ) -> list[Sequence]:
+        """The training sequences of `prompts`; `stats` counts what was sampled, kept and dropped."""
+        contexts = [self.chat.prompt(p.messages) for p in prompts]
+        groups = engine.generate(contexts, replace(self.sampling, seed=seed))
+        stats.prompts += len(prompts)
+        sequences = []
+        for prompt, context, group in zip(prompts, contexts, groups):
+            for j, completion in enumerate(group):
+                stats.count_reply(completion)
+                text = self.chat.reply_text(completion.tokens)
+                reward = call_reward(
+                    lambda: self.task.reward_fn(prompt=prompt.text, completion=text, answer=prompt.answer)
+                )
+                if isinstance(reward, RewardFailure):
+                    sample = DroppedSample(f"reward function {reward.message}", prompt.id, prompt.text, text)
+                    stats.drop(sample, f"reward_{reward.kind}")
+                    continue
+                stats.keep(reward)
+                info = {"reward": reward, "group": prompt.id, "trajectory": f"{prompt.id}/{j}", "turn": 0,
+                        "finish_reason": completion.finish_reason}
+                sequences.append(model_call_sequence(context, completion, info, name=f"{prompt.id}/{j}"))
+        stats.sequences += len(sequences)
+        return sequences

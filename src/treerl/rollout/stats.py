@@ -1,0 +1,93 @@
+"""What one rollout step produced and lost: counters the trainer logs, so nothing is silently dropped."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+
+from treerl.rollout.inference import Completion
+
+log = logging.getLogger("treerl.rollout")
+
+REPORTED_SAMPLES = 8  # dropped samples kept (with their text) per step; all are counted
+
+
+@dataclass
+class DroppedSample:
+    """A sample whose reward could not be computed, with the text needed to debug the reward function."""
+
+    reason: str  # e.g. "reward function raised ValueError: ..."
+    group: str
+    prompt: str
+    completion: str
+
+    def __str__(self) -> str:
+        return f"[{self.group}] {self.reason}; prompt={self.prompt!r} completion={self.completion!r}"
+
+
+@dataclass
+class RolloutStats:
+    """Counters of one rollout step. A sample is one trajectory: one reply (single-turn) or one root-to-leaf path."""
+
+    prompts: int = 0  # prompts (single-turn) or episodes (multi-turn) started
+    samples: int = 0  # trajectories finished, kept or dropped
+    sequences: int = 0  # training sequences returned (one per model call per trajectory)
+    model_calls: int = 0  # completions sampled
+    generated_tokens: int = 0
+    truncated_replies: int = 0  # replies cut off at max_new_tokens
+    context_limit: int = 0  # trajectories ended because the context would exceed max_context_tokens
+    seconds: float = 0.0
+    rewards: list[float] = field(default_factory=list)  # one per kept trajectory
+    dropped: Counter[str] = field(default_factory=Counter)  # reason -> count
+    dropped_samples: list[DroppedSample] = field(default_factory=list)  # the first REPORTED_SAMPLES, with text
+
+    def count_reply(self, completion: Completion) -> None:
+        """Count one sampled reply."""
+        self.model_calls += 1
+        self.generated_tokens += len(completion.tokens)
+        self.truncated_replies += completion.finish_reason == "length"
+
+    def drop(self, sample: DroppedSample, kind: str) -> None:
+        """Count a lost sample under `kind` and report it (log warning, kept for the trainer)."""
+        self.samples += 1
+        self.dropped[kind] += 1
+        if len(self.dropped_samples) < REPORTED_SAMPLES:
+            self.dropped_samples.append(sample)
+            log.warning("dropped sample: %s", sample)
+
+    def keep(self, reward: float) -> None:
+        self.samples += 1
+        self.rewards.append(reward)
+
+    @property
+    def kept(self) -> int:
+        return len(self.rewards)
+
+    @property
+    def reward_mean(self) -> float:
+        return statistics.fmean(self.rewards) if self.rewards else float("nan")
+
+    def metrics(self) -> dict[str, float]:
+        """Flat scalars for TensorBoard / JSONL, names prefixed `rollout/`."""
+        rewards = self.rewards or [float("nan")]
+        out = {
+            "rollout/reward_mean": self.reward_mean,
+            "rollout/reward_std": statistics.pstdev(rewards) if self.rewards else float("nan"),
+            "rollout/reward_min": min(rewards),
+            "rollout/reward_max": max(rewards),
+            "rollout/prompts": self.prompts,
+            "rollout/samples": self.samples,
+            "rollout/kept": self.kept,
+            "rollout/dropped": sum(self.dropped.values()),
+            "rollout/sequences": self.sequences,
+            "rollout/model_calls": self.model_calls,
+            "rollout/generated_tokens": self.generated_tokens,
+            "rollout/truncated_replies": self.truncated_replies,
+            "rollout/context_limit": self.context_limit,
+            "rollout/seconds": self.seconds,
+            "rollout/tokens_per_second": self.generated_tokens / self.seconds if self.seconds > 0 else 0.0,
+        }
+        out.update({f"rollout/dropped_{kind}": count for kind, count in self.dropped.items()})
+        return {k: float(v) for k, v in out.items()}

@@ -1,0 +1,36 @@
+"""Tasks: built-in ones a tiny model learns from scratch on CPU, and a user's data with a user's reward."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from treerl.rollout.rewards import RewardFn
+from treerl.rollout.tasks.arithmetic import Arithmetic
+from treerl.rollout.tasks.base import AgentTask, EnvReply, Environment, Prompt, SingleTurnTask
+from treerl.rollout.tasks.dataset import DatasetTask
+from treerl.rollout.tasks.guess_number import GuessEnv, GuessNumber
+
+if TYPE_CHECKING:
+    from treerl.rollout.config import RolloutConfig
+
+
+def build_task(config: "RolloutConfig", reward_fn: RewardFn | None = None) -> SingleTurnTask | AgentTask:
+    """The task `config.task` names, with its options from the config."""
+    if config.task == "arithmetic":
+        return Arithmetic(max_operand=config.max_operand, seed=config.seed)
+    if config.task == "guess_number":
+        return GuessNumber(max_number=config.max_number, max_turns=config.max_turns or 4, seed=config.seed)
+    if config.task == "dataset":
+        if reward_fn is None:
+            raise ValueError("rollout.task = 'dataset' needs rollout.reward_fn")
+        return DatasetTask.load(
+            config.data_path, reward_fn, prompt_key=config.prompt_key, answer_key=config.answer_key,
+            system_prompt=config.system_prompt, seed=config.seed, shuffle=config.shuffle,
+        )
+    raise ValueError(f"rollout.task: unknown task {config.task!r}")
+
+
+__all__ = [
+    "AgentTask", "Arithmetic", "DatasetTask", "EnvReply", "Environment", "GuessEnv", "GuessNumber", "Prompt",
+    "SingleTurnTask", "build_task",
+]

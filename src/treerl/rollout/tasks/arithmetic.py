@@ -1,0 +1,52 @@
+"""Built-in single-turn task: add two numbers, answer with digits.
+
+The reward gives format credit so a random-init policy scores above zero and has a gradient to
+follow (answer with digits, then stop), and 1 for exactly the sum. The reply is read as written,
+without its stop token: padding with spaces or special tokens does not pass for a short answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from treerl.rollout.tasks.base import Prompt, rng_for
+
+
+def reward(prompt: str, completion: str, answer: int) -> float:
+    """1 for exactly the sum's digits; else 0.2 x format: the share of digit characters, scaled down
+    when the reply is longer than the sum (a reply that never stops, or pads with spaces, earns little).
+
+    No credit for "close" numbers: it would pull the policy to one constant answer near the middle,
+    while format credit is indifferent among digits and keeps them all in play until the sums are learnt.
+    """
+    if completion == str(answer):
+        return 1.0
+    length = max(len(completion), 1)
+    return 0.2 * sum(c.isdigit() for c in completion) / length * min(1.0, len(str(answer)) / length)
+
+
+@dataclass
+class Arithmetic:
+    """'a+b=' with 0 <= a, b <= max_operand; the reply is the sum."""
+
+    max_operand: int = 4
+    seed: int = 0
+    name: str = "arithmetic"
+    reward_fn = staticmethod(reward)
+
+    def __post_init__(self) -> None:
+        if self.max_operand < 1:
+            raise ValueError(f"arithmetic: max_operand must be >= 1, got {self.max_operand}")
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The digits of the largest sum, its stop token, and one spare."""
+        return len(str(2 * self.max_operand)) + 2
+
+    def prompts(self, step: int, count: int) -> list[Prompt]:
+        out = []
+        for i in range(count):
+            rng = rng_for(self.name, self.seed, step, i)
+            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+            out.append(Prompt(f"s{step}/p{i}", [{"role": "user", "content": f"{a}+{b}="}], answer=a + b))
+        return out

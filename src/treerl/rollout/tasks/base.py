@@ -1,0 +1,78 @@
+"""What a task is: prompts for a step, and either a reward function (single-turn) or an environment (multi-turn)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from treerl.rollout.chat import Message
+from treerl.rollout.rewards import RewardFn
+
+
+@dataclass
+class Prompt:
+    """One task instance: the conversation the model sees first and what its reward needs.
+
+    `id` names the group: every sample (trajectory) of this prompt shares it.
+    """
+
+    id: str
+    messages: list[Message]
+    answer: Any = None  # reference answer given to the reward function / environment
+
+    @property
+    def text(self) -> str:
+        """The prompt as a reward function sees it: its last user message."""
+        users = [m["content"] for m in self.messages if m["role"] == "user"]
+        return users[-1] if users else self.messages[-1]["content"]
+
+
+class SingleTurnTask(Protocol):
+    """prompt -> one reply -> reward(prompt=..., completion=..., answer=...)."""
+
+    name: str
+    max_new_tokens: int  # default reply budget
+    reward_fn: RewardFn
+
+    def prompts(self, step: int, count: int) -> list[Prompt]:
+        """The `count` prompts of training step `step`; the same for the same step (exact resume)."""
+        ...
+
+
+@dataclass
+class EnvReply:
+    """What an environment answers to one model reply."""
+
+    messages: list[Message] = field(default_factory=list)  # shown to the model next (e.g. tool results)
+    reward: float = 0.0  # this turn's reward; a trajectory's reward is the sum over its turns
+    done: bool = False
+
+
+class Environment(Protocol):
+    """One episode's state. Deep-copied where the episode branches, so `step` may mutate it."""
+
+    def step(self, reply: str) -> EnvReply:
+        """React to the model's reply (its text, without the final stop token)."""
+        ...
+
+
+class AgentTask(Protocol):
+    """Multi-turn: the model and an environment take turns until the environment is done."""
+
+    name: str
+    max_new_tokens: int  # default budget of one reply
+    max_turns: int  # model calls per trajectory at most
+
+    def prompts(self, step: int, count: int) -> list[Prompt]:
+        """The `count` episodes of training step `step`; the same for the same step (exact resume)."""
+        ...
+
+    def environment(self, prompt: Prompt) -> Environment:
+        """A fresh environment for the episode that starts with `prompt`."""
+        ...
+
+
+def rng_for(*keys: object) -> random.Random:
+    """A random generator determined by `keys` alone (string seeding is stable across runs and processes)."""
+    return random.Random(":".join(str(k) for k in keys))

@@ -1,0 +1,122 @@
+"""A user's prompts (+ optional reference answers) from local files, scored by the user's reward function.
+
+Accepted data (local only; nothing is downloaded):
+- a `.jsonl` file, one JSON object per line;
+- a directory written by `datasets.Dataset.save_to_disk` (its "train" split if it is a DatasetDict);
+- a `.parquet`, `.csv` or `.json` file, read with `datasets.load_dataset`.
+
+Each row's `prompt_key` holds the prompt: a string (sent as one user message, after the optional
+system prompt) or a list of chat messages `{"role": ..., "content": ...}`. `answer_key`, if the
+row has it, is passed to the reward function as `answer`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from treerl.rollout.chat import Message
+from treerl.rollout.rewards import RewardFn, check_reward_fn
+from treerl.rollout.tasks.base import Prompt, rng_for
+
+DATASETS_FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json"}
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a local JSONL file or `datasets` dataset, as dicts."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"data path {str(path)!r} does not exist (treerl only reads local data)")
+    if path.suffix == ".jsonl":
+        rows = []
+        with open(path) as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+                rows.append(row)
+        return rows
+    import datasets
+
+    if path.is_dir():
+        data = datasets.load_from_disk(str(path))
+        if isinstance(data, datasets.DatasetDict):
+            if "train" not in data:
+                raise ValueError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(data)})")
+            data = data["train"]
+    elif path.suffix in DATASETS_FORMATS:
+        data = datasets.load_dataset(DATASETS_FORMATS[path.suffix], data_files=str(path), split="train")
+    else:
+        raise ValueError(f"{path}: unknown data format; use .jsonl, .json, .parquet, .csv or a save_to_disk directory")
+    return [dict(row) for row in data]
+
+
+def row_messages(row: dict[str, Any], where: str, prompt_key: str, system_prompt: str | None) -> list[Message]:
+    """The chat messages of one row's prompt, checked."""
+    if prompt_key not in row:
+        raise ValueError(f"{where}: no field {prompt_key!r} (fields: {', '.join(row)})")
+    value = row[prompt_key]
+    if isinstance(value, str):
+        messages = [{"role": "user", "content": value}]
+        return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
+    if isinstance(value, list) and value and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    ):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise ValueError(f"{where}: field {prompt_key!r} must be a string or a list of {{'role', 'content'}} messages")
+
+
+@dataclass
+class DatasetTask:
+    """Single-turn task over a user's rows, in a seeded shuffled order, epoch after epoch."""
+
+    prompts_data: list[tuple[list[Message], Any]]  # (messages, answer) per row
+    reward_fn: RewardFn
+    max_new_tokens: int = 256
+    seed: int = 0
+    shuffle: bool = True
+    name: str = "dataset"
+    _orders: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False)
+
+    @classmethod
+    def load(
+        cls, path: str | Path, reward_fn: RewardFn, prompt_key: str = "prompt", answer_key: str = "answer",
+        system_prompt: str | None = None, **kwargs: Any,
+    ) -> "DatasetTask":
+        """Read and check every row up front, so a bad row fails before training starts."""
+        check_reward_fn(reward_fn, getattr(reward_fn, "__name__", "reward_fn"))
+        rows = read_rows(path)
+        if not rows:
+            raise ValueError(f"{path}: no rows")
+        data = [
+            (row_messages(row, f"{path} row {i}", prompt_key, system_prompt), row.get(answer_key))
+            for i, row in enumerate(rows)
+        ]
+        return cls(data, reward_fn, **kwargs)
+
+    def prompts(self, step: int, count: int) -> list[Prompt]:
+        """Rows step*count ... step*count + count - 1 of the endless shuffled stream (stateless: exact resume)."""
+        out = []
+        for i in range(count):
+            index = step * count + i
+            epoch, position = divmod(index, len(self.prompts_data))
+            row = self._order(epoch)[position]
+            messages, answer = self.prompts_data[row]
+            out.append(Prompt(f"s{step}/p{i}/row{row}", messages, answer))
+        return out
+
+    def _order(self, epoch: int) -> list[int]:
+        """The row order of one epoch (cached: a step reads one or two epochs)."""
+        if epoch not in self._orders:
+            order = list(range(len(self.prompts_data)))
+            if self.shuffle:
+                rng_for("dataset", self.seed, epoch).shuffle(order)
+            self._orders = {epoch: order, **{e: o for e, o in self._orders.items() if e == epoch - 1}}
+        return self._orders[epoch]

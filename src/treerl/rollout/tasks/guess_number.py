@@ -1,0 +1,80 @@
+"""Built-in multi-turn task: find a secret number; after each guess the environment says higher or lower.
+
+The first number in a reply is the guess. Rewards (a trajectory's reward is their sum): 0.05 per
+turn whose reply is exactly that number (format); on a correct guess 1 - 0.1 x (turns used - 1),
+ending the episode; after the last turn without success, 0.5 x closeness of the best guess. A
+random policy often writes some digit, so it earns closeness credit; a policy that answers cleanly
+and uses the feedback approaches 1.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from treerl.rollout.tasks.base import EnvReply, Prompt, rng_for
+
+FORMAT_CREDIT = 0.05
+
+
+@dataclass
+class GuessEnv:
+    """One game: the secret, the turns taken, and the closest guess so far."""
+
+    secret: int
+    max_number: int
+    max_turns: int
+    turn: int = 0
+    best_distance: int | None = None
+
+    def step(self, reply: str) -> EnvReply:
+        self.turn += 1
+        match = re.search(r"\d+", reply)
+        guess = int(match.group()) if match else None
+        reward = 0.0
+        if guess is None or not 1 <= guess <= self.max_number:
+            feedback = f"1-{self.max_number}?"  # not a guess in range
+        else:
+            if reply == str(guess):
+                reward += FORMAT_CREDIT
+            distance = abs(guess - self.secret)
+            self.best_distance = distance if self.best_distance is None else min(distance, self.best_distance)
+            if distance == 0:
+                return EnvReply([{"role": "tool", "content": "correct"}], reward + 1.0 - 0.1 * (self.turn - 1), True)
+            feedback = "higher" if guess < self.secret else "lower"
+        done = self.turn >= self.max_turns
+        if done and self.best_distance is not None:
+            reward += 0.5 * (1.0 - self.best_distance / self.max_number)
+        return EnvReply([{"role": "tool", "content": feedback}], reward, done)
+
+
+@dataclass
+class GuessNumber:
+    """Guess a secret in [1, max_number] within max_turns replies."""
+
+    max_number: int = 9
+    max_turns: int = 4
+    seed: int = 0
+    name: str = "guess_number"
+
+    def __post_init__(self) -> None:
+        if self.max_number < 2:
+            raise ValueError(f"guess_number: max_number must be >= 2, got {self.max_number}")
+        if self.max_turns < 1:
+            raise ValueError(f"guess_number: max_turns must be >= 1, got {self.max_turns}")
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The digits of the largest number, its stop token, and one spare."""
+        return len(str(self.max_number)) + 2
+
+    def prompts(self, step: int, count: int) -> list[Prompt]:
+        out = []
+        for i in range(count):
+            secret = rng_for(self.name, self.seed, step, i).randint(1, self.max_number)
+            message = {"role": "user", "content": f"guess 1-{self.max_number}"}
+            out.append(Prompt(f"s{step}/p{i}", [message], answer=secret))
+        return out
+
+    def environment(self, prompt: Prompt) -> GuessEnv:
+        return GuessEnv(secret=prompt.answer, max_number=self.max_number, max_turns=self.max_turns)

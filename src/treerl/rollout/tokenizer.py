@@ -1,0 +1,70 @@
+"""Tokenizers: a checkpoint's own, or a built-in character-level one that needs no download.
+
+The built-in tokenizer is a real `transformers.PreTrainedTokenizerFast` (a `tokenizers` WordLevel
+model over single characters), so the rollout code runs the same calls on it as on
+`AutoTokenizer.from_pretrained(checkpoint)`: `apply_chat_template`, `decode`, `eos_token_id`,
+`save_pretrained`. Its chat template renders a conversation as
+
+    <bos><system>...<eos><user>...<eos><assistant>...<eos><tool>...<eos><assistant>
+
+one role marker token per message and `<eos>` closing each turn; the model ends its reply with `<eos>`.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+ROLES = ("system", "user", "assistant", "tool")
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>") + tuple(f"<{role}>" for role in ROLES)
+CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
+
+BUILTIN_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}{{ '<' + message['role'] + '>' + message['content'] + eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}"
+)
+
+# For checkpoints without a chat template (base models): plain "User: ...\nAssistant: " turns.
+PLAIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ 'Assistant: ' + message['content'] + eos_token + '\n' }}"
+    "{% else %}{{ message['role'] | capitalize }}{{ ': ' + message['content'] + '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}"
+)
+
+
+def builtin_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer for the built-in tasks: digits, letters, punctuation, space, newline."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHARACTERS))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per character
+    backend.decoder = decoders.Fuse()  # join characters back without separators
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=[f"<{role}>" for role in ROLES],
+    )
+    tokenizer.chat_template = BUILTIN_CHAT_TEMPLATE
+    return tokenizer
+
+
+def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of the local checkpoint at `path` (never downloaded), or the built-in one when `path` is None."""
+    if path is None:
+        return builtin_tokenizer()
+    if not Path(path).exists():
+        raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist (treerl never downloads tokenizers)")
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

@@ -1,0 +1,107 @@
+"""`Rollout.collect(step)`: the trainer's one call per step, end to end with a tiny random-init policy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ValidationError
+
+from treerl.engine import FlatEngine, PolicyHead
+from treerl.rollout import CompletionsClient, EmbeddedEngine, Rollout, RolloutConfig, build_engine
+from treerl.tree import PrefixTree, validate_sequences
+
+
+def _same(a, b) -> bool:
+    return [s.tokens.tolist() for s in a] == [s.tokens.tolist() for s in b] and [s.info for s in a] == [
+        s.info for s in b
+    ]
+
+
+@pytest.mark.parametrize("task", ["arithmetic", "guess_number"])
+def test_collect_is_valid_reproducible_and_rewarded(task, tokenizer, policy):
+    config = RolloutConfig(task=task, prompts_per_step=4, group_size=4, seed=1)
+    engine = build_engine(config, policy)
+    engine.version = 2
+    rollout = Rollout(config, tokenizer, engine)
+    batch = rollout.collect(5)
+    validate_sequences(batch.sequences, vocab_size=len(tokenizer))
+    assert batch.stats.prompts == 4 and batch.stats.kept == batch.stats.samples > 0
+    assert batch.stats.sequences == len(batch.sequences) and sum(batch.stats.dropped.values()) == 0
+    assert batch.stats.reward_mean > 0  # partial credit: a random policy scores above zero
+    for seq in batch.sequences:
+        generated = seq.fields["loss_mask"] == 1
+        assert seq.fields["versions"][generated].eq(2).all() and seq.fields["versions"][~generated].eq(-1).all()
+    assert _same(batch.sequences, Rollout(config, tokenizer, EmbeddedEngine(policy, version=2)).collect(5).sequences)
+    assert not _same(batch.sequences, rollout.collect(6).sequences)
+    assert PrefixTree.build(batch.sequences).stats().compression > 1
+
+
+def test_behaviour_logprobs_are_what_the_trainer_recomputes(tokenizer, policy):
+    config = RolloutConfig(task="guess_number", prompts_per_step=2, group_size=2, temperature=0.8)
+    batch = Rollout(config, tokenizer, build_engine(config, policy)).collect(0)
+    outputs = FlatEngine(head=PolicyHead(temperature=0.8)).forward(policy, batch.sequences)
+    for seq, out in zip(batch.sequences, outputs):
+        mask = seq.fields["loss_mask"] == 1
+        torch.testing.assert_close(out["logprobs"][mask], seq.fields["old_logprobs"][mask], rtol=1e-9, atol=1e-9)
+
+
+def test_dataset_task_with_a_users_reward_that_sometimes_fails(tokenizer, policy, tmp_path, monkeypatch):
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": i + 1}) + "\n"
+                                                 for i in range(5)))
+    (tmp_path / "user_reward_for_test.py").write_text(
+        "def reward(prompt, completion, answer):\n"
+        "    if len(completion) % 2:\n"
+        "        raise ValueError('odd length')\n"
+        "    return float(completion == str(answer))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    config = RolloutConfig(task="dataset", data_path=str(tmp_path / "data.jsonl"),
+                           reward_fn="user_reward_for_test:reward", prompts_per_step=3, group_size=4,
+                           max_new_tokens=3)
+    batch = Rollout(config, tokenizer, build_engine(config, policy)).collect(0)
+    stats = batch.stats
+    assert stats.samples == 12 and stats.kept + stats.dropped["reward_raised"] == 12
+    assert stats.dropped["reward_raised"] > 0 and len(batch.sequences) == stats.kept
+    assert "odd length" in str(stats.dropped_samples[0])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"task": "chess"}, "unknown task 'chess'"),
+        ({"group_size": 0}, "rollout.group_size must be >= 1"),
+        ({"temperature": 0.0}, "rollout.temperature must be > 0"),
+        ({"top_p": 1.5}, "rollout.top_p"),
+        ({"branch_at": [0]}, "rollout.branch_at"),
+        ({"max_new_tokens": 0}, "rollout.max_new_tokens"),
+        ({"task": "dataset"}, "needs rollout.data_path and rollout.reward_fn"),
+        ({"task": "dataset", "data_path": "x.jsonl", "reward_fn": "no_such_module_q:fn"}, "cannot import"),
+    ],
+)
+def test_bad_config_is_a_clear_error(overrides, message, tokenizer, policy):
+    config = RolloutConfig(**overrides)
+    with pytest.raises(ValueError, match=message):
+        Rollout(config, tokenizer, EmbeddedEngine(policy))
+
+
+def test_config_works_as_an_omegaconf_structured_config():
+    """The trainer embeds RolloutConfig in its OmegaConf tree: typed, unknown keys refused."""
+    config = OmegaConf.structured(RolloutConfig)
+    config.merge_with_dotlist(["task=guess_number", "branch_at=[1,2]", "max_new_tokens=5"])
+    rollout_config = OmegaConf.to_object(config)
+    assert isinstance(rollout_config, RolloutConfig) and rollout_config.branch_at == [1, 2]
+    rollout_config.check()
+    with pytest.raises(ConfigAttributeError):
+        config.merge_with_dotlist(["group_sise=4"])
+    with pytest.raises(ValidationError):
+        config.merge_with_dotlist(["group_size=many"])
+
+
+def test_build_engine_picks_the_server_client_or_needs_the_model():
+    client = build_engine(RolloutConfig(server_url="http://127.0.0.1:9", server_model="m", request_timeout=3))
+    assert isinstance(client, CompletionsClient) and client.model == "m" and client.timeout == 3
+    with pytest.raises(ValueError, match="needs the model"):
+        build_engine(RolloutConfig())

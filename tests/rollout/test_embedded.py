@@ -1,0 +1,127 @@
+"""The embedded engine: behaviour log-probs equal the trainer's recomputation, prompts prefilled once, stops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treerl.engine import FlatEngine, PolicyHead
+from treerl.rollout import EmbeddedEngine, SamplingParams
+from treerl.rollout.embedded import sample
+from treerl.tree import Sequence
+
+PROMPTS = ["3+4=", "12+7=", "a longer prompt, to pad the others"]
+
+
+def _prompts(tokenizer):
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                          return_dict=False) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8)])
+def test_logprobs_equal_flat_engine_recomputation(policy, tokenizer, temperature, top_p):
+    """log softmax(logits / T) of each sampled token == FlatEngine(PolicyHead(T)) on prompt + completion."""
+    prompts = _prompts(tokenizer)
+    params = SamplingParams(n=3, max_new_tokens=10, temperature=temperature, top_p=top_p,
+                            stop_token_ids=(tokenizer.eos_token_id,), seed=0)
+    groups = EmbeddedEngine(policy).generate(prompts, params)
+    sequences, behaviour = [], []
+    for prompt, group in zip(prompts, groups):
+        assert len(group) == 3
+        for completion in group:
+            sequences.append(Sequence(prompt + completion.tokens))
+            behaviour.append((len(prompt), torch.tensor(completion.logprobs, dtype=torch.float64)))
+    recomputed = FlatEngine(head=PolicyHead(temperature=temperature)).forward(policy, sequences)
+    for (start, logprobs), out in zip(behaviour, recomputed):
+        torch.testing.assert_close(logprobs, out["logprobs"][start:], rtol=1e-9, atol=1e-9)
+
+
+def test_each_prompt_is_prefilled_once(policy, tokenizer):
+    """The first forward runs the distinct prompts (not n copies); later ones decode one token per row."""
+    shapes = []
+    hook = policy.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                            with_kwargs=True)
+    try:
+        prompts = _prompts(tokenizer)
+        EmbeddedEngine(policy).generate(prompts, SamplingParams(n=4, max_new_tokens=5, seed=1))
+    finally:
+        hook.remove()
+    assert shapes[0] == (3, max(len(p) for p in prompts))
+    assert shapes[1:] == [(12, 1)] * 4
+
+
+def test_stop_tokens_end_a_completion_and_finished_rows_leave_the_batch(policy, tokenizer):
+    """Completions end right after their first stop token, and the decode batch shrinks as rows stop."""
+    stop = tuple(range(0, len(tokenizer), 8))
+    rows = []
+    hook = policy.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        groups = EmbeddedEngine(policy).generate(
+            _prompts(tokenizer), SamplingParams(n=5, max_new_tokens=6, stop_token_ids=stop, seed=2)
+        )
+    finally:
+        hook.remove()
+    completions = [c for group in groups for c in group]
+    for c in completions:
+        assert not any(t in stop for t in c.tokens[:-1])
+        if c.finish_reason == "stop":
+            assert c.tokens[-1] in stop
+        else:
+            assert len(c.tokens) == 6 and c.tokens[-1] not in stop
+    assert {c.finish_reason for c in completions} == {"stop", "length"}
+    decoded = rows[1:]  # row count of each decode step after the prefill
+    still_running = [sum(len(c.tokens) > step for c in completions) for step in range(1, 1 + len(decoded))]
+    assert decoded == still_running and decoded[-1] < 15
+
+
+def test_same_seed_same_completions_and_versions(policy, tokenizer):
+    engine = EmbeddedEngine(policy, version=3)
+    params = SamplingParams(n=2, max_new_tokens=6, seed=5)
+    a, b = engine.generate(_prompts(tokenizer), params), engine.generate(_prompts(tokenizer), params)
+    assert [[c.tokens for c in g] for g in a] == [[c.tokens for c in g] for g in b]
+    assert all(c.versions == [3] * len(c.tokens) for g in a for c in g)
+
+
+def test_training_mode_is_restored(policy, tokenizer):
+    policy.train()
+    try:
+        EmbeddedEngine(policy).generate(_prompts(tokenizer)[:1], SamplingParams(max_new_tokens=2, seed=0))
+        assert policy.training
+    finally:
+        policy.eval()
+
+
+def test_chunks_of_rows_give_the_same_logprob_semantics(policy, tokenizer):
+    """max_rows splits the prompts into chunks; every completion still matches the recomputation."""
+    prompts = _prompts(tokenizer)
+    groups = EmbeddedEngine(policy, max_rows=2).generate(prompts, SamplingParams(n=2, max_new_tokens=4, seed=3))
+    sequences = [Sequence(p + c.tokens) for p, g in zip(prompts, groups) for c in g]
+    recomputed = FlatEngine().forward(policy, sequences)
+    starts = [len(p) for p in prompts for _ in range(2)]
+    for s, c, out in zip(starts, [c for g in groups for c in g], recomputed):
+        torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), out["logprobs"][s:])
+
+
+def test_bad_input_is_refused_before_compute(policy):
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        EmbeddedEngine(policy).generate([[1, 2], []], SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        EmbeddedEngine(policy).generate([[1, 10**6]], SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+
+
+def test_sampler_frequencies_and_nucleus():
+    """Sampling frequencies follow softmax(logits / T) restricted to the nucleus; log-probs stay untruncated."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]], dtype=torch.float64).expand(40000, -1)
+    generator = torch.Generator().manual_seed(0)
+    token, logprob = sample(logits, 0.8, 0.9, generator)
+    full = torch.softmax(logits[0] / 0.8, -1)
+    nucleus = 3  # cumulative mass before token 2 is < 0.9, before token 3 it is >= 0.9
+    assert full[:2].sum() < 0.9 <= full[:3].sum()
+    counts = torch.bincount(token, minlength=5).double() / len(token)
+    torch.testing.assert_close(counts[:nucleus], full[:nucleus] / full[:nucleus].sum(), atol=0.01, rtol=0)
+    assert counts[nucleus:].sum() == 0
+    torch.testing.assert_close(logprob, full.log()[token])

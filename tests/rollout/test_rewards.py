@@ -1,0 +1,82 @@
+"""Reward functions by import path, and reward values that cannot be used."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from treerl.rollout import load_reward_fn
+from treerl.rollout.rewards import RewardFailure, call_reward
+
+
+def test_load_by_module_path():
+    fn = load_reward_fn("treerl.rollout.tasks.arithmetic:reward")
+    assert fn(prompt="1+1=", completion="2", answer=2) == 1.0
+
+
+def test_load_from_the_current_directory_and_from_a_file(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_for_test.py").write_text(
+        "def exact(prompt, completion, answer):\n    return float(completion == answer)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert load_reward_fn("my_rewards_for_test:exact")(prompt="", completion="a", answer="a") == 1.0
+    assert load_reward_fn(f"{tmp_path / 'my_rewards_for_test.py'}:exact")(prompt="", completion="a", answer="b") == 0.0
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("no_colon", "expected 'module:function'"),
+        ("module_that_does_not_exist_xyz:fn", "cannot import 'module_that_does_not_exist_xyz'"),
+        ("treerl.rollout.tasks.arithmetic:nope", "has no attribute 'nope'"),
+        ("treerl.rollout.tasks.arithmetic:Arithmetic", "has signature"),  # a class taking other arguments
+        ("treerl.rollout.tasks.guess_number:FORMAT_CREDIT", "not a function"),
+        ("/no/such/file.py:fn", "cannot import"),
+    ],
+)
+def test_bad_reward_specs_are_clear_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        load_reward_fn(spec)
+
+
+def test_a_module_that_fails_on_import_names_the_failure(tmp_path, monkeypatch):
+    (tmp_path / "broken_rewards_for_test.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="RuntimeError: boom at import"):
+        load_reward_fn("broken_rewards_for_test:fn")
+
+
+def test_wrong_signature_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "sig_rewards_for_test.py").write_text("def two(completion, answer):\n    return 0.0\n"
+                                                      "def kw(**kwargs):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"must accept keyword arguments \(prompt, completion, answer\)"):
+        load_reward_fn("sig_rewards_for_test:two")
+    assert load_reward_fn("sig_rewards_for_test:kw")() == 1.0
+
+
+def _raise():
+    raise KeyError("missing")
+
+
+@pytest.mark.parametrize(
+    "fn, expected",
+    [
+        (lambda: 0.5, 0.5),
+        (lambda: 1, 1.0),
+        (lambda: True, 1.0),
+        (lambda: np.float32(0.25), 0.25),
+        (lambda: torch.tensor(0.75), 0.75),
+        (_raise, RewardFailure("raised", "raised KeyError: 'missing'")),
+        (lambda: float("nan"), RewardFailure("not_finite", "returned nan")),
+        (lambda: -math.inf, RewardFailure("not_finite", "returned -inf")),
+        (lambda: "1.0", RewardFailure("not_a_number", "returned '1.0', not a number")),
+        (lambda: None, RewardFailure("not_a_number", "returned None, not a number")),
+        (lambda: torch.ones(2), RewardFailure("not_a_number", "returned tensor([1., 1.]), not a number")),
+    ],
+)
+def test_call_reward(fn, expected):
+    assert call_reward(fn) == expected

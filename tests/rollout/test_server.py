@@ -1,0 +1,122 @@
+"""`treerl serve` as a real process on loopback: the client gets what the embedded engine gives."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from treerl.engine import FlatEngine, PolicyHead
+from treerl.models import build_model
+from treerl.rollout import CompletionsClient, EmbeddedEngine, SamplingParams, ServerError
+from treerl.tree import Sequence
+
+pytestmark = pytest.mark.slow
+
+SEED = 3  # the random-init weights the server builds (--seed)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """`python -m treerl.cli.main serve` with a tiny float64 model; killed whatever the tests do."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "treerl.cli.main", "serve", "--port", str(port), "--dtype", "float64",
+               "--seed", str(SEED), "--served-model-name", "tiny"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"treerl serve exited with {process.returncode}: {process.stdout.read().decode()}")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("treerl serve did not become ready in 60 s") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def same_model(tokenizer):
+    """The model the server runs, built here with the same shape, vocabulary and seed."""
+    return build_model(shape="tiny-qwen3", vocab_size=len(tokenizer), dtype=torch.float64, seed=SEED)
+
+
+def _prompts(tokenizer):
+    return [tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                          return_dict=False) for c in ("3+4=", "guess 1-9", "x")]
+
+
+def test_server_completions_equal_the_embedded_engine(server, tokenizer, same_model):
+    """Same seed: identical tokens, log-probs and finish reasons; the server adds its eos stop like vLLM."""
+    params = SamplingParams(n=3, max_new_tokens=8, temperature=0.9, stop_token_ids=(tokenizer.eos_token_id,), seed=11)
+    remote = CompletionsClient(server, model="tiny").generate(_prompts(tokenizer), params)
+    local = EmbeddedEngine(same_model).generate(_prompts(tokenizer), params)
+    assert len(remote) == 3
+    for remote_group, local_group in zip(remote, local):
+        assert len(remote_group) == 3
+        for r, l in zip(remote_group, local_group):
+            assert r.tokens == l.tokens and r.finish_reason == l.finish_reason
+            torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(l.logprobs), rtol=1e-12, atol=1e-12)
+            assert r.versions == [0] * len(r.tokens)
+
+
+def test_split_requests_keep_prompt_order_and_logprob_semantics(server, tokenizer, same_model):
+    """Prompts split over concurrent requests come back in order; log-probs are the trainer's recomputation."""
+    prompts = _prompts(tokenizer)
+    params = SamplingParams(n=2, max_new_tokens=8, temperature=0.7, seed=4)
+    groups = CompletionsClient(server, prompts_per_request=1).generate(prompts, params)
+    sequences = [Sequence(p + c.tokens) for p, g in zip(prompts, groups) for c in g]
+    recomputed = FlatEngine(head=PolicyHead(temperature=0.7)).forward(same_model, sequences)
+    starts = [len(p) for p in prompts for _ in range(2)]
+    for start, c, out in zip(starts, [c for g in groups for c in g], recomputed, strict=True):
+        torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), out["logprobs"][start:])
+
+
+def test_bad_request_is_reported_with_the_server_message(server):
+    with pytest.raises(ServerError, match="outside the vocabulary"):
+        CompletionsClient(server).generate([[10**6]], SamplingParams())
+
+
+def test_update_weights_from_disk_changes_samples_and_version(server, tokenizer, same_model, tmp_path):
+    """Weights pushed from a checkpoint directory are used for the next request, with the new version."""
+    other = build_model(shape="tiny-qwen3", vocab_size=len(tokenizer), dtype=torch.float64, seed=SEED + 1)
+    other.save_pretrained(tmp_path / "other")
+    same_model.save_pretrained(tmp_path / "original")
+    client = CompletionsClient(server)
+    try:
+        client.update_weights_from_disk(str(tmp_path / "other"), version=5)
+        params = SamplingParams(n=2, max_new_tokens=6, seed=1)
+        remote = client.generate(_prompts(tokenizer), params)
+        local = EmbeddedEngine(other).generate(_prompts(tokenizer), params)
+        assert [[c.tokens for c in g] for g in remote] == [[c.tokens for c in g] for g in local]
+        assert all(c.versions == [5] * len(c.tokens) for g in remote for c in g)
+        with pytest.raises(ServerError, match="could not load weights"):
+            client.update_weights_from_disk(str(tmp_path / "missing"), version=6)
+    finally:  # the other tests expect the server's original weights and version 0
+        client.update_weights_from_disk(str(tmp_path / "original"), version=0)
