@@ -24,7 +24,7 @@ class FlatEngine:
     """Each sequence computed independently; the exactness reference and the "dense" baseline."""
 
     head: Head = field(default_factory=PolicyHead)
-    max_tokens: int = 16384  # padded tokens per micro-batch
+    max_tokens: int = 8192  # padded tokens per micro-batch (the same budget as DfsEngine.batch_tokens)
 
     def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
         check_batch(model, self.head, sequences)
