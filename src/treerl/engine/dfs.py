@@ -52,6 +52,7 @@ class DfsEngine:
     batch_tokens: int = 8192  # most tokens (padding included) in one batched call of siblings; 0: no batching
     recompute: Literal["auto", "always", "never"] = "auto"
     memory_budget_bytes: int | None = None  # kept graphs; None: half the free device memory at start
+    preallocated_kv: bool = True  # one K/V store per layer written in place (False: torch.cat per call)
 
     def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
         walk = _Walk(self, model, self.plan(model, sequences), loss_fn=None)
@@ -122,7 +123,7 @@ class _Walk:
         self.shift = 1 if self.head.shifted else 0
         self.device = model.get_input_embeddings().weight.device
         capacity = max(len(s) for s in tree.sequences)
-        self.path = PathKV.allocate(model, capacity, with_grads=loss_fn is not None)
+        self.path = PathKV(model, capacity, with_grads=loss_fn is not None, preallocated=engine.preallocated_kv)
         self.values: dict[int, dict[str, torch.Tensor]] = {}  # node -> outputs for its tokens (no graph)
         self.grads: dict[int, dict[str, torch.Tensor]] = {}  # node -> d(loss)/d(outputs) for its tokens
         self.forks: dict[int, dict[str, torch.Tensor]] = {}  # child -> its first token's outputs
