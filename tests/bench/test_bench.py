@@ -58,3 +58,14 @@ def test_cli_writes_json_markdown_and_plot(tmp_path):
     assert data["settings"]["shape"] == "tiny-qwen3" and len(data["rows"]) == 2
     assert "| agent |" in (tmp_path / "bench.md").read_text()
     assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_memory_scaling_dfs_holds_a_path_flat_holds_the_batch():
+    from treerl.bench.run import memory_scaling
+
+    config = BenchConfig(shape="tiny-qwen3", vocab_size=128, scale=1 / 64)
+    rows = memory_scaling(config, groups=(1, 16))
+    peak = {(r["engine"], r["samples"]): r["peak_bytes"] for r in rows}
+    whole, path = "flat, whole batch at once", "dfs, one path (no sibling batching, recompute)"
+    assert peak[(whole, 16)] > 6 * peak[(whole, 1)]
+    assert peak[(path, 16)] < 2 * peak[(path, 1)]

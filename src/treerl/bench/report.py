@@ -31,6 +31,19 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def memory_markdown(rows: list[dict]) -> str:
+    """Peak MiB per engine (columns) as the number of samples sharing one prompt grows (rows)."""
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    lines = ["| samples G | tokens/sample | flat tokens | " + " | ".join(engines) + " |",
+             "|---:|---:|---:|" + "---:|" * len(engines)]
+    for g in dict.fromkeys(r["samples"] for r in rows):
+        cells = {r["engine"]: r for r in rows if r["samples"] == g}
+        first = next(iter(cells.values()))
+        lines.append(f"| {g} | {first['sequence_tokens']:,} | {first['flat_tokens']:,} | "
+                     + " | ".join(_mib(cells[e]["peak_bytes"]) for e in engines) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """Measured speedup over flat against the FLOP-ideal one, per engine; the diagonal is the limit."""
     fig, ax = plt.subplots(figsize=(6.5, 5))
@@ -55,11 +68,14 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write(rows: list[dict], meta: dict, out: Path, name: str = "bench") -> dict[str, Path]:
-    """`<name>.json` (settings + rows), `<name>.md` and `<name>.png` under `out`."""
+def write(rows: list[dict], memory_rows: list[dict], meta: dict, out: Path) -> dict[str, Path]:
+    """`bench.json` (settings + rows), `bench.md` (both tables) and `bench.png` under `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / f"{name}.json", "md": out / f"{name}.md", "png": out / f"{name}.png"}
-    paths["json"].write_text(json.dumps({"settings": meta, "rows": rows}, indent=1))
-    paths["md"].write_text(markdown(rows) + "\n")
+    paths = {"json": out / "bench.json", "md": out / "bench.md", "png": out / "bench.png"}
+    paths["json"].write_text(json.dumps({"settings": meta, "rows": rows, "memory_scaling": memory_rows}, indent=1))
+    text = markdown(rows) + "\n"
+    if memory_rows:
+        text += "\nPeak memory (MiB) of one step, G samples of one prompt:\n\n" + memory_markdown(memory_rows) + "\n"
+    paths["md"].write_text(text)
     plot(rows, paths["png"])
     return paths

@@ -131,6 +131,32 @@ def run_bench(config: BenchConfig) -> list[dict]:
     return rows
 
 
+MEMORY_ENGINES: dict[str, Callable[[], Engine]] = {
+    "flat, whole batch at once": lambda: FlatEngine(max_tokens=1 << 40),
+    "flat, 8192-token micro-batches": FlatEngine,
+    "dfs (default)": DfsEngine,
+    "dfs, one path (no sibling batching, recompute)": lambda: DfsEngine(batch_tokens=0, recompute="always"),
+}
+
+
+def memory_scaling(config: BenchConfig, groups: tuple[int, ...] = (1, 4, 16, 64)) -> list[dict]:
+    """Peak memory of one step as G samples of one prompt grow: what each engine must hold."""
+    device = torch.device(config.device)
+    model = build_model(shape=config.shape, vocab_size=config.vocab_size, dtype=getattr(torch, config.dtype),
+                        device=device, seed=config.seed)
+    s = lambda n: max(2, round(n * config.scale))  # noqa: E731
+    rows = []
+    for g in groups:
+        batch = grpo_groups(prompts=1, group_size=g, prompt_len=s(8192), response_len=s(4096),
+                            vocab=model.config.vocab_size, seed=config.seed)
+        for name, make in MEMORY_ENGINES.items():
+            peak = peak_memory(lambda: make().forward_backward(model, batch, _loss), device)
+            model.zero_grad(set_to_none=True)
+            rows.append(dict(samples=g, sequence_tokens=len(batch[0]), flat_tokens=sum(map(len, batch)),
+                             engine=name, peak_bytes=peak))
+    return rows
+
+
 def describe(config: BenchConfig) -> dict:
     """The run's settings and machine, stored beside the results."""
     device = torch.device(config.device)

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from treerl.bench.run import ENGINES, BenchConfig, describe, run_bench, workload_names
+from treerl.bench.run import ENGINES, BenchConfig, describe, memory_scaling, run_bench, workload_names
 
 
 def bench(
@@ -42,9 +42,13 @@ def bench(
         print(table)
         console.print(f"written to {out}/balance.{{json,md}}")
         return
-    from treerl.bench.report import markdown, write
+    from treerl.bench.report import markdown, memory_markdown, write
 
     rows = run_bench(config)
-    paths = write(rows, describe(config), out)
+    memory_rows = memory_scaling(config) if memory else []
+    paths = write(rows, memory_rows, describe(config), out)
     print(markdown(rows))
+    if memory_rows:
+        print("\nPeak memory (MiB) of one step, G samples of one prompt:\n")
+        print(memory_markdown(memory_rows))
     console.print(f"written to {', '.join(str(p) for p in paths.values())}")
