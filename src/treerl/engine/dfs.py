@@ -29,14 +29,13 @@ from treerl.attention import PathKV, UnitKV, check_supported, tree_attention
 from treerl.engine.base import (
     Head,
     LossFn,
-    SequenceView,
     StepStats,
     check_batch,
     decoder,
     empty_outputs,
     head_rows,
     run_length,
-    split_loss,
+    sum_losses,
 )
 from treerl.engine.head import PolicyHead
 from treerl.tree import ROOT, Node, PrefixTree, Sequence
@@ -256,14 +255,8 @@ class _Walk:
         """Evaluate the losses of the sequences that end here; add d(loss)/d(outputs) to their nodes."""
         if not ends:
             return
-        leaves, losses = [], []
-        for s in ends:
-            outputs = {k: v.requires_grad_() for k, v in self.sequence_outputs(s).items()}
-            loss, metrics = split_loss(self.loss_fn(SequenceView(s, self.tree.sequences[s], outputs)))
-            self.stats.add_metrics(metrics)
-            leaves.append((s, outputs))
-            losses.append(loss)
-        total = torch.stack(losses).sum()
+        leaves = [(s, {k: v.requires_grad_() for k, v in self.sequence_outputs(s).items()}) for s in ends]
+        total = sum_losses(((s, self.tree.sequences[s], out) for s, out in leaves), self.loss_fn, self.stats)
         self.total_loss += total.detach().to(self.total_loss.dtype)
         if not total.requires_grad:
             return
