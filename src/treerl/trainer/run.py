@@ -29,7 +29,16 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from treerl.dist import Assignment, CostModel, DataParallel, DistEnv, balance, init_distributed, tree_features
+from treerl.dist import (
+    Assignment,
+    CostModel,
+    DataParallel,
+    DistEnv,
+    balance,
+    evaluate,
+    init_distributed,
+    tree_features,
+)
 from treerl.engine import DfsEngine, Engine, FlatEngine, LossFn, PackedEngine, PolicyHead
 from treerl.models import build_model
 from treerl.rollout import load_tokenizer
@@ -114,6 +123,8 @@ class Run:
         """Join the ranks, build everything, and resume from `trainer.resume` if set."""
         config.check()
         env = init_distributed()
+        if not env.is_main:  # every rank samples the same batch: rank 0 alone reports dropped samples
+            logging.getLogger("treerl").setLevel(logging.ERROR)
         seed_everything(config.trainer.seed)
         model, tokenizer = load_policy(config.model, device_for(config.model, env))
         strategy = config.trainer.data_parallel
@@ -166,6 +177,11 @@ class Run:
                 measured.append((tree_features(part), stats.seconds))
         self._record_costs(measured)
         metrics = sum_over_ranks(local)
+        if self.env.world_size > 1:
+            balance_stats = evaluate(assignment, minibatch, self.cost)
+            metrics["dist/imbalance"] = balance_stats.imbalance  # estimated max / mean cost over ranks
+            metrics["dist/compression_kept"] = balance_stats.compression_kept  # 1: no shared prefix computed twice
+            metrics["dist/micro_batches"] = balance_stats.micro_batches
         metrics["train/grad_norm"] = self._clip_gradients()
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -234,4 +250,6 @@ class Run:
     def _fit_cost_model(self) -> None:
         samples = self.loop_state.get("cost_samples", [])
         if len(samples) >= COST_MIN_SAMPLES:
-            self.cost = CostModel.from_features([f for f, _ in samples], [s for _, s in samples])
+            fitted = CostModel.from_features([f for f, _ in samples], [s for _, s in samples])
+            if any(w > 0 for w in fitted.weights):  # all zero would price every plan alike
+                self.cost = fitted
