@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import treerl_serve
 
-from treerl.rollout import Rollout, build_engine
+from treerl.rollout import CompletionsClient, Rollout, SamplingParams, build_engine
 from treerl.testing import relative_error
 from treerl.trainer import ConfigError, train
 from treerl.trainer.checkpoint import checkpoint_dir, latest_checkpoint, read_weights
@@ -155,3 +156,32 @@ def test_bad_setups_are_clear_errors(tiny_config, tmp_path):
         train(tiny_config("rollout.task=dataset", f"rollout.data_path={tmp_path}", "rollout.reward_fn=no_such_module:f"))
     with pytest.raises(ConfigError, match="needs a critic"):
         tiny_config("algo.loss=ppo")
+
+
+def test_a_checkpoint_is_a_local_model_path_for_a_users_data(tiny_config, tmp_path, user_task):
+    """model.path loads weights and tokenizer from a local directory (here: a previous run's checkpoint)."""
+    train(tiny_config("trainer.steps=1", name="first"))
+    checkpoint = checkpoint_dir(tmp_path / "first", 1)
+    config = tiny_config(f"model.path={checkpoint}", *user_task, "rollout.reward_fn=my_rewards_for_trainer_test:flaky",
+                         "trainer.steps=1", name="second")
+    run = Run.start(config)
+    saved = read_weights(checkpoint)
+    assert all(torch.equal(run.policy.state_dict()[k], v) for k, v in saved.items())
+    assert run.tokenizer.chat_template is not None and len(run.tokenizer) == run.policy.config.vocab_size
+    run.finish()
+    assert train(config).steps == 1
+
+
+@pytest.mark.slow
+def test_training_with_an_inference_server_pushes_the_new_weights(tiny_config, tmp_path):
+    """rollout.server_url: samples come from `treerl serve`; after each update the server loads the new weights."""
+    with treerl_serve("--seed", "0") as url:  # the trainer's own initial model: tiny-qwen3, seed 0, float32
+        result = train(tiny_config(f"rollout.server_url={url}", "trainer.steps=2"))
+        assert result.steps == 2
+        rows = [r for r in metrics_rows(tmp_path / "run") if "rollout/model_calls" in r]
+        assert all(r["rollout/model_calls"] == 8 for r in rows)
+        (group,) = CompletionsClient(url).generate([[1, 2, 3]], SamplingParams(n=1, max_new_tokens=2, seed=0))
+        assert group[0].versions == [2] * len(group[0].tokens)  # the server runs the weights of step 2
+    served = read_weights(tmp_path / "run" / "server_weights")
+    final = read_weights(checkpoint_dir(tmp_path / "run", 2))
+    assert all(torch.equal(served[k], final[k]) for k in final)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from support import free_port
 
 from treerl.trainer import load_config, train
 from treerl.trainer.checkpoint import checkpoint_dir, read_weights
@@ -38,16 +38,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp")
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         assert name not in os.environ  # the single-process run below really is one process
     train(_config(str(out / "single")))
