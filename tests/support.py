@@ -10,7 +10,7 @@ import sys
 import time
 import types
 import urllib.request
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -17,7 +17,7 @@ def test_train_smoke(tmp_path):
     result = CliRunner().invoke(app, ["train", *TINY, f"trainer.output_dir={out}"])
     assert result.exit_code == 0, result.output
     assert "mean reward at start:" in result.output and "mean reward at end:" in result.output
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == [0, 1]
     assert {r["step"] for r in rows if "eval/reward_mean" in r} == {0, 2}
     for key in ("rollout/reward_mean", "rollout/reward_std", "train/loss", "train/entropy", "train/clip_fraction",

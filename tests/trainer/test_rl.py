@@ -20,7 +20,7 @@ from treerl.trainer.run import Run
 
 
 def metrics_rows(output_dir: str | Path) -> list[dict]:
-    return [json.loads(line) for line in open(Path(output_dir) / "metrics.jsonl")]
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def step_row(output_dir: str | Path, step: int) -> dict:
@@ -135,7 +135,7 @@ def test_failing_rewards_are_dropped_reported_and_counted(tiny_config, tmp_path,
     not_finite = sum(r.get("rollout/dropped_reward_not_finite", 0) for r in rows)
     assert raised > 0 and not_finite > 0 and result.dropped_samples == raised + not_finite
     assert all(r["rollout/kept"] + r["rollout/dropped"] == r["rollout/samples"] for r in rows)
-    reported = [json.loads(line) for line in open(tmp_path / "run" / "dropped.jsonl")]
+    reported = [json.loads(line) for line in (tmp_path / "run" / "dropped.jsonl").read_text().splitlines()]
     assert any("raised ValueError: cannot parse" in r["reason"] and r["prompt"].endswith("=") for r in reported)
     assert any("returned nan" in r["reason"] for r in reported)
 

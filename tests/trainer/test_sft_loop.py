@@ -77,10 +77,10 @@ def test_plain_format_and_file_errors(tmp_path):
     (conversation,) = load_conversations(_write(tmp_path, [{"messages": [_m("user", "hi"), _m("assistant", "yo")]}]),
                                          plain)
     assert plain.tokenizer.decode(conversation.sequences[0].tokens.tolist()) == "User: hi\nAssistant: yo<eos>"
-    assert conversation.id == "line1"
-    with pytest.raises(ValueError, match=r"data.jsonl:1 path 0: a path without an assistant message"):
+    assert conversation.id == "row0"
+    with pytest.raises(ValueError, match=r"data.jsonl row 0 path 0: a path without an assistant message"):
         load_conversations(_write(tmp_path, [{"messages": [_m("user", "hi")]}]), plain)
-    with pytest.raises(ValueError, match=r"data.jsonl:1: expected an object with 'messages'"):
+    with pytest.raises(ValueError, match=r"data.jsonl row 0: expected an object with 'messages'"):
         load_conversations(_write(tmp_path, [{"turns": []}]), plain)
     with pytest.raises(FileNotFoundError, match="sft.data_path"):
         load_conversations(tmp_path / "missing.jsonl", plain)
@@ -105,7 +105,7 @@ def test_sft_on_the_shipped_example_lowers_the_loss(tiny_config, tmp_path):
     result = sft(config)
     assert result.loss_end < 0.85 * result.loss_start
     assert result.train_loss_last < result.train_loss_first
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/nll" in r] == list(range(6))
     assert all(r["batch/compression"] > 1 for r in rows if "batch/compression" in r)
 

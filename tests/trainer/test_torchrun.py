@@ -60,7 +60,7 @@ def test_two_ranks_end_with_the_single_process_parameters(runs, strategy):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_only_rank_0_logs_the_same_metrics(runs, strategy):
     def rows(name):
-        return [json.loads(line) for line in open(runs / name / "metrics.jsonl")]
+        return [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
 
     single, parallel = rows("single"), rows(strategy)
     assert [r["step"] for r in parallel] == [r["step"] for r in single]  # one writer: no duplicated lines

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import typer
 
@@ -61,7 +61,8 @@ def sft(
     print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
 ) -> None:
     """Fine-tune on branching conversations (no config: the shipped example of agent trajectories)."""
-    from treerl.trainer import SFT_DEFAULTS, sft as sft_loop
+    from treerl.trainer import SFT_DEFAULTS
+    from treerl.trainer import sft as sft_loop
 
     path, overrides = _split(args)
     _run(_load([path or "sft_example", *overrides], base=SFT_DEFAULTS), print_config, sft_loop)

@@ -109,7 +109,7 @@ class TrainerConfig:
 class SFTConfig:
     """`treerl sft`: supervised fine-tuning on branching conversations (docs/training.md#sft-data)."""
 
-    data_path: str | None = None  # JSONL of branching conversations; null: the shipped example (treerl/data/sft_example.jsonl)
+    data_path: str | None = None  # JSONL of branching conversations (docs/training.md); null: the shipped example
     conversations_per_step: int = 8  # conversations (each a tree of paths) per training step
     chat_format: str = "template"  # template: the tokenizer's chat template (plain if it has none) | plain
     shuffle: bool = True  # visit conversations in a seeded random order, reshuffled every epoch

@@ -28,7 +28,7 @@ class MetricsLogger:
         self.path = self.dir / "metrics.jsonl"
         if start_step == 0 and self.path.exists():
             self.path.unlink()  # a fresh run in an old directory starts a fresh file; a resumed run appends
-        self.file = open(self.path, "a")
+        self.file = open(self.path, "a")  # noqa: SIM115 (open for the whole run; closed by close())
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -48,8 +48,7 @@ class MetricsLogger:
     def write_jsonl(self, name: str, rows: list[dict[str, Any]]) -> None:
         """Append rows to another JSONL file of the run (e.g. dropped samples with their text)."""
         with open(self.dir / name, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+            f.writelines(json.dumps(row) + "\n" for row in rows)
 
     def close(self) -> None:
         self.file.close()

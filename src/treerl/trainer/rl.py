@@ -19,7 +19,7 @@ mismatch. With an inference server (`rollout.server_url`) rank 0 collects and br
 from __future__ import annotations
 
 import hashlib
-import json
+import math
 import statistics
 import time
 from collections import deque
@@ -81,7 +81,7 @@ def train(config: Config) -> TrainResult:
                 evaluate(run, evaluation, step + 1, None)
             reward = metrics["rollout/reward_mean"]
             dropped += int(metrics["rollout/dropped"])
-            if reward == reward:  # not NaN (a step whose samples were all dropped)
+            if not math.isnan(reward):  # NaN: a step whose samples were all dropped
                 rewards.append(reward)
                 if len(first) < REWARD_WINDOW:
                     first.append(reward)
@@ -93,11 +93,8 @@ def train(config: Config) -> TrainResult:
             steps=config.trainer.steps, skipped_steps=run.loop_state["skipped_steps"], dropped_samples=dropped,
             seconds=time.perf_counter() - started, output_dir=config.trainer.output_dir,
         )
-        run.print(f"training reward: first {len(first)} steps {result.train_reward_first:.3f} -> "
-                  f"last {len(rewards)} steps {result.train_reward_last:.3f}; {result.seconds:.0f} s; "
-                  f"metrics in {Path(config.trainer.output_dir) / 'metrics.jsonl'}")
-        if run.env.is_main:
-            (Path(config.trainer.output_dir) / "summary.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
+        run.summarise(asdict(result), f"training reward: first {len(first)} steps {result.train_reward_first:.3f} -> "
+                      f"last {len(rewards)} steps {result.train_reward_last:.3f}")
         return result
     finally:
         run.finish()

@@ -15,13 +15,15 @@ ranks), clips and steps. The loss must be normalised by the GLOBAL minibatch
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import warnings
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -214,6 +216,13 @@ class Run:
         if self.env.is_main:
             prune_checkpoints(self.config.trainer.output_dir, self.config.trainer.keep_checkpoints)
         return path
+
+    def summarise(self, summary: dict[str, Any], line: str) -> None:
+        """The run's last line on the console, and output_dir/summary.json (rank 0)."""
+        output = Path(self.config.trainer.output_dir)
+        self.print(f"{line}; {summary['seconds']:.0f} s; metrics in {output / 'metrics.jsonl'}")
+        if self.env.is_main:
+            (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
     def print(self, message: str) -> None:
         """A line on rank 0's console that does not break the progress bar."""

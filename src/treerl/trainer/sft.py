@@ -11,10 +11,8 @@ printed before the first step and after the last.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -71,10 +69,8 @@ def sft(config: Config) -> SFTResult:
         nan = float("nan")
         result = SFTResult(loss_start, loss_end, losses[0] if losses else nan, losses[-1] if losses else nan,
                            config.trainer.steps, time.perf_counter() - started, config.trainer.output_dir)
-        run.print(f"training loss: first step {result.train_loss_first:.4f} -> last step {result.train_loss_last:.4f}; "
-                  f"{result.seconds:.0f} s; metrics in {Path(config.trainer.output_dir) / 'metrics.jsonl'}")
-        if run.env.is_main:
-            (Path(config.trainer.output_dir) / "summary.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
+        run.summarise(asdict(result), f"training loss: first step {result.train_loss_first:.4f} -> "
+                      f"last step {result.train_loss_last:.4f}")
         return result
     finally:
         run.finish()

@@ -2,7 +2,7 @@
 
 One JSON object per line, a conversation:
 
-    {"id": "weather-1",                                   # optional; default "line<N>"
+    {"id": "weather-1",                                   # optional; default "row<N>" (0-based)
      "messages": [
        {"role": "system", "content": "You can call tools ..."},
        {"role": "user", "content": "Weather in Paris?"},
@@ -33,7 +33,6 @@ exactly like the model's sampled ones.
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -44,6 +43,7 @@ from transformers import PreTrainedTokenizerBase
 
 from treerl.rollout.chat import ChatFormat, Message
 from treerl.rollout.tasks.base import rng_for
+from treerl.rollout.tasks.dataset import read_rows
 from treerl.rollout.tokenizer import PLAIN_CHAT_TEMPLATE
 from treerl.tree import Sequence
 
@@ -126,29 +126,24 @@ class Conversation:
 
 
 def load_conversations(path: str | Path, chat: ChatFormat) -> list[Conversation]:
-    """Read and render every conversation up front, so a bad line fails before training starts."""
-    path = Path(path)
-    if not path.exists():
+    """Read and render every conversation up front, so a bad row fails before training starts.
+
+    The rows come from a JSONL file (or any local format `treerl.rollout.tasks.dataset.read_rows` reads).
+    """
+    if not Path(path).exists():
         raise FileNotFoundError(f"sft.data_path={str(path)!r} does not exist")
     conversations = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e})") from None
-            if not isinstance(row, dict) or "messages" not in row:
-                raise ValueError(f"{where}: expected an object with 'messages'")
-            cid = str(row.get("id", f"line{line_no}"))
-            sequences = []
-            for p, messages in enumerate(paths(row["messages"], f"{where} messages")):
-                tokens, mask = render_path(chat, messages, f"{where} path {p}")
-                sequences.append(Sequence(tokens, {"loss_mask": torch.tensor(mask)},
-                                          {"group": cid, "trajectory": f"{cid}/{p}"}, name=f"{cid}/path{p}"))
-            conversations.append(Conversation(cid, sequences))
+    for i, row in enumerate(read_rows(path)):
+        where = f"{path} row {i}"
+        if "messages" not in row:
+            raise ValueError(f"{where}: expected an object with 'messages'")
+        cid = str(row.get("id") or f"row{i}")
+        sequences = []
+        for p, messages in enumerate(paths(row["messages"], f"{where} messages")):
+            tokens, mask = render_path(chat, messages, f"{where} path {p}")
+            sequences.append(Sequence(tokens, {"loss_mask": torch.tensor(mask)},
+                                      {"group": cid, "trajectory": f"{cid}/{p}"}, name=f"{cid}/path{p}"))
+        conversations.append(Conversation(cid, sequences))
     if not conversations:
         raise ValueError(f"{path}: no conversations")
     return conversations

@@ -8,7 +8,8 @@ generator seeded by (trainer.seed, step), so resuming at a step repeats it exact
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
 import torch
 
