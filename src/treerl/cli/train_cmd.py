@@ -41,6 +41,11 @@ def _run(config, print_config: bool, loop: Callable) -> None:
     except (ConfigError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():  # under torchrun
+            dist.destroy_process_group()
 
 
 def train(

@@ -86,6 +86,7 @@ def load_policy(config: ModelConfig, device: torch.device) -> tuple[PreTrainedMo
         dtype=getattr(torch, config.dtype), device=device, seed=config.seed,
         attn_implementation=config.attn_implementation,
     )
+    model.eval()  # dropout off: the sampled and the trained policy must be one function, and recomputation exact
     vocab = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > vocab:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only {vocab}")
