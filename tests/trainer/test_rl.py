@@ -78,11 +78,12 @@ def _gradients(config) -> tuple[dict[str, torch.Tensor], float, dict]:
 
 
 @pytest.mark.parametrize("task", ["arithmetic", "guess_number"])
-def test_a_training_step_with_dfs_equals_flat(tiny_config, task):
+@pytest.mark.parametrize("engine", ["dfs", "packed"])
+def test_a_training_step_with_a_tree_engine_equals_flat(tiny_config, task, engine):
     """Same batch, same loss, same gradient (float64; transformers' float32 RMSNorm sets the 1e-6 bound)."""
     common = ["model.dtype=float64", f"rollout.task={task}", "algo.kl_coef=0.0", "algo.loss=grpo",
               "trainer.recompute_logprobs=true", "rollout.prompts_per_step=3"]
-    dfs, dfs_loss, dfs_metrics = _gradients(tiny_config(*common, "engine.name=dfs", "engine.chunk_tokens=7"))
+    dfs, dfs_loss, dfs_metrics = _gradients(tiny_config(*common, f"engine.name={engine}", "engine.chunk_tokens=7"))
     flat, flat_loss, flat_metrics = _gradients(tiny_config(*common, "engine.name=flat"))
     assert dfs_loss == pytest.approx(flat_loss, rel=1e-6, abs=1e-9)
     assert set(dfs) == set(flat) and len(flat) > 10
