@@ -49,19 +49,24 @@ def build_model(
     device: str | torch.device = "cpu",
     seed: int = 0,
     attn_implementation: str = "sdpa",
+    auto_class: type = AutoModelForCausalLM,
+    overrides: dict | None = None,
 ) -> PreTrainedModel:
-    """Load a causal LM from a local `path`, or build shape `shape` with seeded random weights."""
+    """Load a model from a local `path`, or build shape `shape`; weights not in the checkpoint are seeded.
+
+    `auto_class` and config `overrides` build other heads on the same body (the critic:
+    AutoModelForTokenClassification with num_labels=1).
+    """
+    if path and not Path(path).exists():
+        raise FileNotFoundError(f"model.path {path!r} does not exist (treerl never downloads weights)")
+    config = load_config(path) if path else model_config(shape, vocab_size=vocab_size)
+    config.update(overrides or {})
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
     if path:
-        if not Path(path).exists():
-            raise FileNotFoundError(f"model.path {path!r} does not exist (treerl never downloads weights)")
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
-        )
+        model = auto_class.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
     else:
-        config = model_config(shape, vocab_size=vocab_size)
-        config._attn_implementation = attn_implementation
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto_class.from_config(config, dtype=dtype)
     return model.to(device)
 
 

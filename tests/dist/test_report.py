@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import pytest
 
+from treerl.dist.cost import CostModel
 from treerl.dist.report import balance_markdown, balance_report
 from treerl.tree.workloads import grpo_groups
 
+# A plausible fitted model: per call, per unique token, per attention pair, per leaf, per sequence, per flat token.
+FITTED = CostModel((1e-2, 9e-6, 2e-9, 5e-3, 1e-3, 1e-8))
+COSTS = {"unfitted": CostModel(), "fitted": FITTED}
+
 
 def test_rows_and_markdown_on_a_small_batch():
-    rows = balance_report(ranks=(2, 4), batches={"grpo": grpo_groups(prompts=3, group_size=4, prompt_len=30, response_len=9)})
+    batches = {"grpo": grpo_groups(prompts=3, group_size=4, prompt_len=30, response_len=9)}
+    rows = balance_report(ranks=(2, 4), batches=batches, cost_models=COSTS)
     assert len(rows) == 2 * 2 * 3  # cost models x K x methods
     assert {r["method"] for r in rows} == {"treerl", "first-fit", "LPT"}
     for r in rows:
@@ -21,7 +27,7 @@ def test_rows_and_markdown_on_a_small_batch():
 
 @pytest.mark.slow
 def test_balancer_beats_the_baselines_on_the_benchmark_workloads():
-    rows = balance_report(scale=0.1)
+    rows = balance_report(scale=0.1, cost_models=COSTS)
     groups: dict[tuple, dict[str, float]] = {}
     for r in rows:
         groups.setdefault((r["workload"], r["cost_model"], r["ranks"]), {})[r["method"]] = r["makespan"]

@@ -76,6 +76,7 @@ ENGINES = {
     "keep-graph": DfsEngine(recompute="never"),
     "recompute": DfsEngine(recompute="always"),
     "no-sibling-batching": DfsEngine(batch_tokens=0),
+    "concatenated-kv": DfsEngine(preallocated_kv=False, chunk_tokens=3, batch_tokens=8),
     "auto-tiny-budget": DfsEngine(memory_budget_bytes=200_000, batch_tokens=16),
     "chunk-3": DfsEngine(chunk_tokens=3),
     "chunk-1-recompute": DfsEngine(chunk_tokens=1, recompute="always", batch_tokens=0),
@@ -126,14 +127,18 @@ def random_batches(draw):
     chunk=st.sampled_from([1, 2, 3, 5, 2048]),
     recompute=st.sampled_from(["auto", "always", "never"]),
     batch_tokens=st.sampled_from([0, 6, 8192]),
+    preallocated=st.booleans(),
     sequence_level=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_random_trees(lists, arch, chunk, recompute, batch_tokens, sequence_level, seed):
+def test_random_trees(lists, arch, chunk, recompute, batch_tokens, preallocated, sequence_level, seed):
     rng = random.Random(seed)
     seqs = [_with_data(t, rng, f"s{i}") for i, t in enumerate(lists)]
     loss = sequence_loss if sequence_level else token_loss
-    engine = DfsEngine(chunk_tokens=chunk, recompute=recompute, batch_tokens=batch_tokens, memory_budget_bytes=300_000)
+    engine = DfsEngine(
+        chunk_tokens=chunk, recompute=recompute, batch_tokens=batch_tokens, memory_budget_bytes=300_000,
+        preallocated_kv=preallocated,
+    )
     assert_engines_agree(tiny_model(arch, VOCAB), seqs, loss, engine, FlatEngine())
     assert_engines_agree(tiny_model(arch, VOCAB), seqs, loss, PackedEngine(max_tokens=chunk * 4), FlatEngine())
 

@@ -9,8 +9,6 @@ layer that `treerl.engine.head.ValueHead` applies. Run it with `DfsEngine(head=V
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from transformers import AutoModelForTokenClassification, PreTrainedModel
 
@@ -19,7 +17,7 @@ from treerl.algo.config import AlgoConfig
 from treerl.algo.loss import field
 from treerl.algo.normalizer import LossNormalizer
 from treerl.engine.base import LossFn, LossResult, SequenceView
-from treerl.models import load_config, model_config
+from treerl.models import build_model
 
 
 def build_critic(
@@ -32,17 +30,10 @@ def build_critic(
     attn_implementation: str = "sdpa",
 ) -> PreTrainedModel:
     """A value model: the body of a local causal LM checkpoint (or shape `shape`, random) plus a fresh value layer."""
-    if path and not Path(path).exists():
-        raise FileNotFoundError(f"critic path {path!r} does not exist (treerl never downloads weights)")
-    config = load_config(path) if path else model_config(shape, vocab_size=vocab_size)
-    config.update(dict(num_labels=1, classifier_dropout=0.0))
-    config._attn_implementation = attn_implementation
-    torch.manual_seed(seed)  # the value layer is always freshly initialised
-    if path:
-        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
-    else:
-        model = AutoModelForTokenClassification.from_config(config, dtype=dtype)
-    return model.to(device)
+    return build_model(
+        path, shape, vocab_size, dtype, device, seed, attn_implementation,
+        auto_class=AutoModelForTokenClassification, overrides=dict(num_labels=1, classifier_dropout=0.0),
+    )
 
 
 def build_value_loss(config: AlgoConfig, normalizer: LossNormalizer) -> LossFn:

@@ -44,57 +44,83 @@ class UnitKV:
     value_grads: dict[int, torch.Tensor] | None = None
 
 
-@dataclass
 class PathKV:
-    """Per-layer K/V of the current root-to-node path, and the K/V gradient flowing back up it."""
+    """K/V of the current root-to-node path, per layer, and the K/V gradient flowing back up it.
 
-    keys: list[torch.Tensor]  # layer -> [1, kv_heads, capacity, head_dim]
-    values: list[torch.Tensor]
-    key_grads: list[torch.Tensor] | None
-    value_grads: list[torch.Tensor] | None
-    unit: UnitKV | None = None  # the unit being computed
+    `preallocated=True` (default): one `[1, kv_heads, capacity, head_dim]` store per layer, written
+    in place; ancestors are a view of its prefix. `False` keeps one tensor per path node and
+    concatenates them for every call (the plain way, kept to measure what preallocation buys).
+    """
 
-    @classmethod
-    def allocate(cls, model: PreTrainedModel, capacity: int, with_grads: bool) -> PathKV:
-        """One `[1, kv_heads, capacity, head_dim]` store per layer (plus gradient stores when training)."""
+    def __init__(self, model: PreTrainedModel, capacity: int, with_grads: bool, preallocated: bool = True):
         config = model.config
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         param = next(model.parameters())
-        shape = (1, kv_heads, capacity, head_dim)
-
-        def stores(dtype: torch.dtype) -> list[torch.Tensor]:
-            return [torch.zeros(shape, dtype=dtype, device=param.device) for _ in range(config.num_hidden_layers)]
-
+        self.layers = config.num_hidden_layers
+        self.with_grads, self.preallocated = with_grads, preallocated
         # Gradients of many descendants are summed here: keep them at least in float32.
-        grad_dtype = torch.promote_types(param.dtype, torch.float32)
-        return cls(
-            keys=stores(param.dtype),
-            values=stores(param.dtype),
-            key_grads=stores(grad_dtype) if with_grads else None,
-            value_grads=stores(grad_dtype) if with_grads else None,
-        )
+        self.grad_dtype = torch.promote_types(param.dtype, torch.float32)
+        self.unit: UnitKV | None = None  # the unit being computed
+        if preallocated:
+            shape = (1, kv_heads, capacity, head_dim)
+            store = lambda dtype: [torch.zeros(shape, dtype=dtype, device=param.device) for _ in range(self.layers)]  # noqa: E731
+            self.keys, self.values = store(param.dtype), store(param.dtype)
+            self.key_grads = store(self.grad_dtype) if with_grads else None
+            self.value_grads = store(self.grad_dtype) if with_grads else None
+        else:  # per layer, one entry per path node: (keys, values, key grads, value grads)
+            self.entries: list[list[list[torch.Tensor]]] = [[] for _ in range(self.layers)]
+
+    def ancestors(self, layer: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of positions [0, start) of the path."""
+        if self.preallocated:
+            return self.keys[layer][:, :, :start], self.values[layer][:, :, :start]
+        entries = self.entries[layer]
+        return torch.cat([e[0] for e in entries], dim=2), torch.cat([e[1] for e in entries], dim=2)
+
+    def add_ancestor_grads(self, layer: int, start: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """Add d(loss)/d(K, V) of positions [0, start), to be collected by each ancestor."""
+        if self.preallocated:
+            self.key_grads[layer][:, :, :start] += dk
+            self.value_grads[layer][:, :, :start] += dv
+            return
+        offset = 0
+        for entry in self.entries[layer]:
+            n = entry[0].shape[2]
+            entry[2] += dk[:, :, offset : offset + n]
+            entry[3] += dv[:, :, offset : offset + n]
+            offset += n
 
     @torch.no_grad()
     def push(self, unit: UnitKV, row: int, length: int) -> None:
         """Make row `row` of `unit` part of the path: its descendants will attend to it."""
         end = unit.start + length
         for layer, k in unit.keys.items():
-            self.keys[layer][:, :, unit.start : end] = k[row : row + 1, :, :length]
-            self.values[layer][:, :, unit.start : end] = unit.values[layer][row : row + 1, :, :length]
+            k, v = k[row : row + 1, :, :length], unit.values[layer][row : row + 1, :, :length]
+            if self.preallocated:
+                self.keys[layer][:, :, unit.start : end] = k
+                self.values[layer][:, :, unit.start : end] = v
+            else:
+                grads = [torch.zeros_like(k, dtype=self.grad_dtype), torch.zeros_like(v, dtype=self.grad_dtype)]
+                self.entries[layer].append([k.clone(), v.clone()] + (grads if self.with_grads else [None, None]))
 
     @torch.no_grad()
     def pop(self, unit: UnitKV, row: int, length: int) -> None:
         """Row `row`'s subtree is done: move the K/V gradient it received into the unit."""
-        if self.key_grads is None:
+        if not self.preallocated:
+            popped = {layer: self.entries[layer].pop() for layer in unit.keys}
+        if not self.with_grads:
             return
         end = unit.start + length
         if unit.key_grads is None:
-            unit.key_grads = {l: torch.zeros_like(k, dtype=self.key_grads[l].dtype) for l, k in unit.keys.items()}
-            unit.value_grads = {l: torch.zeros_like(v, dtype=self.value_grads[l].dtype) for l, v in unit.values.items()}
+            unit.key_grads = {l: torch.zeros_like(k, dtype=self.grad_dtype) for l, k in unit.keys.items()}
+            unit.value_grads = {l: torch.zeros_like(v, dtype=self.grad_dtype) for l, v in unit.values.items()}
         for layer in unit.keys:
-            for store, into in ((self.key_grads, unit.key_grads), (self.value_grads, unit.value_grads)):
-                slot = store[layer][:, :, unit.start : end]
+            if self.preallocated:
+                slots = (self.key_grads[layer][:, :, unit.start : end], self.value_grads[layer][:, :, unit.start : end])
+            else:
+                slots = (popped[layer][2], popped[layer][3])
+            for slot, into in zip(slots, (unit.key_grads, unit.value_grads)):
                 into[layer][row : row + 1, :, :length] += slot
                 slot.zero_()
 
@@ -142,8 +168,7 @@ class _TreeAttention(torch.autograd.Function):
         parts = [(own_out, own_lse)]
         anc_saved: tuple = ()
         if unit.start > 0:
-            anc_k = path.keys[layer][:, :, : unit.start]
-            anc_v = path.values[layer][:, :, : unit.start]
+            anc_k, anc_v = path.ancestors(layer, unit.start)
             anc_out, anc_lse, anc_saved = attend(_fold(q, kv_heads), anc_k, anc_v, scale, False)
             parts.append((_unfold(anc_out, rows, heads, length), _unfold(anc_lse, rows, heads, length)))
         out, lse = merge(parts)
@@ -165,15 +190,13 @@ class _TreeAttention(torch.autograd.Function):
         )
         dk, dv = _reduce_heads(dk, groups), _reduce_heads(dv, groups)
         if unit.start > 0:
-            anc_k = path.keys[layer][:, :, : unit.start]
-            anc_v = path.values[layer][:, :, : unit.start]
+            anc_k, anc_v = path.ancestors(layer, unit.start)
             fold = lambda x: _fold(x, kv_heads)  # noqa: E731
             dq_anc, dk_anc, dv_anc = attend_backward(
                 fold(dout), fold(q), anc_k, anc_v, fold(out), fold(lse), ctx.anc_saved, scale, False
             )
             dq = dq + _unfold(dq_anc, rows, heads, length)
-            path.key_grads[layer][:, :, : unit.start] += dk_anc
-            path.value_grads[layer][:, :, : unit.start] += dv_anc
+            path.add_ancestor_grads(layer, unit.start, dk_anc, dv_anc)
         if unit.key_grads is not None:
             dk = dk + unit.key_grads[layer].to(dk.dtype)
             dv = dv + unit.value_grads[layer].to(dv.dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from treerl.cli import inspect_cmd, serve_cmd, train_cmd
+from treerl.cli import bench_cmd, inspect_cmd, serve_cmd, train_cmd
 
 app = typer.Typer(
     help="treerl: RL post-training that never computes a shared prefix twice.",
@@ -19,6 +19,7 @@ def main() -> None:
     """treerl: RL post-training that never computes a shared prefix twice."""
 
 
+app.command("bench")(bench_cmd.bench)
 app.command("inspect")(inspect_cmd.inspect)
 app.command("serve")(serve_cmd.serve)
 app.command("train")(train_cmd.train)

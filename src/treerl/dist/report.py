@@ -3,15 +3,12 @@
 For each workload, cost model and rank count K: the max/mean cost ratio across ranks, the
 makespan against the ideal (whole batch as one tree, split perfectly: no imbalance and nothing
 recomputed), and the compression kept after assignment. Costs are estimates from
-treerl.dist.cost, not timings: this is arithmetic on tree shapes and runs in seconds on a CPU.
-
-    python -m treerl.dist.report [--scale 1.0] [--micro-batch-tokens N] [--json rows.json]
+treerl.dist.cost (unfitted: unique tokens; `treerl bench --balance` adds one fitted from step
+times it measures), not timings: this is arithmetic on tree shapes and runs in seconds.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 from typing import Callable
 
 from treerl.dist.assign import balance, evaluate, first_fit, lpt
@@ -19,12 +16,6 @@ from treerl.dist.cost import CostModel
 from treerl.tree import PrefixTree, Sequence
 from treerl.tree.workloads import AgentShape, agent_trees, grpo_groups, random_trees
 
-# Assumed weights for the DFS engine on one H100-class GPU with a Qwen3-0.6B-sized policy (not measured):
-# linear layers ~3.6 GFLOP per token fwd+bwd and attention ~0.8 MFLOP per (query, key) pair at ~4e14 FLOP/s;
-# ~5 ms of kernel launches per root-to-leaf branch, ~10 ms per call, ~1 ms per sequence's loss.
-PLAUSIBLE_GPU = CostModel((1e-2, 9e-6, 2e-9, 5e-3, 1e-3, 1e-8))
-
-COST_MODELS: dict[str, CostModel] = {"unfitted (unique tokens)": CostModel(), "plausible GPU fit": PLAUSIBLE_GPU}
 METHODS: dict[str, Callable] = {"treerl": balance, "first-fit": first_fit, "LPT": lpt}
 
 
@@ -43,12 +34,14 @@ def balance_report(
     ranks: tuple[int, ...] = (2, 4, 8),
     micro_batch_tokens: int | None = None,
     batches: dict[str, list[Sequence]] | None = None,
+    cost_models: dict[str, CostModel] | None = None,
 ) -> list[dict]:
     """One row per workload x cost model x K x method."""
+    cost_models = cost_models or {"unfitted (unique tokens)": CostModel()}
     rows = []
     for workload, sequences in (batches if batches is not None else workloads(scale)).items():
         stats = PrefixTree.build(sequences).stats()
-        for cost_name, cost in COST_MODELS.items():
+        for cost_name, cost in cost_models.items():
             for k in ranks:
                 for method, assign in METHODS.items():
                     if assign is balance:
@@ -91,19 +84,3 @@ def balance_markdown(rows: list[dict]) -> str:
         out.append("")
     return "\n".join(out)
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scale", type=float, default=1.0, help="tau2-like episode lengths x scale")
-    parser.add_argument("--micro-batch-tokens", type=int, default=None, help="unique-token budget per micro-batch")
-    parser.add_argument("--json", default=None, help="also write the rows here")
-    args = parser.parse_args()
-    rows = balance_report(scale=args.scale, micro_batch_tokens=args.micro_batch_tokens)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    print(balance_markdown(rows))
-
-
-if __name__ == "__main__":
-    main()

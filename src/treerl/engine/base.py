@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence as Seq
+from typing import Any, Callable, Iterable, Protocol, Sequence as Seq
 
 import torch
 from transformers import PreTrainedModel
@@ -134,6 +134,18 @@ def check_batch(model: PreTrainedModel, head: Head, sequences: Seq[Sequence]) ->
 def decoder(model: PreTrainedModel) -> torch.nn.Module:
     """The transformer body whose output is the final-normed hidden state."""
     return model.base_model
+
+
+def sum_losses(
+    views: Iterable[tuple[int, Sequence, dict[str, torch.Tensor]]], loss_fn: LossFn, stats: StepStats
+) -> torch.Tensor:
+    """Sum of loss_fn over (index, sequence, outputs) triples; their metrics are added to `stats`."""
+    losses = []
+    for index, sequence, outputs in views:
+        loss, metrics = split_loss(loss_fn(SequenceView(index, sequence, outputs)))
+        losses.append(loss)
+        stats.add_metrics(metrics)
+    return torch.stack(losses).sum()
 
 
 def split_loss(result: LossResult) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:

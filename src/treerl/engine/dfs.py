@@ -29,14 +29,13 @@ from treerl.attention import PathKV, UnitKV, check_supported, tree_attention
 from treerl.engine.base import (
     Head,
     LossFn,
-    SequenceView,
     StepStats,
     check_batch,
     decoder,
     empty_outputs,
     head_rows,
     run_length,
-    split_loss,
+    sum_losses,
 )
 from treerl.engine.head import PolicyHead
 from treerl.tree import ROOT, Node, PrefixTree, Sequence
@@ -52,6 +51,7 @@ class DfsEngine:
     batch_tokens: int = 8192  # most tokens (padding included) in one batched call of siblings; 0: no batching
     recompute: Literal["auto", "always", "never"] = "auto"
     memory_budget_bytes: int | None = None  # kept graphs; None: half the free device memory at start
+    preallocated_kv: bool = True  # one K/V store per layer written in place (False: torch.cat per call)
 
     def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
         walk = _Walk(self, model, self.plan(model, sequences), loss_fn=None)
@@ -122,7 +122,7 @@ class _Walk:
         self.shift = 1 if self.head.shifted else 0
         self.device = model.get_input_embeddings().weight.device
         capacity = max(len(s) for s in tree.sequences)
-        self.path = PathKV.allocate(model, capacity, with_grads=loss_fn is not None)
+        self.path = PathKV(model, capacity, with_grads=loss_fn is not None, preallocated=engine.preallocated_kv)
         self.values: dict[int, dict[str, torch.Tensor]] = {}  # node -> outputs for its tokens (no graph)
         self.grads: dict[int, dict[str, torch.Tensor]] = {}  # node -> d(loss)/d(outputs) for its tokens
         self.forks: dict[int, dict[str, torch.Tensor]] = {}  # child -> its first token's outputs
@@ -255,14 +255,8 @@ class _Walk:
         """Evaluate the losses of the sequences that end here; add d(loss)/d(outputs) to their nodes."""
         if not ends:
             return
-        leaves, losses = [], []
-        for s in ends:
-            outputs = {k: v.requires_grad_() for k, v in self.sequence_outputs(s).items()}
-            loss, metrics = split_loss(self.loss_fn(SequenceView(s, self.tree.sequences[s], outputs)))
-            self.stats.add_metrics(metrics)
-            leaves.append((s, outputs))
-            losses.append(loss)
-        total = torch.stack(losses).sum()
+        leaves = [(s, {k: v.requires_grad_() for k, v in self.sequence_outputs(s).items()}) for s in ends]
+        total = sum_losses(((s, self.tree.sequences[s], out) for s, out in leaves), self.loss_fn, self.stats)
         self.total_loss += total.detach().to(self.total_loss.dtype)
         if not total.requires_grad:
             return

@@ -14,7 +14,7 @@ from typing import Sequence as Seq
 import torch
 from transformers import PreTrainedModel
 
-from treerl.engine.base import Head, LossFn, SequenceView, StepStats, check_batch, decoder, split_loss
+from treerl.engine.base import Head, LossFn, StepStats, check_batch, decoder, sum_losses
 from treerl.engine.head import PolicyHead
 from treerl.tree import Sequence
 
@@ -42,13 +42,8 @@ class FlatEngine:
         total = torch.zeros((), dtype=torch.float64)
         for batch in self.micro_batches(sequences):
             outputs = self._run(model, [sequences[i] for i in batch])
-            stats.model_tokens += sum(len(sequences[i]) for i in batch)
-            losses = []
-            for i, out in zip(batch, outputs):
-                loss, metrics = split_loss(loss_fn(SequenceView(i, sequences[i], out)))
-                losses.append(loss)
-                stats.add_metrics(metrics)
-            batch_loss = torch.stack(losses).sum()
+            stats.model_tokens += sum(len(sequences[i]) - (1 if self.head.shifted else 0) for i in batch)
+            batch_loss = sum_losses(((i, sequences[i], out) for i, out in zip(batch, outputs)), loss_fn, stats)
             if batch_loss.requires_grad:
                 batch_loss.backward()
             total = total + batch_loss.detach().cpu()

@@ -25,14 +25,13 @@ from treerl.attention import attention_implementation
 from treerl.engine.base import (
     Head,
     LossFn,
-    SequenceView,
     StepStats,
     check_batch,
     decoder,
     empty_outputs,
     head_rows,
     run_length,
-    split_loss,
+    sum_losses,
 )
 from treerl.engine.head import PolicyHead
 from treerl.tree import ROOT, PrefixTree, Sequence
@@ -63,12 +62,8 @@ class PackedEngine:
         stats = StepStats(sequences=len(sequences), flat_tokens=sum(len(s) for s in sequences))
         total = torch.zeros((), dtype=torch.float64)
         for pack in self.packs(tree):
-            losses = []
-            for s, outputs in self._run(model, tree, pack):
-                loss, metrics = split_loss(loss_fn(SequenceView(s, sequences[s], outputs)))
-                losses.append(loss)
-                stats.add_metrics(metrics)
-            pack_loss = torch.stack(losses).sum()
+            views = ((s, sequences[s], outputs) for s, outputs in self._run(model, tree, pack))
+            pack_loss = sum_losses(views, loss_fn, stats)
             if pack_loss.requires_grad:
                 pack_loss.backward()
             total += pack_loss.detach().cpu().double()

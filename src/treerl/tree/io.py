@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Iterator
 
 from treerl.tree.sequence import BatchError, Sequence
 
 
-def read_jsonl(path: str | Path) -> list[Sequence]:
-    """Each line: {"tokens": [...]} plus optional per-token lists (same length) and per-sequence values."""
-    sequences = []
+def json_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank line; a bad line is an error naming file and line."""
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -19,15 +19,24 @@ def read_jsonl(path: str | Path) -> list[Sequence]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise BatchError(f"{path}:{line_no}: not valid JSON ({e})") from None
-            tokens = row.pop("tokens", None)
-            if tokens is None:
-                tokens = row.pop("input_ids", None)
-            if not isinstance(tokens, list):
-                raise BatchError(f"{path}:{line_no}: field 'tokens' (a list of token ids) is missing")
-            name = str(row.pop("name", f"line{line_no}"))
-            fields = {k: v for k, v in row.items() if isinstance(v, list)}
-            info = {k: v for k, v in row.items() if not isinstance(v, list)}
-            sequences.append(Sequence(tokens, fields=fields, info=info, name=name))
+            if not isinstance(row, dict):
+                raise BatchError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+            yield line_no, row
+
+
+def read_jsonl(path: str | Path) -> list[Sequence]:
+    """Each line: {"tokens": [...]} plus optional per-token lists (same length) and per-sequence values."""
+    sequences = []
+    for line_no, row in json_lines(path):
+        tokens = row.pop("tokens", None)
+        if tokens is None:
+            tokens = row.pop("input_ids", None)
+        if not isinstance(tokens, list):
+            raise BatchError(f"{path}:{line_no}: field 'tokens' (a list of token ids) is missing")
+        name = str(row.pop("name", f"line{line_no}"))
+        fields = {k: v for k, v in row.items() if isinstance(v, list)}
+        info = {k: v for k, v in row.items() if not isinstance(v, list)}
+        sequences.append(Sequence(tokens, fields=fields, info=info, name=name))
     return sequences
 
 

@@ -12,12 +12,12 @@ row has it, is passed to the reward function as `answer`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from treerl.rollout.chat import Message
+from treerl.tree.io import json_lines
 from treerl.rollout.rewards import RewardFn, check_reward_fn
 from treerl.rollout.tasks.base import Prompt, rng_for
 
@@ -30,19 +30,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     if not path.exists():
         raise FileNotFoundError(f"data path {str(path)!r} does not exist (treerl only reads local data)")
     if path.suffix == ".jsonl":
-        rows = []
-        with open(path) as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
-                rows.append(row)
-        return rows
+        return [row for _, row in json_lines(path)]
     import datasets
 
     if path.is_dir():

@@ -1,0 +1,43 @@
+"""`treerl bench --balance`: the data-parallel balancer against the baselines, with a measured cost model.
+
+The cost model is fitted from DfsEngine step times measured here, on random sub-batches of the
+benchmark workloads (the same model and device as the engine bench), so the makespans compare
+plans by what a step costs on this machine, not only by unique-token counts.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from treerl.bench.run import BenchConfig, make_workload, timed_step
+from treerl.dist import CostModel
+from treerl.dist.report import balance_markdown, balance_report, workloads
+from treerl.engine import DfsEngine
+from treerl.models import build_model
+
+
+def fit_cost_model(config: BenchConfig, samples: int = 24) -> CostModel:
+    """Time DfsEngine on random sub-batches (after one warm-up each) and fit CostModel to them."""
+    device = torch.device(config.device)
+    model = build_model(shape=config.shape, vocab_size=config.vocab_size, dtype=getattr(torch, config.dtype),
+                        device=device, seed=config.seed)
+    rng = random.Random(config.seed)
+    pools = [make_workload(w, config.scale, model.config.vocab_size, config.seed) for w in ("grpo", "agent", "sharing-4")]
+    engine = DfsEngine()
+    measured = []
+    for i in range(samples):
+        pool = pools[i % len(pools)]
+        batch = rng.sample(pool, rng.randint(1, min(len(pool), 24)))
+        timed_step(engine, model, batch, device)
+        measured.append((batch, timed_step(engine, model, batch, device)))
+    return CostModel.fit(measured)
+
+
+def balance_tables(config: BenchConfig, scale: float = 1.0) -> tuple[list[dict], str, CostModel]:
+    """Rows and markdown for K = 2, 4, 8 on the tau2-like, GRPO and random workloads."""
+    fitted = fit_cost_model(config)
+    name = f"fitted on {config.shape}/{config.device}/{config.dtype}"
+    rows = balance_report(batches=workloads(scale), cost_models={"unfitted (unique tokens)": CostModel(), name: fitted})
+    return rows, balance_markdown(rows), fitted

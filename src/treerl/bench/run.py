@@ -1,0 +1,164 @@
+"""`treerl bench`: every engine on the same trees, side by side in one process.
+
+For each workload: flat tokens T, unique tokens U, the FLOP-ideal speedup (treerl.bench.flops),
+then for each engine the median wall time of `forward_backward` over repeats after a warm-up,
+its peak memory (a separate, untimed run), and its speedup over the flat engine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from treerl.bench.flops import tree_flops
+from treerl.bench.memory import peak_memory
+from treerl.engine import DfsEngine, FlatEngine, PackedEngine
+from treerl.engine.base import Engine, SequenceView
+from treerl.models import build_model
+from treerl.tree import PrefixTree, Sequence
+from treerl.tree.workloads import AgentShape, agent_trees, grpo_groups, random_trees
+
+ENGINES: dict[str, Callable[[], Engine]] = {
+    "flat": FlatEngine,
+    "packed": PackedEngine,
+    "dfs": DfsEngine,
+    "dfs-no-sibling-batching": lambda: DfsEngine(batch_tokens=0),
+    "dfs-always-recompute": lambda: DfsEngine(recompute="always"),
+    "dfs-concat-kv": lambda: DfsEngine(preallocated_kv=False),
+}
+
+
+@dataclass
+class BenchConfig:
+    """What to measure; sizes are full (GPU) sizes times `scale`."""
+
+    shape: str = "small-qwen3"
+    vocab_size: int | None = 4096  # None: the shape's own vocabulary
+    device: str = "cpu"
+    dtype: str = "float32"
+    scale: float = 1 / 16
+    repeats: int = 3
+    warmup: int = 1
+    memory: bool = True
+    engines: list[str] = field(default_factory=lambda: list(ENGINES))
+    workloads: list[str] = field(default_factory=lambda: list(workload_names()))
+    seed: int = 0
+
+
+def workload_names() -> list[str]:
+    return ["grpo", "agent", "sharing-1", "sharing-2", "sharing-4", "sharing-8"]
+
+
+def make_workload(name: str, scale: float, vocab: int, seed: int = 0) -> list[Sequence]:
+    """The named synthetic batch (DESIGN.md "Measurement") at `scale` times its full size."""
+    s = lambda n: max(2, round(n * scale))  # noqa: E731
+    if name == "grpo":  # G = 8 samples of each of 4 prompts
+        return grpo_groups(prompts=4, group_size=8, prompt_len=s(8192), response_len=s(4096), vocab=vocab, seed=seed)
+    if name == "agent":  # tau2-bench-like multi-turn episodes, ~9.4x compression at full size
+        return agent_trees(AgentShape(tasks=1, samples_per_task=4).scaled(scale), vocab=vocab, seed=seed)
+    if name.startswith("sharing-"):
+        return random_trees(sequences=32, length=s(4096), sharing=float(name.split("-")[1]), vocab=vocab, seed=seed)
+    raise ValueError(f"unknown workload {name!r}; known: {', '.join(workload_names())}")
+
+
+def _loss(view: SequenceView) -> torch.Tensor:
+    """A token-level policy-gradient loss: the same work for every engine."""
+    logp = view.logprobs
+    weights = (view.fields["advantages"] * view.fields["loss_mask"]).to(logp)
+    return -(logp * weights).sum() - 0.01 * (view.entropy * view.fields["loss_mask"].to(logp)).sum()
+
+
+def timed_step(engine: Engine, model, batch: list[Sequence], device: torch.device) -> float:
+    """Seconds of one forward_backward (device synchronised), gradients cleared after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    engine.forward_backward(model, batch, _loss)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - started
+    model.zero_grad(set_to_none=True)
+    return seconds
+
+
+def run_bench(config: BenchConfig) -> list[dict]:
+    """One row per (workload, engine), measured side by side on the same model and batch."""
+    unknown = sorted(set(config.engines) - set(ENGINES))
+    if unknown:
+        raise ValueError(f"unknown engines {unknown}; known: {', '.join(ENGINES)}")
+    device = torch.device(config.device)
+    dtype = getattr(torch, config.dtype)
+    model = build_model(shape=config.shape, vocab_size=config.vocab_size, dtype=dtype, device=device, seed=config.seed)
+    vocab = model.config.vocab_size
+    batches = {w: make_workload(w, config.scale, vocab, config.seed) for w in config.workloads}
+    rows = []
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    steps = len(batches) * len(config.engines) * (config.warmup + config.repeats + int(config.memory))
+    with Progress(*columns) as progress:
+        task = progress.add_task("bench", total=steps)
+        for workload, batch in batches.items():
+            tree = PrefixTree.build(batch)
+            stats = tree.stats()
+            flat_flops, tree_flops_ = tree_flops(tree, model.config)
+            base = dict(
+                workload=workload, sequences=stats.sequences, flat_tokens=stats.flat_tokens,
+                unique_tokens=stats.unique_tokens, compression=stats.compression, ideal=flat_flops / tree_flops_,
+            )
+            for name in config.engines:
+                engine = ENGINES[name]()
+                progress.update(task, description=f"{workload}: {name}")
+                times = []
+                for i in range(config.warmup + config.repeats):
+                    seconds = timed_step(engine, model, batch, device)
+                    if i >= config.warmup:
+                        times.append(seconds)
+                    progress.advance(task)
+                peak = None
+                if config.memory:
+                    peak = peak_memory(lambda: engine.forward_backward(model, batch, _loss), device)
+                    model.zero_grad(set_to_none=True)
+                    progress.advance(task)
+                rows.append(dict(base, engine=name, seconds=statistics.median(times), times=times, peak_bytes=peak))
+    for row in rows:
+        flat = next((r for r in rows if r["workload"] == row["workload"] and r["engine"] == "flat"), None)
+        row["speedup"] = flat["seconds"] / row["seconds"] if flat else None
+        row["of_ideal"] = row["speedup"] / row["ideal"] if flat else None
+    return rows
+
+
+MEMORY_ENGINES: dict[str, Callable[[], Engine]] = {
+    "flat, whole batch at once": lambda: FlatEngine(max_tokens=1 << 40),
+    "flat, 8192-token micro-batches": FlatEngine,
+    "dfs (default)": DfsEngine,
+    "dfs, one path (no sibling batching, recompute)": lambda: DfsEngine(batch_tokens=0, recompute="always"),
+}
+
+
+def memory_scaling(config: BenchConfig, groups: tuple[int, ...] = (1, 4, 16, 64)) -> list[dict]:
+    """Peak memory of one step as G samples of one prompt grow: what each engine must hold."""
+    device = torch.device(config.device)
+    model = build_model(shape=config.shape, vocab_size=config.vocab_size, dtype=getattr(torch, config.dtype),
+                        device=device, seed=config.seed)
+    s = lambda n: max(2, round(n * config.scale))  # noqa: E731
+    rows = []
+    for g in groups:
+        batch = grpo_groups(prompts=1, group_size=g, prompt_len=s(8192), response_len=s(4096),
+                            vocab=model.config.vocab_size, seed=config.seed)
+        for name, make in MEMORY_ENGINES.items():
+            peak = peak_memory(lambda: make().forward_backward(model, batch, _loss), device)
+            model.zero_grad(set_to_none=True)
+            rows.append(dict(samples=g, sequence_tokens=len(batch[0]), flat_tokens=sum(map(len, batch)),
+                             engine=name, peak_bytes=peak))
+    return rows
+
+
+def describe(config: BenchConfig) -> dict:
+    """The run's settings and machine, stored beside the results."""
+    device = torch.device(config.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU x{torch.get_num_threads()} threads"
+    return dict(asdict(config), torch=torch.__version__, device_name=name)

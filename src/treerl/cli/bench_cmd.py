@@ -1,0 +1,54 @@
+"""`treerl bench`: engines side by side on the same trees; `--balance`: data-parallel assignment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from treerl.bench.run import ENGINES, BenchConfig, describe, memory_scaling, run_bench, workload_names
+
+
+def bench(
+    shape: str = typer.Option("small-qwen3", help="model shape (treerl.models.SHAPES), random weights"),
+    vocab_size: int = typer.Option(4096, help="vocabulary size; 0 keeps the shape's own"),
+    device: str = typer.Option("cpu", help="cpu or cuda"),
+    dtype: str = typer.Option("float32", help="float32, bfloat16, float16, float64"),
+    scale: float = typer.Option(1 / 16, help="workload lengths x scale (1.0: 16K-token agent context, 8K prompts)"),
+    repeats: int = typer.Option(3, help="timed runs per engine (median), after one warm-up"),
+    workloads: str = typer.Option(",".join(workload_names()), help="comma-separated workloads"),
+    engines: str = typer.Option(",".join(ENGINES), help="comma-separated engines"),
+    memory: bool = typer.Option(True, help="also measure peak memory (one extra untimed run)"),
+    balance: bool = typer.Option(False, "--balance", help="data-parallel balancer vs first-fit and LPT instead"),
+    balance_scale: float = typer.Option(1.0, help="--balance: tau2-like episode lengths x scale"),
+    out: Path = typer.Option(Path("outputs/bench"), help="where JSON, markdown and PNG go"),
+) -> None:
+    """Measure what prefix sharing buys: time, memory and speedup over flat, against the FLOP ideal."""
+    config = BenchConfig(
+        shape=shape, vocab_size=vocab_size or None, device=device, dtype=dtype, scale=scale, repeats=repeats,
+        memory=memory, workloads=workloads.split(","), engines=engines.split(","),
+    )
+    console = Console()
+    if balance:
+        from treerl.bench.balance import balance_tables
+
+        rows, table, fitted = balance_tables(config, balance_scale)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "balance.json").write_text(json.dumps({"cost_model": fitted.weights, "rows": rows}, indent=1))
+        (out / "balance.md").write_text(table + "\n")
+        console.print(f"cost model {fitted.describe()}")
+        print(table)
+        console.print(f"written to {out}/balance.{{json,md}}")
+        return
+    from treerl.bench.report import markdown, memory_markdown, write
+
+    rows = run_bench(config)
+    memory_rows = memory_scaling(config) if memory else []
+    paths = write(rows, memory_rows, describe(config), out)
+    print(markdown(rows))
+    if memory_rows:
+        print("\nPeak memory (MiB) of one step, G samples of one prompt:\n")
+        print(memory_markdown(memory_rows))
+    console.print(f"written to {', '.join(str(p) for p in paths.values())}")

@@ -1,0 +1,71 @@
+"""The bench: FLOP model arithmetic, a tiny end-to-end run, its files, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from typer.testing import CliRunner
+
+from treerl.bench.flops import attention_flops_per_key, linear_flops_per_token, tree_flops
+from treerl.bench.memory import peak_memory
+from treerl.bench.run import BenchConfig, make_workload, run_bench
+from treerl.cli.main import app
+from treerl.models import model_config
+from treerl.tree import PrefixTree, Sequence
+
+
+def test_flops_of_a_hand_counted_tree():
+    config = model_config("tiny-qwen3", vocab_size=10)
+    per_token, per_key = linear_flops_per_token(config), attention_flops_per_key(config)
+    d, layers = 64, 2
+    assert per_token == 2 * (layers * (d * 64 * 2 + d * 32 * 2 + 3 * d * 128) + d * 10)
+    assert per_key == 4 * 4 * 16 * layers
+    seqs = [Sequence(torch.tensor([1, 2, 3])), Sequence(torch.tensor([1, 2, 4, 5]))]
+    flat, tree = tree_flops(PrefixTree.build(seqs), config)
+    assert flat == 7 * per_token + (1 + 2 + 3 + 1 + 2 + 3 + 4) * per_key
+    assert tree == 5 * per_token + (1 + 2 + 3 + 3 + 4) * per_key  # [1 2] [3] [4 5]
+
+
+def test_no_sharing_means_no_ideal_speedup():
+    tree = PrefixTree.build(make_workload("sharing-1", 1 / 64, 1000))
+    flat, unique = tree_flops(tree, model_config("tiny-qwen3"))
+    assert flat == unique
+
+
+def test_peak_memory_sees_a_tensor():
+    assert peak_memory(lambda: torch.ones(1 << 20)) >= 4 << 20
+
+
+def test_tiny_run_and_files(tmp_path):
+    config = BenchConfig(shape="tiny-qwen3", vocab_size=128, scale=1 / 128, repeats=1, warmup=0,
+                         workloads=["grpo", "sharing-1"], engines=["flat", "dfs", "packed"])
+    rows = run_bench(config)
+    assert len(rows) == 6
+    grpo = [r for r in rows if r["workload"] == "grpo"]
+    assert all(r["compression"] > 2 and r["ideal"] > 1.5 for r in grpo)
+    assert next(r for r in grpo if r["engine"] == "flat")["speedup"] == 1.0
+    assert all(r["seconds"] > 0 and r["peak_bytes"] > 0 for r in rows)
+
+
+def test_cli_writes_json_markdown_and_plot(tmp_path):
+    result = CliRunner().invoke(app, [
+        "bench", "--shape", "tiny-qwen3", "--vocab-size", "128", "--scale", "0.005", "--repeats", "1",
+        "--workloads", "agent", "--engines", "flat,dfs", "--no-memory", "--out", str(tmp_path),
+    ])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["settings"]["shape"] == "tiny-qwen3" and len(data["rows"]) == 2
+    assert "| agent |" in (tmp_path / "bench.md").read_text()
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_memory_scaling_dfs_holds_a_path_flat_holds_the_batch():
+    from treerl.bench.run import memory_scaling
+
+    config = BenchConfig(shape="tiny-qwen3", vocab_size=128, scale=1 / 64)
+    rows = memory_scaling(config, groups=(1, 16))
+    peak = {(r["engine"], r["samples"]): r["peak_bytes"] for r in rows}
+    whole, path = "flat, whole batch at once", "dfs, one path (no sibling batching, recompute)"
+    assert peak[(whole, 16)] > 6 * peak[(whole, 1)]
+    assert peak[(path, 16)] < 2 * peak[(path, 1)]
