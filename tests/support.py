@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
 import types
+import urllib.request
+from collections.abc import Iterator
 
 import torch
 
@@ -33,3 +41,41 @@ def tiny_model(shape: str = "tiny-qwen3", vocab_size: int = 64, exact: bool = Tr
                     module.forward = types.MethodType(_rms_norm_in_input_dtype, module)
         _MODELS[key] = model
     return _MODELS[key]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def treerl_serve(*args: str) -> Iterator[str]:
+    """`python -m treerl.cli.main serve ARGS` on a free loopback port; yields its URL; killed on exit."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "treerl.cli.main", "serve", "--port", str(port), *args]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"treerl serve exited with {process.returncode}: {process.stdout.read().decode()}")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("treerl serve did not become ready in 60 s") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

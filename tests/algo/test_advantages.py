@@ -163,3 +163,37 @@ def test_whiten_uses_trained_tokens_only() -> None:
     masks = [torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 1.0])]
     out = whiten(values, masks, eps=0.0)
     assert torch.cat(out).tolist() == pytest.approx([0.0, -1.0, 0.0, 0.0, 1.0])
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "rloo"])
+def test_group_baseline_counts_each_multi_turn_trajectory_once(loss: str) -> None:
+    """A trajectory of k model calls emits k sequences with its reward; the group's statistics see it once."""
+    calls = {"t0": 3, "t1": 1, "t2": 1}  # t0 made three calls: counted per sequence it would drag the mean to 1
+    rewards = {"t0": 1.0, "t1": 0.0, "t2": 0.0}
+    batch = [
+        Sequence(torch.arange(4), {"loss_mask": torch.tensor([0.0, 0.0, 1.0, 1.0])},
+                 {"reward": rewards[t], "group": "episode", "trajectory": t}, name=f"{t}/turn{k}")
+        for t, n in calls.items() for k in range(n)
+    ]
+    compute_advantages(AlgoConfig(loss=loss, adv_eps=0.0), batch)
+    r = torch.tensor(list(rewards.values()), dtype=torch.float64)
+    if loss == "grpo":
+        want = group_advantages(r, ["episode"] * 3, eps=0.0)
+    elif loss == "dr_grpo":
+        want = group_advantages(r, ["episode"] * 3, scale_std=False)
+    else:
+        want = rloo_advantages(r, ["episode"] * 3)
+    per_trajectory = dict(zip(calls, want.tolist()))
+    for seq in batch:
+        assert seq.fields["advantages"][2:].tolist() == pytest.approx([per_trajectory[seq.info["trajectory"]]] * 2)
+    assert per_trajectory["t0"] == pytest.approx({"grpo": 2 / 3 / (1 / 3) ** 0.5, "dr_grpo": 2 / 3, "rloo": 1.0}[loss])
+
+
+def test_sequences_of_one_trajectory_must_share_its_reward() -> None:
+    batch = [
+        Sequence(torch.arange(3), {"loss_mask": torch.tensor([0.0, 1.0, 1.0])},
+                 {"reward": r, "group": "g", "trajectory": "t"}, name=f"call{k}")
+        for k, r in enumerate([1.0, 0.5])
+    ]
+    with pytest.raises(BatchError, match=r"sequence 1 \('call1'\): field 'reward' is 0.5.*trajectory 't'"):
+        compute_advantages(AlgoConfig(loss="grpo"), batch)

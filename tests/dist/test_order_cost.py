@@ -65,6 +65,8 @@ def test_fit_recovers_the_weights_that_produced_the_timings():
     for tree, seconds in samples:
         assert model(tree) == pytest.approx(seconds, rel=1e-6)
     assert "unique_tokens" in model.describe()
+    rows = [tree_features(tree) for tree, _ in samples]
+    assert CostModel.from_features(rows, [t for _, t in samples]) == model  # what a trainer keeps: features only
 
 
 def test_fit_keeps_weights_non_negative_on_noisy_timings():

@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-
 import pytest
 import torch
+from support import treerl_serve
 
 from treerl.engine import FlatEngine, PolicyHead
 from treerl.models import build_model
@@ -22,43 +16,11 @@ pytestmark = pytest.mark.slow
 SEED = 3  # the random-init weights the server builds (--seed)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     """`python -m treerl.cli.main serve` with a tiny float64 model; killed whatever the tests do."""
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "treerl.cli.main", "serve", "--port", str(port), "--dtype", "float64",
-               "--seed", str(SEED), "--served-model-name", "tiny"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"treerl serve exited with {process.returncode}: {process.stdout.read().decode()}")
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("treerl serve did not become ready in 60 s") from None
-                time.sleep(0.2)
+    with treerl_serve("--dtype", "float64", "--seed", str(SEED), "--served-model-name", "tiny") as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,9 @@ from one trained token to the next by `gamma`, times `turn_discount` across a tu
 When every model call of an episode is its own sequence, give call k the discounted return
 `turn_returns(rewards, turn_discount)[k]` as its reward.
 
-Group estimators need `info["group"]` (sequences answering the same prompt share it).
+Group estimators need `info["group"]` (sequences answering the same prompt share it); sequences
+with the same `info["trajectory"]` in a group are one trajectory (the model calls of a multi-turn
+episode), counted once in the group's baseline.
 `compute_advantages` writes the per-token fields `advantages` (0 outside the loss mask) and,
 for GAE, `returns` (the critic's targets); it must see the whole batch, as a group or a
 whitening statistic spans it.
@@ -164,8 +166,15 @@ def compute_advantages(config: AlgoConfig, sequences: Seq[Sequence]) -> None:
 def _group_estimate(
     config: AlgoConfig, sequences: Seq[Sequence], rewards: list, masks: list[torch.Tensor]
 ) -> list[torch.Tensor]:
-    """One advantage per sequence from its group's rewards, on every trained token."""
-    groups = []
+    """One advantage per trajectory from its group's trajectory rewards, on every trained token of its sequences.
+
+    A multi-turn trajectory emits one sequence per model call, all carrying its reward and its
+    `info["trajectory"]`: the group's mean and std are taken over its trajectories, each counted
+    once, not over sequences (a trajectory with more calls must not weigh more in the baseline).
+    A sequence without `trajectory` is a trajectory of its own.
+    """
+    keys: dict[tuple[Hashable, Hashable], int] = {}  # (group, trajectory) -> index of the trajectory
+    of_sequence, trajectory_rewards, trajectory_groups = [], [], []
     for i, (seq, reward) in enumerate(zip(sequences, rewards)):
         if isinstance(reward, list):
             raise BatchError(
@@ -176,17 +185,31 @@ def _group_estimate(
             raise BatchError(
                 f"{seq.label(i)}: field 'group' is missing from info (needed by algo.advantage={config.advantage})"
             )
-        groups.append(seq.info["group"])
-    r = torch.tensor(rewards, dtype=torch.float64)
+        group = seq.info["group"]
+        key = (group, seq.info.get("trajectory", ("sequence", i)))
+        if key not in keys:
+            keys[key] = len(trajectory_rewards)
+            trajectory_rewards.append(reward)
+            trajectory_groups.append(group)
+        elif trajectory_rewards[keys[key]] != reward:
+            raise BatchError(
+                f"{seq.label(i)}: field 'reward' is {reward}, but an earlier sequence of trajectory {key[1]!r} "
+                f"has {trajectory_rewards[keys[key]]}; the sequences of one trajectory share its reward"
+            )
+        of_sequence.append(keys[key])
+    r = torch.tensor(trajectory_rewards, dtype=torch.float64)
     if config.advantage == "rloo":
-        sizes = _groups(groups)
-        for i, g in enumerate(groups):
+        sizes = _groups(trajectory_groups)
+        for i, t in enumerate(of_sequence):
+            g = trajectory_groups[t]
             if len(sizes[g]) < 2:
-                raise BatchError(f"{sequences[i].label(i)}: field 'group' {g!r} has no other member; RLOO needs >= 2")
-        scalar = rloo_advantages(r, groups)
+                raise BatchError(
+                    f"{sequences[i].label(i)}: field 'group' {g!r} has no other member; RLOO needs >= 2 trajectories"
+                )
+        scalar = rloo_advantages(r, trajectory_groups)
     else:
-        scalar = group_advantages(r, groups, scale_std=config.advantage == "group", eps=config.adv_eps)
-    return [torch.where(m > 0, a, 0.0).double() for a, m in zip(scalar, masks)]
+        scalar = group_advantages(r, trajectory_groups, scale_std=config.advantage == "group", eps=config.adv_eps)
+    return [torch.where(m > 0, scalar[t], 0.0).double() for t, m in zip(of_sequence, masks)]
 
 
 def _token_estimate(

@@ -63,13 +63,19 @@ class CostModel:
         """
         rows, seconds = [], []
         for batch, t in samples:
-            if not np.isfinite(t) or t < 0:
-                raise ValueError(f"CostModel.fit: measured seconds must be finite and >= 0, got {t}")
             rows.append(tree_features(batch))
             seconds.append(float(t))
-        if not rows:
+        return cls.from_features(rows, seconds)
+
+    @classmethod
+    def from_features(cls, rows: Seq[np.ndarray], seconds: Seq[float]) -> CostModel:
+        """`fit` on precomputed `tree_features` rows (what a trainer keeps of its measured micro-batches)."""
+        for t in seconds:
+            if not np.isfinite(t) or t < 0:
+                raise ValueError(f"CostModel.fit: measured seconds must be finite and >= 0, got {t}")
+        if len(rows) == 0:
             raise ValueError("CostModel.fit needs at least one (tree, seconds) sample")
-        x, y = np.stack(rows), np.asarray(seconds)
+        x, y = np.stack(rows), np.asarray(seconds, dtype=np.float64)
         scale = np.linalg.norm(x, axis=0)
         scale[scale == 0] = 1.0
         w, _ = nnls(x / scale, y)

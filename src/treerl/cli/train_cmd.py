@@ -1,0 +1,73 @@
+"""`treerl train` and `treerl sft`: read the config (YAML + key=value overrides), call the trainer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import typer
+
+ARGS_HELP = "CONFIG (a YAML file or a packaged config name), then key=value overrides; e.g. guess_number trainer.steps=100"
+
+
+def _split(args: list[str] | None) -> tuple[str | None, list[str]]:
+    """The first argument is the config file unless it is a key=value override."""
+    args = list(args or [])
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return None, args
+
+
+def _load(args: list[str] | None, base: tuple[str, ...] = ()):
+    from treerl.trainer.config import ConfigError, load_config
+
+    path, overrides = _split(args)
+    try:
+        return load_config(path, overrides, base=base)
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _run(config, print_config: bool, loop: Callable) -> None:
+    from treerl.trainer.config import ConfigError, to_yaml
+
+    if print_config:
+        typer.echo(to_yaml(config), nl=False)
+        return
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        loop(config)
+    except (ConfigError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():  # under torchrun
+            dist.destroy_process_group()
+
+
+def train(
+    args: list[str] = typer.Argument(None, help=ARGS_HELP, show_default=False),
+    print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
+) -> None:
+    """RL-train a policy (no config: the built-in CPU demo, a tiny model learning arithmetic).
+
+    Under `torchrun --nproc-per-node K` it trains data-parallel with no other change.
+    """
+    from treerl.trainer import train as train_loop
+
+    _run(_load(args), print_config, train_loop)
+
+
+def sft(
+    args: list[str] = typer.Argument(None, help=ARGS_HELP, show_default=False),
+    print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
+) -> None:
+    """Fine-tune on branching conversations (no config: the shipped example of agent trajectories)."""
+    from treerl.trainer import SFT_DEFAULTS
+    from treerl.trainer import sft as sft_loop
+
+    path, overrides = _split(args)
+    _run(_load([path or "sft_example", *overrides], base=SFT_DEFAULTS), print_config, sft_loop)

@@ -1,0 +1,291 @@
+"""The training config: one dataclass tree (model, rollout, algo, engine, trainer, sft), loaded from YAML.
+
+    config = load_config("my_run.yaml", ["trainer.steps=100", "algo.entropy_coef=0.01"])
+
+Layers, later ones winning: the dataclass defaults (which ARE the built-in CPU demo), the YAML
+file, then `key=value` overrides (OmegaConf dotlist syntax: `rollout.branch_at=[1,2]`,
+`model.path=null`). Every key is typed; an unknown key, a value of the wrong type or an
+out-of-range value is a `ConfigError` naming the key. Each option is documented by the comment
+next to it here (and in docs/config.md).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from treerl.algo import AlgoConfig
+from treerl.models import SHAPES
+from treerl.rollout import RolloutConfig
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+ENGINES = ("dfs", "flat", "packed")
+RECOMPUTE = ("auto", "always", "never")
+DATA_PARALLEL = ("auto", "none", "ddp", "fsdp2")
+LR_SCHEDULES = ("constant", "cosine")
+CHAT_FORMATS = ("template", "plain")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: unknown key, wrong type, bad value, missing file. Names the key."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy: a local transformers checkpoint, or a named shape with random weights."""
+
+    path: str | None = None  # local checkpoint directory (config + weights, e.g. a save_pretrained dir); never downloaded
+    shape: str = "tiny-qwen3"  # when path is null: a shape of treerl.models.SHAPES, randomly initialised
+    tokenizer_path: str | None = None  # null: the tokenizer saved with model.path; with no path, the built-in one
+    dtype: str = "float32"  # parameters and optimizer state: float32 | bfloat16 | float16 | float64
+    device: str = "auto"  # auto: this rank's GPU when CUDA is available, else cpu
+    seed: int = 0  # random initialisation of a shape (the same seed gives the same weights)
+    attn_implementation: str = "sdpa"  # transformers attention for the flat engine and sampling (sdpa | eager | ...)
+
+
+@dataclass
+class EngineConfig:
+    """The training engine: how forward/backward walks a batch (all give the same gradients)."""
+
+    name: str = "dfs"  # dfs (dynamic tree attention) | packed (tree mask, one call per pack) | flat (reference)
+    chunk_tokens: int = 2048  # dfs: longest run of one node computed at once
+    batch_tokens: int = 8192  # dfs: most tokens (padding included) in one batched call of sibling nodes; 0: off
+    recompute: str = "auto"  # dfs: auto (keep graphs within memory_budget_bytes) | always | never
+    memory_budget_bytes: int | None = None  # dfs: kept graphs; null: half the free device memory
+    max_tokens: int = 8192  # flat: padded tokens per micro-batch; packed: unique tokens per pack
+    head_chunk_rows: int = 1024  # rows of the LM head computed at once (no [tokens, vocab] logits tensor)
+
+
+@dataclass
+class TrainerConfig:
+    """The loop: optimisation, schedule, checkpoints, logging, data parallelism."""
+
+    mode: str = "sync"  # sync: collect a batch, then update on it (async: planned, issue 6)
+    steps: int = 500  # training steps (one rollout batch, or one SFT batch, each)
+    seed: int = 0  # seeds torch / numpy / random and the minibatch shuffling
+
+    # Optimisation (AdamW).
+    lr: float = 1e-3  # peak learning rate
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    adam_eps: float = 1e-8  # AdamW epsilon
+    max_grad_norm: float | None = 1.0  # clip the global gradient norm to this; null: no clipping
+    warmup_steps: int = 10  # linear warmup from 0 over this many training steps
+    lr_schedule: str = "constant"  # after warmup: constant | cosine (down to min_lr_ratio * lr at the last step)
+    min_lr_ratio: float = 0.0  # cosine: final learning rate / lr
+
+    # PPO-style updates on each batch.
+    ppo_epochs: int = 1  # passes over each batch
+    minibatches: int = 1  # optimizer steps per pass; a minibatch holds whole groups (a prompt's samples stay together)
+    micro_batch_tokens: int | None = None  # unique tokens per engine call on a rank; null: one call per rank
+    recompute_logprobs: bool = False  # recompute old_logprobs with the training engine instead of the rollout's
+
+    # Data parallel (under torchrun; a plain `python`/`treerl` run is one rank).
+    data_parallel: str = "auto"  # auto (ddp when there are several ranks) | none | ddp | fsdp2
+    fit_cost_model: bool = True  # refit treerl.dist's cost model from measured engine times to balance ranks
+
+    # Evaluation: the policy's mean reward on a fixed set of prompts (sampled like the rollout).
+    eval_prompts: int = 64  # prompts (episodes) per evaluation; 0: no evaluation
+    eval_every: int = 0  # also evaluate every this many steps; 0: only at the start and the end
+
+    # Output.
+    output_dir: str = "runs/train"  # metrics.jsonl, tensorboard/, checkpoints/, summary.json
+    save_every: int = 0  # checkpoint every this many steps; 0: only at the end
+    keep_checkpoints: int = 2  # most recent checkpoints kept; 0: keep all
+    save_final: bool = True  # checkpoint after the last step
+    resume: str | None = None  # a checkpoint directory, or "auto": the latest in output_dir/checkpoints (if any)
+    log_every: int = 1  # write metrics every this many steps
+    tensorboard: bool = True  # also write TensorBoard event files to output_dir/tensorboard
+    progress: bool = True  # show a progress bar (step, reward, loss)
+
+
+@dataclass
+class SFTConfig:
+    """`treerl sft`: supervised fine-tuning on branching conversations (docs/training.md#sft-data)."""
+
+    data_path: str | None = None  # JSONL of branching conversations (docs/training.md); null: the shipped example
+    conversations_per_step: int = 8  # conversations (each a tree of paths) per training step
+    chat_format: str = "template"  # template: the tokenizer's chat template (plain if it has none) | plain
+    shuffle: bool = True  # visit conversations in a seeded random order, reshuffled every epoch
+    eval_conversations: int = 32  # conversations whose loss is printed at the start and the end; 0: none
+
+
+def _demo_algo() -> AlgoConfig:
+    """Dr. GRPO with an entropy bonus: without the bonus the tiny demo policy collapses onto one answer, and
+    GRPO's std scaling blows the tiny format-credit differences of early samples up into full-size advantages."""
+    return AlgoConfig(loss="dr_grpo", entropy_coef=0.02)
+
+
+@dataclass
+class Config:
+    """Everything one run needs. The defaults are the built-in demo: arithmetic, a tiny model, CPU."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=_demo_algo)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    def check(self) -> None:
+        """Every value check of every section, before anything is built."""
+        try:
+            self.algo.check()
+            self.algo.resolved()
+            self.rollout.check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        check_choices(self)
+        check_ranges(self)
+
+
+def check_choices(config: Config) -> None:
+    """Options that take one of a few names."""
+    choices = {
+        "model.dtype": DTYPES, "engine.name": ENGINES, "engine.recompute": RECOMPUTE,
+        "trainer.data_parallel": DATA_PARALLEL, "trainer.lr_schedule": LR_SCHEDULES,
+        "sft.chat_format": CHAT_FORMATS, "trainer.mode": ("sync", "async"),
+    }
+    if config.model.path is None:
+        choices["model.shape"] = tuple(SHAPES)
+    for key, allowed in choices.items():
+        value = get(config, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
+    if config.trainer.mode == "async":
+        raise ConfigError("trainer.mode=async is not implemented yet (issue 6); use trainer.mode=sync")
+    if config.algo.resolved().advantage == "gae":
+        raise ConfigError(
+            f"algo.advantage=gae (the default of algo.loss={config.algo.loss}) needs a critic, which treerl train "
+            "does not run yet; choose algo.advantage=group, group_mean, rloo or returns"
+        )
+
+
+def check_ranges(config: Config) -> None:
+    """Numbers that must be positive, non-negative or in a range."""
+    t = config.trainer
+    positive = {
+        "trainer.steps": t.steps, "trainer.lr": t.lr, "trainer.ppo_epochs": t.ppo_epochs,
+        "trainer.minibatches": t.minibatches, "trainer.log_every": t.log_every, "trainer.adam_eps": t.adam_eps,
+        "engine.chunk_tokens": config.engine.chunk_tokens, "engine.max_tokens": config.engine.max_tokens,
+        "engine.head_chunk_rows": config.engine.head_chunk_rows,
+        "sft.conversations_per_step": config.sft.conversations_per_step,
+    }
+    optional = {"trainer.micro_batch_tokens": t.micro_batch_tokens, "trainer.max_grad_norm": t.max_grad_norm,
+                "engine.memory_budget_bytes": config.engine.memory_budget_bytes}
+    positive.update({k: v for k, v in optional.items() if v is not None})
+    for key, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"{key}={value} must be > 0")
+    non_negative = {
+        "trainer.weight_decay": t.weight_decay, "trainer.warmup_steps": t.warmup_steps,
+        "trainer.eval_prompts": t.eval_prompts, "trainer.eval_every": t.eval_every, "trainer.save_every": t.save_every,
+        "trainer.keep_checkpoints": t.keep_checkpoints, "engine.batch_tokens": config.engine.batch_tokens,
+        "sft.eval_conversations": config.sft.eval_conversations,
+    }
+    for key, value in non_negative.items():
+        if not value >= 0:
+            raise ConfigError(f"{key}={value} must be >= 0")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        raise ConfigError(f"trainer.betas={t.betas} must be two numbers in [0, 1)")
+
+
+def get(config: Any, key: str) -> Any:
+    """The value at a dotted key, e.g. get(config, "trainer.lr")."""
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                base: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- `base` dotlist (a command's own defaults) <- YAML at `path` <- `overrides`; checked."""
+    schema = OmegaConf.structured(Config)
+    layers = [("defaults of this command", OmegaConf.from_dotlist(list(base)))] if base else []
+    if path is not None:
+        layers.append((str(path), _read_yaml(resolve_config_path(path))))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. trainer.steps=100")
+        layers.append((f"override {item!r}", OmegaConf.from_dotlist([item])))
+    for source, layer in layers:
+        try:
+            schema = OmegaConf.merge(schema, layer)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"{source}: {_explain(e)}") from None
+    try:
+        config: Config = OmegaConf.to_object(schema)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        raise ConfigError(_explain(e)) from None
+    except ValueError as e:  # a section's own check (AlgoConfig checks itself when built)
+        raise ConfigError(str(e)) from None
+    config.check()
+    return config
+
+
+def packaged_configs() -> dict[str, Path]:
+    """The YAML configs shipped with treerl (treerl/configs), by name without `.yaml`."""
+    folder = resources.files("treerl") / "configs"
+    return {Path(str(p)).stem: Path(str(p)) for p in folder.iterdir() if str(p).endswith(".yaml")}
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A YAML file on disk, or the name of a packaged config (`guess_number`, `configs/guess_number.yaml`)."""
+    candidate = Path(path)
+    if candidate.is_file():
+        return candidate
+    shipped = packaged_configs()
+    name = candidate.name.removesuffix(".yaml").removesuffix(".yml")
+    if name in shipped:
+        return shipped[name]
+    raise ConfigError(f"config file {str(path)!r} does not exist (packaged configs: {', '.join(sorted(shipped))})")
+
+
+def to_yaml(config: Config) -> str:
+    """The resolved config as YAML (what `--print-config` shows and each checkpoint stores)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def all_keys(section: Any = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the config tree (docs and tests check that each is documented)."""
+    keys = []
+    for f in fields(section):
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            keys.extend(all_keys(type(default), f"{prefix}{f.name}."))
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        layer = OmegaConf.load(path)
+    except Exception as e:  # YAML syntax errors come from several libraries
+        raise ConfigError(f"{path}: not a valid YAML file ({e})") from None
+    if not OmegaConf.is_dict(layer):
+        raise ConfigError(f"{path}: expected a mapping of sections (model, rollout, algo, engine, trainer, sft)")
+    return layer
+
+
+def _explain(error: OmegaConfBaseException) -> str:
+    """OmegaConf's error as one line naming the full key, with a suggestion for a misspelt one."""
+    key = getattr(error, "full_key", None) or getattr(error, "key", None)
+    message = str(error).splitlines()[0]
+    if type(error).__name__ in ("ConfigKeyError", "ConfigAttributeError") and key:
+        parent, _, leaf = str(key).rpartition(".")
+        known = [k for k in all_keys() if k.startswith(parent + ".")] if parent else [f.name for f in fields(Config)]
+        close = difflib.get_close_matches(str(key), known, n=1) or difflib.get_close_matches(leaf, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        where = f"section {parent!r}" if parent else "the config (sections: model, rollout, algo, engine, trainer, sft)"
+        return f"unknown key {str(key)!r}: {where} has no {leaf!r}{hint} (see docs/config.md)"
+    return f"{key}: {message}" if key else message

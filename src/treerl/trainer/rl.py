@@ -1,0 +1,257 @@
+"""Synchronous RL: each step samples a batch with the current policy, then updates the policy on it.
+
+    for step in steps:
+        batch = collect(run, rollout, step)         # prompts -> samples -> rewards -> sequences (RolloutBatch)
+        prepare(run, batch.sequences, reference)    # reference / proximal log-probs, advantages, checks
+        update(run, batch.sequences, step)          # ppo_epochs x minibatches optimizer steps on the tree engine
+
+`collect` and `update` only meet through a `RolloutBatch` (training sequences + counters), so an
+asynchronous mode can feed `update` from rollout workers instead (issue 6) without changing it.
+
+Under torchrun every rank must hold the same global batch. With the embedded sampler every rank
+runs the same seeded rollout (a step's prompts and sampling seed depend only on the config and
+the step, and the weights are identical on every rank): no communication, and under FSDP2 the
+sampler's forwards through the sharded model run in lockstep on all ranks, as they must. A
+fingerprint of the batch is compared across ranks, so a divergence is an error, not a silent
+mismatch. With an inference server (`rollout.server_url`) rank 0 collects and broadcasts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from treerl.algo import AlgoConfig, LossNormalizer, build_loss, compute_advantages, fill_fields, validate_batch
+from treerl.algo.policy import kl_penalty
+from treerl.dist import Assignment
+from treerl.engine import LossFn, SequenceView
+from treerl.rollout import CompletionsClient, Rollout, RolloutBatch, RolloutStats, build_engine
+from treerl.trainer.checkpoint import full_weights, write_pretrained
+from treerl.trainer.config import Config
+from treerl.trainer.metrics import tree_metrics
+from treerl.trainer.run import Run, load_policy
+from treerl.trainer.update import update
+from treerl.tree import Sequence
+
+EVAL_STEP = 10**9  # the "step" whose prompts and sampling seed form the fixed evaluation set
+REWARD_WINDOW = 20  # training steps averaged for the first / last training reward
+
+
+@dataclass
+class TrainResult:
+    """What `treerl train` reports at the end (also written to output_dir/summary.json)."""
+
+    reward_start: float  # evaluation of the initial policy (NaN without evaluation)
+    reward_end: float  # evaluation of the final policy
+    train_reward_first: float  # mean rollout reward of the first REWARD_WINDOW steps run
+    train_reward_last: float  # ... and of the last REWARD_WINDOW steps
+    steps: int
+    skipped_steps: int  # steps whose samples were all dropped
+    dropped_samples: int
+    seconds: float
+    output_dir: str
+
+
+def train(config: Config) -> TrainResult:
+    """Run synchronous RL as configured; returns the start/end rewards."""
+    started = time.perf_counter()
+    run = Run.start(config, temperature=config.rollout.temperature)
+    try:
+        sampler = build_engine(config.rollout, run.policy)
+        sampler.version = run.start_step
+        rollout = Rollout(config.rollout, run.tokenizer, sampler)
+        reference = load_reference(config, run) if config.algo.kl_coef > 0 else None
+        evaluation = Rollout(replace(config.rollout, prompts_per_step=config.trainer.eval_prompts), run.tokenizer,
+                             sampler) if config.trainer.eval_prompts else None
+        reward_start = evaluate(run, evaluation, run.start_step, "start")
+        rewards: deque[float] = deque(maxlen=REWARD_WINDOW)
+        first: list[float] = []
+        dropped = 0
+        for step in run.steps():
+            metrics = train_step(run, rollout, reference, step)
+            if step + 1 < config.trainer.steps and config.trainer.eval_every and (step + 1) % config.trainer.eval_every == 0:
+                evaluate(run, evaluation, step + 1, None)
+            reward = metrics["rollout/reward_mean"]
+            dropped += int(metrics["rollout/dropped"])
+            if not math.isnan(reward):  # NaN: a step whose samples were all dropped
+                rewards.append(reward)
+                if len(first) < REWARD_WINDOW:
+                    first.append(reward)
+            run.end_step(step, metrics, {"reward": reward, "loss": metrics.get("train/loss", float("nan"))})
+        reward_end = evaluate(run, evaluation, config.trainer.steps, "end")
+        result = TrainResult(
+            reward_start=reward_start, reward_end=reward_end,
+            train_reward_first=_mean(first), train_reward_last=_mean(rewards),
+            steps=config.trainer.steps, skipped_steps=run.loop_state["skipped_steps"], dropped_samples=dropped,
+            seconds=time.perf_counter() - started, output_dir=config.trainer.output_dir,
+        )
+        run.summarise(asdict(result), f"training reward: first {len(first)} steps {result.train_reward_first:.3f} -> "
+                      f"last {len(rewards)} steps {result.train_reward_last:.3f}")
+        return result
+    finally:
+        run.finish()
+
+
+def train_step(run: Run, rollout: Rollout, reference: torch.nn.Module | None, step: int) -> dict[str, float]:
+    """One step: collect, prepare, update; returns its metrics."""
+    started = time.perf_counter()
+    batch = collect(run, rollout, step)
+    metrics = batch.stats.metrics()
+    report_dropped(run, step, batch.stats)
+    if batch.sequences:
+        metrics.update(tree_metrics(batch.sequences))
+        algo = run.config.algo.resolved()
+        prepared = time.perf_counter()
+        prepare(run, batch.sequences, reference)
+        metrics["time/logprobs"] = time.perf_counter() - prepared
+        metrics.update(update(run, batch.sequences, step, lambda minibatch: policy_loss(algo, minibatch)))
+    else:  # every sample was dropped: nothing to learn from, the schedule still advances
+        run.loop_state["skipped_steps"] += 1
+        run.print(f"step {step}: every sample was dropped ({dict(batch.stats.dropped)}); step skipped")
+    metrics["trainer/skipped_steps"] = run.loop_state["skipped_steps"]
+    rollout.engine.version = step + 1
+    push_weights(run, rollout, step + 1)
+    metrics["time/rollout"] = batch.stats.seconds
+    metrics["time/step"] = time.perf_counter() - started
+    return metrics
+
+
+# ---------------------------------------------------------------------- rollout
+def collect(run: Run, rollout: Rollout, step: int) -> RolloutBatch:
+    """The global batch of `step`, the same on every rank."""
+    if run.env.world_size == 1:
+        return rollout.collect(step)
+    if isinstance(rollout.engine, CompletionsClient):  # a server's samples need not be reproducible: rank 0 asks
+        box = [rollout.collect(step) if run.env.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]  # type: ignore[return-value]
+    with run.dp.gathered():
+        batch = rollout.collect(step)
+    check_same_batch(batch.sequences)
+    return batch
+
+
+def check_same_batch(sequences: list[Sequence]) -> None:
+    """Every rank must have sampled the same batch; compare a fingerprint (tokens and rewards) across ranks."""
+    digest = hashlib.sha256(repr([(s.name, s.info.get("reward")) for s in sequences]).encode())
+    for seq in sequences:
+        digest.update(seq.tokens.numpy().tobytes())
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, digest.hexdigest())
+    if len(set(gathered)) != 1:
+        raise RuntimeError(
+            "the ranks sampled different batches (their weights or rollout configs differ); every rank must "
+            "start from the same model and config"
+        )
+
+
+def push_weights(run: Run, rollout: Rollout, version: int) -> None:
+    """With an inference server: write the updated policy to disk and have the server load it."""
+    client = rollout.engine
+    if not isinstance(client, CompletionsClient):
+        return
+    weights = full_weights(run.policy)
+    if run.env.is_main:
+        path = (Path(run.config.trainer.output_dir) / "server_weights").resolve()
+        write_pretrained(path, run.policy, weights, run.tokenizer)
+        client.update_weights_from_disk(str(path), version)
+    if run.env.world_size > 1:
+        dist.barrier()
+
+
+def evaluate(run: Run, evaluation: Rollout | None, step: int, label: str | None) -> float:
+    """Mean reward of the current policy on the fixed evaluation prompts (logged as eval/*; printed with a label)."""
+    if evaluation is None:
+        return float("nan")
+    stats = collect(run, evaluation, EVAL_STEP).stats
+    metrics = {f"eval/{k.removeprefix('rollout/')}": v for k, v in stats.metrics().items()}
+    if run.logger is not None:
+        run.logger.log(step, metrics)
+    if label is not None:
+        config = run.config.rollout
+        run.print(f"mean reward at {label}: {stats.reward_mean:.3f} (evaluation: {stats.samples} samples of "
+                  f"{config.task}, {evaluation.config.prompts_per_step} prompts x {config.group_size}, step {step})")
+    return stats.reward_mean
+
+
+def report_dropped(run: Run, step: int, stats: RolloutStats) -> None:
+    """Dropped samples, with their text, go to output_dir/dropped.jsonl (the counters go to the metrics)."""
+    if run.logger is not None and stats.dropped_samples:
+        run.logger.write_jsonl("dropped.jsonl", [{"step": step, **asdict(s)} for s in stats.dropped_samples])
+
+
+# ---------------------------------------------------------------------- batch preparation
+def load_reference(config: Config, run: Run) -> torch.nn.Module:
+    """The frozen initial policy that the KL penalty measures against (a full copy on every rank)."""
+    model, _ = load_policy(config.model, next(run.policy.parameters()).device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def prepare(run: Run, sequences: list[Sequence], reference: torch.nn.Module | None) -> None:
+    """Fill the log-prob fields the loss reads, then the advantages; every check before the first update.
+
+    `old_logprobs` are the rollout's behaviour log-probs unless `trainer.recompute_logprobs`.
+    Each rank runs the no-grad forwards for its own share of the batch and the fields are then
+    shared, so every rank ends with the same complete batch.
+    """
+    algo = run.config.algo.resolved()
+    assignment = run.assign(sequences)
+    mine = [sequences[i] for i in assignment.sequences(run.env.rank)]
+    policy_fields = (["old_logprobs"] if run.config.trainer.recompute_logprobs else []) + (
+        ["prox_logprobs"] if algo.loss == "decoupled_ppo" else [])
+    if policy_fields and mine:
+        with run.dp.gathered() as policy:
+            fill_fields(run.engine, policy, mine, {"logprobs": policy_fields[0]})
+        for seq in mine:
+            for name in policy_fields[1:]:
+                seq.fields[name] = seq.fields[policy_fields[0]].clone()
+    if reference is not None and mine:
+        fill_fields(run.engine, reference, mine, {"logprobs": "ref_logprobs"})
+    share_fields(sequences, assignment, policy_fields + (["ref_logprobs"] if reference is not None else []))
+    compute_advantages(algo, sequences)
+    validate_batch(algo, sequences)
+
+
+def share_fields(sequences: list[Sequence], assignment: Assignment, names: list[str]) -> None:
+    """Each rank filled `names` for its own sequences; afterwards every rank has them for all."""
+    if not names or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    rank = dist.get_rank()
+    local = {i: {n: sequences[i].fields[n].cpu() for n in names} for i in assignment.sequences(rank)}
+    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, local)
+    for part in gathered:
+        for i, values in part.items():
+            sequences[i].fields.update(values)
+
+
+# ---------------------------------------------------------------------- the loss
+def policy_loss(algo: AlgoConfig, minibatch: list[Sequence]) -> LossFn:
+    """The algorithm's loss normalised over the whole (global) minibatch, plus `approx_kl` to the old policy."""
+    normalizer = LossNormalizer.from_sequences(minibatch)
+    loss_fn = build_loss(algo, normalizer)
+
+    def with_approx_kl(view: SequenceView):
+        loss, metrics = loss_fn(view)
+        logp = view.logprobs.detach()
+        mask = view.fields["loss_mask"].to(logp)
+        kl = kl_penalty(view.fields["old_logprobs"].to(logp), logp, mask, "k3")  # KL(pi_old || pi) from old's samples
+        metrics["approx_kl"] = normalizer.aggregate(kl, mask, "token_mean")
+        return loss, metrics
+
+    return with_approx_kl
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return statistics.fmean(values) if values else float("nan")

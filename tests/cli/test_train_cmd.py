@@ -1,0 +1,55 @@
+"""`treerl train` / `treerl sft` from the command line: a tiny run end to end, --print-config, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from treerl.cli.main import app
+
+TINY = ["trainer.steps=2", "trainer.eval_prompts=4", "rollout.prompts_per_step=2", "rollout.group_size=2",
+        "trainer.progress=false"]
+
+
+def test_train_smoke(tmp_path):
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", *TINY, f"trainer.output_dir={out}"])
+    assert result.exit_code == 0, result.output
+    assert "mean reward at start:" in result.output and "mean reward at end:" in result.output
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [0, 1]
+    assert {r["step"] for r in rows if "eval/reward_mean" in r} == {0, 2}
+    for key in ("rollout/reward_mean", "rollout/reward_std", "train/loss", "train/entropy", "train/clip_fraction",
+                "train/approx_kl", "train/grad_norm", "train/lr", "batch/compression", "perf/train_tokens_per_second",
+                "time/step", "rollout/dropped"):
+        assert key in rows[1], key
+    assert (out / "checkpoints" / "step_000002" / "model.safetensors").exists()
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+
+
+def test_print_config_shows_the_resolved_tree():
+    result = CliRunner().invoke(app, ["train", "guess_number", "trainer.steps=3", "--print-config"])
+    assert result.exit_code == 0, result.output
+    assert "task: guess_number" in result.output and "steps: 3" in result.output
+    sft = CliRunner().invoke(app, ["sft", "--print-config"])
+    assert "loss: sft" in sft.output and "entropy_coef: 0.0" in sft.output
+
+
+def test_errors_exit_with_a_message_not_a_traceback(tmp_path):
+    result = CliRunner().invoke(app, ["train", "trainer.stepz=2"])
+    assert result.exit_code == 2 and "unknown key 'trainer.stepz'" in result.output
+    result = CliRunner().invoke(app, ["train", "model.path=/no/such/checkpoint", f"trainer.output_dir={tmp_path}"])
+    assert result.exit_code == 2 and "model.path='/no/such/checkpoint' does not exist" in result.output
+    result = CliRunner().invoke(app, ["sft", "missing.yaml"])
+    assert result.exit_code == 2 and "config file 'missing.yaml' does not exist" in result.output
+
+
+def test_sft_smoke(tmp_path):
+    out = tmp_path / "sft"
+    result = CliRunner().invoke(app, ["sft", "trainer.steps=2", "sft.eval_conversations=2", "trainer.progress=false",
+                                      f"trainer.output_dir={out}"])
+    assert result.exit_code == 0, result.output
+    assert "mean loss at start:" in result.output and "mean loss at end:" in result.output
+    assert (out / "checkpoints" / "step_000002" / "tokenizer.json").exists()

@@ -1,0 +1,188 @@
+"""The RL loop: exact resume, DFS == flat, failing rewards, compression of multi-turn batches, bad setups."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from support import treerl_serve
+
+from treerl.rollout import CompletionsClient, Rollout, SamplingParams, build_engine
+from treerl.testing import relative_error
+from treerl.trainer import ConfigError, train
+from treerl.trainer.checkpoint import checkpoint_dir, latest_checkpoint, read_weights
+from treerl.trainer.rl import policy_loss, prepare
+from treerl.trainer.run import Run
+
+
+def metrics_rows(output_dir: str | Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_row(output_dir: str | Path, step: int) -> dict:
+    return next(r for r in metrics_rows(output_dir) if r["step"] == step and "train/loss" in r)
+
+
+def test_resume_repeats_the_next_step_exactly(tiny_config, tmp_path):
+    """3 steps straight vs 2 steps, checkpoint, resume in a fresh run: the same 3rd step, bit for bit."""
+    straight = tiny_config("trainer.steps=3", "trainer.save_every=2", "trainer.keep_checkpoints=0",
+                           "trainer.minibatches=2", "trainer.ppo_epochs=2", "trainer.lr_schedule=cosine",
+                           "trainer.warmup_steps=1", "trainer.min_lr_ratio=0.5", name="straight")
+    train(straight)
+    resumed = tiny_config("trainer.steps=3", f"trainer.resume={checkpoint_dir(tmp_path / 'straight', 2)}",
+                          "trainer.minibatches=2", "trainer.ppo_epochs=2", "trainer.lr_schedule=cosine",
+                          "trainer.warmup_steps=1", "trainer.min_lr_ratio=0.5", name="resumed")
+    train(resumed)
+    want, got = step_row(tmp_path / "straight", 2), step_row(tmp_path / "resumed", 2)
+    for key in ("train/loss", "train/grad_norm", "train/lr", "rollout/reward_mean", "batch/flat_tokens"):
+        assert got[key] == want[key], key
+    final_a = read_weights(checkpoint_dir(tmp_path / "straight", 3))
+    final_b = read_weights(checkpoint_dir(tmp_path / "resumed", 3))
+    assert set(final_a) == set(final_b)
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+    # The optimizer moved (the test is not comparing two untouched models).
+    start = read_weights(checkpoint_dir(tmp_path / "straight", 2))
+    assert any(not torch.equal(start[k], final_a[k]) for k in start)
+
+
+def test_resume_auto_takes_the_latest_checkpoint_or_starts_fresh(tiny_config, tmp_path):
+    config = tiny_config("trainer.steps=2", "trainer.save_every=1", "trainer.resume=auto")
+    train(config)  # nothing to resume: a fresh start
+    assert latest_checkpoint(tmp_path / "run") == checkpoint_dir(tmp_path / "run", 2)
+    assert len(list((tmp_path / "run" / "checkpoints").iterdir())) == 2  # keep_checkpoints=2
+    longer = tiny_config("trainer.steps=3", "trainer.resume=auto")
+    train(longer)
+    steps = [r["step"] for r in metrics_rows(tmp_path / "run") if "train/loss" in r]
+    assert steps == [0, 1, 2]  # the resumed run appended step 2 only
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        train(tiny_config("trainer.resume=/no/such/checkpoint"))
+
+
+def _gradients(config) -> tuple[dict[str, torch.Tensor], float, dict]:
+    """The gradient of the first update of step 0 (captured before the optimizer applies it)."""
+    run = Run.start(config, temperature=config.rollout.temperature)
+    captured: dict[str, torch.Tensor] = {}
+    run.optimizer.register_step_pre_hook(
+        lambda *_: captured.update({n: p.grad.clone() for n, p in run.policy.named_parameters() if p.grad is not None})
+    )
+    rollout = Rollout(config.rollout, run.tokenizer, build_engine(config.rollout, run.policy))
+    batch = rollout.collect(0).sequences
+    prepare(run, batch, None)
+    metrics = run.update(batch, policy_loss(config.algo.resolved(), batch))
+    run.finish()
+    return captured, metrics["train/loss"], metrics
+
+
+@pytest.mark.parametrize("task", ["arithmetic", "guess_number"])
+@pytest.mark.parametrize("engine", ["dfs", "packed"])
+def test_a_training_step_with_a_tree_engine_equals_flat(tiny_config, task, engine):
+    """Same batch, same loss, same gradient (float64; transformers' float32 RMSNorm sets the 1e-6 bound)."""
+    common = ["model.dtype=float64", f"rollout.task={task}", "algo.kl_coef=0.0", "algo.loss=grpo",
+              "trainer.recompute_logprobs=true", "rollout.prompts_per_step=3"]
+    dfs, dfs_loss, dfs_metrics = _gradients(tiny_config(*common, f"engine.name={engine}", "engine.chunk_tokens=7"))
+    flat, flat_loss, flat_metrics = _gradients(tiny_config(*common, "engine.name=flat"))
+    assert dfs_loss == pytest.approx(flat_loss, rel=1e-6, abs=1e-9)
+    assert set(dfs) == set(flat) and len(flat) > 10
+    for name in flat:
+        assert relative_error(dfs[name], flat[name]) <= 1e-6, name
+    for key in ("train/entropy", "train/policy_loss", "train/approx_kl"):
+        assert dfs_metrics[key] == pytest.approx(flat_metrics[key], rel=1e-6, abs=1e-9)
+
+
+def test_multi_turn_batches_share_prefixes(tiny_config, tmp_path):
+    result = train(tiny_config("trainer.steps=1", "rollout.task=guess_number", "trainer.eval_prompts=2"))
+    row = step_row(tmp_path / "run", 0)
+    assert row["batch/compression"] > 1.5 and row["batch/sequences"] > row["rollout/kept"]
+    assert 0 <= result.reward_start <= 1.5 and 0 <= result.reward_end <= 1.5
+
+
+REWARDS = '''
+import math
+
+def flaky(prompt, completion, answer):
+    """Raises on some replies, returns NaN on others: the run must go on."""
+    kind = sum(map(ord, completion)) % 3
+    if kind == 0:
+        raise ValueError(f"cannot parse {completion!r}")
+    if kind == 1:
+        return math.nan
+    return 1.0
+
+def broken(prompt, completion, answer):
+    raise RuntimeError("reward server down")
+'''
+
+
+@pytest.fixture
+def user_task(tmp_path, monkeypatch):
+    """A user's JSONL prompts and reward module on disk (the current directory is importable)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_rewards_for_trainer_test.py").write_text(textwrap.dedent(REWARDS))
+    rows = [{"prompt": f"{a}+{a}=", "answer": 2 * a} for a in range(5)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["rollout.task=dataset", f"rollout.data_path={tmp_path / 'data.jsonl'}", "rollout.max_new_tokens=4"]
+
+
+def test_failing_rewards_are_dropped_reported_and_counted(tiny_config, tmp_path, user_task):
+    config = tiny_config(*user_task, "rollout.reward_fn=my_rewards_for_trainer_test:flaky", "trainer.steps=2",
+                         "rollout.group_size=8")
+    result = train(config)
+    rows = [r for r in metrics_rows(tmp_path / "run") if "rollout/dropped" in r]
+    raised = sum(r.get("rollout/dropped_reward_raised", 0) for r in rows)
+    not_finite = sum(r.get("rollout/dropped_reward_not_finite", 0) for r in rows)
+    assert raised > 0 and not_finite > 0 and result.dropped_samples == raised + not_finite
+    assert all(r["rollout/kept"] + r["rollout/dropped"] == r["rollout/samples"] for r in rows)
+    reported = [json.loads(line) for line in (tmp_path / "run" / "dropped.jsonl").read_text().splitlines()]
+    assert any("raised ValueError: cannot parse" in r["reason"] and r["prompt"].endswith("=") for r in reported)
+    assert any("returned nan" in r["reason"] for r in reported)
+
+
+def test_a_step_whose_samples_all_fail_is_skipped_not_fatal(tiny_config, tmp_path, user_task):
+    config = tiny_config(*user_task, "rollout.reward_fn=my_rewards_for_trainer_test:broken", "trainer.steps=2",
+                         "trainer.save_final=false")
+    result = train(config)
+    assert result.skipped_steps == 2 and math.isnan(result.train_reward_last)
+    rows = [r for r in metrics_rows(tmp_path / "run") if "trainer/skipped_steps" in r]
+    assert [r["trainer/skipped_steps"] for r in rows] == [1, 2]
+
+
+def test_bad_setups_are_clear_errors(tiny_config, tmp_path):
+    with pytest.raises(ConfigError, match="model.path='/no/such/model' does not exist"):
+        train(tiny_config("model.path=/no/such/model"))
+    with pytest.raises(ValueError, match="reward function 'no_such_module:f': cannot import"):
+        train(tiny_config("rollout.task=dataset", f"rollout.data_path={tmp_path}", "rollout.reward_fn=no_such_module:f"))
+    with pytest.raises(ConfigError, match="needs a critic"):
+        tiny_config("algo.loss=ppo")
+
+
+def test_a_checkpoint_is_a_local_model_path_for_a_users_data(tiny_config, tmp_path, user_task):
+    """model.path loads weights and tokenizer from a local directory (here: a previous run's checkpoint)."""
+    train(tiny_config("trainer.steps=1", name="first"))
+    checkpoint = checkpoint_dir(tmp_path / "first", 1)
+    config = tiny_config(f"model.path={checkpoint}", *user_task, "rollout.reward_fn=my_rewards_for_trainer_test:flaky",
+                         "trainer.steps=1", name="second")
+    run = Run.start(config)
+    saved = read_weights(checkpoint)
+    assert all(torch.equal(run.policy.state_dict()[k], v) for k, v in saved.items())
+    assert run.tokenizer.chat_template is not None and len(run.tokenizer) == run.policy.config.vocab_size
+    run.finish()
+    assert train(config).steps == 1
+
+
+@pytest.mark.slow
+def test_training_with_an_inference_server_pushes_the_new_weights(tiny_config, tmp_path):
+    """rollout.server_url: samples come from `treerl serve`; after each update the server loads the new weights."""
+    with treerl_serve("--seed", "0") as url:  # the trainer's own initial model: tiny-qwen3, seed 0, float32
+        result = train(tiny_config(f"rollout.server_url={url}", "trainer.steps=2"))
+        assert result.steps == 2
+        rows = [r for r in metrics_rows(tmp_path / "run") if "rollout/model_calls" in r]
+        assert all(r["rollout/model_calls"] == 8 for r in rows)
+        (group,) = CompletionsClient(url).generate([[1, 2, 3]], SamplingParams(n=1, max_new_tokens=2, seed=0))
+        assert group[0].versions == [2] * len(group[0].tokens)  # the server runs the weights of step 2
+    served = read_weights(tmp_path / "run" / "server_weights")
+    final = read_weights(checkpoint_dir(tmp_path / "run", 2))
+    assert all(torch.equal(served[k], final[k]) for k in final)

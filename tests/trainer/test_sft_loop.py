@@ -1,0 +1,115 @@
+"""SFT on branching conversations: the format, its rendering (masks, shared prefixes), and the loss falling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from treerl.rollout import load_tokenizer
+from treerl.trainer import SFT_DEFAULTS, ConfigError, sft
+from treerl.trainer.sft_data import SFTData, chat_format, example_path, load_conversations, paths
+from treerl.tree import PrefixTree
+
+
+def _m(role, content, **kw):
+    return {"role": role, "content": content, **kw}
+
+
+def test_every_root_to_leaf_path_of_nested_branches():
+    tree = [_m("user", "q"), _m("assistant", "a"),
+            {"branches": [[_m("assistant", "b")], [_m("tool", "t"), {"branches": [[_m("assistant", "c")],
+                                                                                [_m("assistant", "d")]]}]]}]
+    got = [[m["content"] for m in path] for path in paths(tree, "x")]
+    assert got == [["q", "a", "b"], ["q", "a", "t", "c"], ["q", "a", "t", "d"]]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([{"branches": [[_m("assistant", "a")]]}, _m("user", "late")], r"x\[0\]: 'branches' must be the last item"),
+    ([_m("robot", "hi")], r"x\[0\]: a message needs 'role'"),
+    ([_m("assistant", "a", train="yes")], r"x\[0\]: 'train' must be true or false"),
+    ([{"branches": []}], r"x\[0\]: 'branches' must be a non-empty list"),
+    ([_m("user", "q"), {"branches": [[]]}], r"x\[1\].branches\[0\]: expected a non-empty list"),
+])
+def test_bad_conversations_name_the_place(bad, message):
+    with pytest.raises(ValueError, match=message):
+        paths(bad, "x")
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return chat_format(load_tokenizer(None), "template")
+
+
+def _write(tmp_path, rows):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_rendering_trains_exactly_the_assistant_replies_and_shares_prefixes(chat, tmp_path):
+    row = {"id": "c", "messages": [
+        _m("system", "sys"), _m("user", "hi"), _m("assistant", "<call>f(1)</call>"), _m("tool", "2"),
+        {"branches": [[_m("assistant", "two")], [_m("assistant", "skip", train=False), _m("user", "?"),
+                                                  _m("assistant", "2")]]}]}
+    (conversation,) = load_conversations(_write(tmp_path, [row]), chat)
+    first, second = conversation.sequences
+    tok = chat.tokenizer
+
+    def trained(seq):
+        ids, mask = seq.tokens.tolist(), seq.fields["loss_mask"].tolist()
+        return "".join(tok.decode([t]) if m else "|" for t, m in zip(ids, mask)).split("|")
+
+    assert [t for t in trained(first) if t] == ["<call>f(1)</call><eos>", "two<eos>"]
+    assert [t for t in trained(second) if t] == ["<call>f(1)</call><eos>", "2<eos>"]  # "skip" is context only
+    assert tok.decode(second.tokens.tolist()) == (
+        "<bos><system>sys<eos><user>hi<eos><assistant><call>f(1)</call><eos><tool>2<eos>"
+        "<assistant>skip<eos><user>?<eos><assistant>2<eos>")
+    shared = len(tok("<bos><system>sys<eos><user>hi<eos><assistant><call>f(1)</call><eos><tool>2<eos><assistant>")
+                 ["input_ids"])
+    assert torch.equal(first.tokens[:shared], second.tokens[:shared])
+    assert first.info == {"group": "c", "trajectory": "c/0"} and second.name == "c/path1"
+
+
+def test_plain_format_and_file_errors(tmp_path):
+    plain = chat_format(load_tokenizer(None), "plain")
+    (conversation,) = load_conversations(_write(tmp_path, [{"messages": [_m("user", "hi"), _m("assistant", "yo")]}]),
+                                         plain)
+    assert plain.tokenizer.decode(conversation.sequences[0].tokens.tolist()) == "User: hi\nAssistant: yo<eos>"
+    assert conversation.id == "row0"
+    with pytest.raises(ValueError, match=r"data.jsonl row 0 path 0: a path without an assistant message"):
+        load_conversations(_write(tmp_path, [{"messages": [_m("user", "hi")]}]), plain)
+    with pytest.raises(ValueError, match=r"data.jsonl row 0: expected an object with 'messages'"):
+        load_conversations(_write(tmp_path, [{"turns": []}]), plain)
+    with pytest.raises(FileNotFoundError, match="sft.data_path"):
+        load_conversations(tmp_path / "missing.jsonl", plain)
+
+
+def test_the_shipped_example_is_a_forest_of_agent_trajectories(chat):
+    conversations = load_conversations(example_path(), chat)
+    sequences = [s for c in conversations for s in c.sequences]
+    assert len(conversations) >= 15 and len(sequences) > 2 * len(conversations)
+    assert PrefixTree.build(sequences).stats().compression > 2
+    text = example_path().read_text()
+    assert '"role": "tool"' in text and "<call>" in text and '"train": false' in text
+    data = SFTData(conversations, per_step=4, seed=0)
+    assert [s.name for s in data.batch(3)] == [s.name for s in data.batch(3)]  # a function of the step
+    epoch = [s.info["group"] for step in range(len(conversations) // 2) for s in SFTData(conversations, 2).batch(step)]
+    assert set(epoch) == {c.id for c in conversations}  # one epoch visits every conversation
+
+
+def test_sft_on_the_shipped_example_lowers_the_loss(tiny_config, tmp_path):
+    config = tiny_config("trainer.steps=6", "trainer.lr=3e-3", "sft.conversations_per_step=3",
+                         "sft.eval_conversations=4", config="sft_example", base=SFT_DEFAULTS)
+    result = sft(config)
+    assert result.loss_end < 0.85 * result.loss_start
+    assert result.train_loss_last < result.train_loss_first
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/nll" in r] == list(range(6))
+    assert all(r["batch/compression"] > 1 for r in rows if "batch/compression" in r)
+
+
+def test_sft_needs_the_sft_loss(tiny_config):
+    with pytest.raises(ConfigError, match="algo.loss=sft"):
+        sft(tiny_config("algo.loss=grpo", config="sft_example", base=SFT_DEFAULTS))

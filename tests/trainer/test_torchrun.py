@@ -1,0 +1,72 @@
+"""`treerl train` under 2 gloo ranks on CPU (as torchrun starts it) ends with the single-process parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from support import free_port
+
+from treerl.trainer import load_config, train
+from treerl.trainer.checkpoint import checkpoint_dir, read_weights
+
+pytestmark = pytest.mark.slow  # two processes importing torch + transformers: ~15 s on 2 cores
+
+STRATEGIES = ("ddp", "fsdp2")
+SETTINGS = [
+    "model.dtype=float64", "rollout.task=guess_number", "rollout.prompts_per_step=2", "rollout.group_size=2",
+    "algo.loss=decoupled_ppo", "algo.kl_coef=0.05", "trainer.recompute_logprobs=true",  # every no-grad fill, shared
+    "trainer.steps=2", "trainer.minibatches=2", "trainer.micro_batch_tokens=64", "trainer.eval_prompts=2",
+    "trainer.progress=false", "trainer.tensorboard=false", "trainer.warmup_steps=0",
+]
+
+
+def _config(output_dir: str, *extra: str):
+    return load_config(None, [*SETTINGS, f"trainer.output_dir={output_dir}", *extra])
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    for strategy in STRATEGIES:
+        result = train(_config(os.path.join(out_dir, strategy), f"trainer.data_parallel={strategy}"))
+        assert result.steps == 2
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp")
+    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        assert name not in os.environ  # the single-process run below really is one process
+    train(_config(str(out / "single")))
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_ranks_end_with_the_single_process_parameters(runs, strategy):
+    want = read_weights(checkpoint_dir(runs / "single", 2))
+    got = read_weights(checkpoint_dir(runs / strategy, 2))
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.linalg.norm(got[name] - want[name]) <= 1e-6 * torch.linalg.norm(want[name]), name
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_only_rank_0_logs_the_same_metrics(runs, strategy):
+    def rows(name):
+        return [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
+
+    single, parallel = rows("single"), rows(strategy)
+    assert [r["step"] for r in parallel] == [r["step"] for r in single]  # one writer: no duplicated lines
+    updates = [r for r in parallel if "dist/imbalance" in r]
+    assert len(updates) == 2 and all(r["dist/imbalance"] < 1.9 and r["dist/micro_batches"] >= 3 for r in updates)
+    for a, b in zip(single, parallel):
+        for key in ("train/loss", "rollout/reward_mean", "batch/flat_tokens", "train/kl", "eval/reward_mean"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-12), (a["step"], key)
