@@ -227,3 +227,42 @@ def test_async_trains_the_configured_loss_as_decoupled_ppo(tiny_config):
 def test_bad_async_settings_are_clear_errors(tiny_config, overrides, message):
     with pytest.raises(ConfigError, match=message):
         tiny_config(*overrides)
+
+
+REWARDS = '''
+import os
+
+def broken(prompt, completion, answer):
+    raise RuntimeError("reward server down")
+
+def exits(prompt, completion, answer):
+    os._exit(3)
+
+def interrupts(prompt, completion, answer):
+    raise SystemExit("the reward function called exit()")
+'''
+
+
+@pytest.fixture
+def rewards(tmp_path, monkeypatch):
+    """A user's prompts and reward module (the workers import it from the current directory)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "async_test_rewards.py").write_text(REWARDS)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": 2 * a}) + "\n"
+                                                 for a in range(5)))
+    return lambda name: ["rollout.task=dataset", f"rollout.data_path={tmp_path / 'data.jsonl'}",
+                         "rollout.max_new_tokens=3", f"rollout.reward_fn=async_test_rewards:{name}", *ASYNC]
+
+
+def test_groups_whose_samples_all_failed_are_counted_and_their_steps_skipped(tiny_config, rewards):
+    result = train(tiny_config(*rewards("broken"), "trainer.steps=2", "trainer.save_final=false"))
+    assert result.skipped_steps == 2 and result.dropped_samples == 2 * 2 * 2
+    assert result.counters["dropped_failed"] == 2 * 2 and result.counters["trained"] == 0
+
+
+@pytest.mark.slow
+def test_a_worker_that_keeps_dying_stops_the_run_with_the_reason(tiny_config, rewards):
+    with pytest.raises(RuntimeError, match=r"restarted 2 times \(trainer.max_worker_restarts=1\).*exited with code 3"):
+        train(tiny_config(*rewards("exits"), "trainer.steps=2", "trainer.max_worker_restarts=1"))
+    with pytest.raises(RuntimeError, match=r"(?s)rollout worker 0 .* failed:.*SystemExit: the reward function"):
+        train(tiny_config(*rewards("interrupts"), "trainer.steps=2"))
