@@ -31,10 +31,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
 
-from treerl.trainer import load_config, train  # noqa: E402
+from treerl.trainer import load_config, train
 
 WINDOW = 20  # steps the training reward is smoothed over
 MODES = ("sync", "async")
@@ -97,8 +97,9 @@ def compare(config_name: str | None = "arithmetic", overrides: list[str] | tuple
 
 def markdown(rows: list[dict]) -> str:
     """One line per run."""
-    lines = ["| seed | mode | wall s | steps/s | eval reward start -> end | train reward (last 20) | target | "
-             "time to target (s) | mean lag | load avg |", "|---:|---|---:|---:|---|---:|---:|---:|---:|---|"]
+    header = ("| seed | mode | wall s | steps/s | eval reward start -> end | train reward (last 20) | target | "
+              "time to target (s) | mean lag | load avg |")
+    lines = [header, "|---:|---|---:|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
         reached = "never" if r["time_to_target"] is None else f"{r['time_to_target']:.1f}"
         lines.append(f"| {r['seed']} | {r['mode']} | {r['seconds']:.1f} | {r['steps_per_second']:.2f} | "
