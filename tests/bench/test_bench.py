@@ -69,3 +69,10 @@ def test_memory_scaling_dfs_holds_a_path_flat_holds_the_batch():
     whole, path = "flat, whole batch at once", "dfs, one path (no sibling batching, recompute)"
     assert peak[(whole, 16)] > 6 * peak[(whole, 1)]
     assert peak[(path, 16)] < 2 * peak[(path, 1)]
+
+
+def test_balance_cost_model_is_fitted_from_measured_steps():
+    from treerl.bench.balance import fit_cost_model
+
+    fitted, r2 = fit_cost_model(BenchConfig(shape="tiny-qwen3", vocab_size=128, scale=1 / 128), samples=6)
+    assert fitted.fitted and r2 <= 1.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 from treerl.bench.run import BenchConfig, make_workload, timed_step
@@ -18,26 +19,31 @@ from treerl.engine import DfsEngine
 from treerl.models import build_model
 
 
-def fit_cost_model(config: BenchConfig, samples: int = 24) -> CostModel:
-    """Time DfsEngine on random sub-batches (after one warm-up each) and fit CostModel to them."""
+def fit_cost_model(config: BenchConfig, samples: int = 24) -> tuple[CostModel, float]:
+    """Time DfsEngine on random sub-batches of the workloads, fit CostModel; also return its R^2."""
     device = torch.device(config.device)
     model = build_model(shape=config.shape, vocab_size=config.vocab_size, dtype=getattr(torch, config.dtype),
                         device=device, seed=config.seed)
     rng = random.Random(config.seed)
     pools = [make_workload(w, config.scale, model.config.vocab_size, config.seed) for w in ("grpo", "agent", "sharing-4")]
     engine = DfsEngine()
+    timed_step(engine, model, pools[0][:2], device)  # warm-up
     measured = []
     for i in range(samples):
         pool = pools[i % len(pools)]
-        batch = rng.sample(pool, rng.randint(1, min(len(pool), 24)))
-        timed_step(engine, model, batch, device)
+        size = max(1, round(len(pool) ** rng.random()))  # log-uniform sizes: small and large trees alike
+        batch = rng.sample(pool, size)
         measured.append((batch, timed_step(engine, model, batch, device)))
-    return CostModel.fit(measured)
+    fitted = CostModel.fit(measured)
+    seconds = np.array([t for _, t in measured])
+    predicted = np.array([fitted(batch) for batch, _ in measured])
+    r2 = 1 - ((seconds - predicted) ** 2).sum() / ((seconds - seconds.mean()) ** 2).sum()
+    return fitted, float(r2)
 
 
 def balance_tables(config: BenchConfig, scale: float = 1.0) -> tuple[list[dict], str, CostModel]:
     """Rows and markdown for K = 2, 4, 8 on the tau2-like, GRPO and random workloads."""
-    fitted = fit_cost_model(config)
-    name = f"fitted on {config.shape}/{config.device}/{config.dtype}"
+    fitted, r2 = fit_cost_model(config)
+    name = f"fitted on {config.shape}/{config.device}/{config.dtype} (R^2 {r2:.3f})"
     rows = balance_report(batches=workloads(scale), cost_models={"unfitted (unique tokens)": CostModel(), name: fitted})
     return rows, balance_markdown(rows), fitted

@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from itertools import accumulate
 from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2 (C++ logging) for the duration of the block."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
@@ -23,8 +40,14 @@ def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") ->
         fn()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():  # the profiler's C++ side prints a line at every start and stop
+        prof.start()
+    try:
         fn()
+    finally:
+        with _quiet_stderr():
+            prof.stop()
     events = sorted(
         (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
     )
