@@ -1,7 +1,7 @@
 """Synchronous against asynchronous RL on one task: training reward against wall time, and the time to a reward.
 
-    python -m treerl.bench.async_compare arithmetic --seeds 0,1
-    python -m treerl.bench.async_compare guess_number trainer.steps=200 --target 0.6
+    treerl bench --async --seeds 0,1
+    treerl bench --async --config guess_number --set trainer.steps=200 --target 0.6
 
 Both modes run the same config (a packaged name or a YAML file, plus key=value overrides), task
 and seed, one after the other in this process, each timed from the call of `train` (building the
@@ -16,12 +16,11 @@ is at most the sampling time of a synchronous step; its stale samples (trained u
 Reported per run: wall time, steps per second, the evaluation reward at the start and the end, the
 training reward (mean of the last 20 steps), and the wall time at which the training reward,
 smoothed over 20 steps, first reaches the target (by default 90% of what the synchronous run of that
-seed ends with). Written to OUT: async_compare.json, async_compare.md, async_compare.png.
+seed ends with). Written to `out`: async_compare.json, async_compare.md, async_compare.png.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -122,22 +121,3 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", nargs="?", default="arithmetic", help="packaged config name or YAML file")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides for both runs")
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds")
-    parser.add_argument("--target", type=float, default=None, help="reward to reach (default: 0.9 x sync's final)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of the trainer in both modes")
-    parser.add_argument("--out", type=Path, default=Path("outputs/bench/async"))
-    args = parser.parse_args()
-    rows = compare(args.config, args.overrides, [int(s) for s in args.seeds.split(",")], args.target, args.threads,
-                   args.out)
-    print(markdown(rows))
-    print(f"written to {args.out}/async_compare.{{json,md,png}}")
-
-
-if __name__ == "__main__":
-    main()
