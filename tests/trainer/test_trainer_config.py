@@ -53,7 +53,6 @@ def test_yaml_then_overrides_win(tmp_path):
     (["algo.loss=foo"], r"algo.loss='foo' is not one of"),
     (["rollout.task=dataset"], r"rollout.task = 'dataset' needs rollout.data_path"),
     (["model.shape=huge"], r"model.shape='huge' is not one of"),
-    (["trainer.mode=async"], r"trainer.mode=async is not implemented yet"),
     (["algo.loss=ppo"], r"needs a critic"),
 ])
 def test_bad_values_are_clear_errors(overrides, message):

@@ -1,4 +1,5 @@
-"""`treerl bench`: engines side by side on the same trees; `--balance`: data-parallel assignment."""
+"""`treerl bench`: engines side by side on the same trees; `--balance`: data-parallel assignment;
+`--async`: synchronous vs asynchronous RL training."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ def bench(
     memory: bool = typer.Option(True, help="also measure peak memory (one extra untimed run)"),
     balance: bool = typer.Option(False, "--balance", help="data-parallel balancer vs first-fit and LPT instead"),
     balance_scale: float = typer.Option(1.0, help="--balance: tau2-like episode lengths x scale"),
+    compare_async: bool = typer.Option(False, "--async", help="sync vs async RL training: reward against wall time"),
+    train_config: str = typer.Option("arithmetic", "--config", help="--async: packaged config name or YAML file"),
+    override: list[str] = typer.Option([], "--set", help="--async: key=value override for both runs (repeatable)"),
+    seeds: str = typer.Option("0", help="--async: comma-separated seeds, one sync and one async run each"),
+    target: float | None = typer.Option(None, help="--async: reward to reach (default: 0.9 x sync's final reward)"),
+    threads: int = typer.Option(1, help="--async: torch threads of the trainer in both modes"),
     out: Path = typer.Option(Path("outputs/bench"), help="where JSON, markdown and PNG go"),
 ) -> None:
     """Measure what prefix sharing buys: time, memory and speedup over flat, against the FLOP ideal."""
@@ -31,6 +38,13 @@ def bench(
         memory=memory, workloads=workloads.split(","), engines=engines.split(","),
     )
     console = Console()
+    if compare_async:
+        from treerl.bench.async_compare import compare, markdown
+
+        rows = compare(train_config, override, [int(s) for s in seeds.split(",")], target, threads, out / "async")
+        print(markdown(rows))
+        console.print(f"written to {out}/async/async_compare.{{json,md,png}}")
+        return
     if balance:
         from treerl.bench.balance import balance_tables
 

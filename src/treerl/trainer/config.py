@@ -30,6 +30,8 @@ RECOMPUTE = ("auto", "always", "never")
 DATA_PARALLEL = ("auto", "none", "ddp", "fsdp2")
 LR_SCHEDULES = ("constant", "cosine")
 CHAT_FORMATS = ("template", "plain")
+MODES = ("sync", "async")
+ON_UPDATE = ("finish", "interrupt")
 
 
 class ConfigError(ValueError):
@@ -64,9 +66,9 @@ class EngineConfig:
 
 @dataclass
 class TrainerConfig:
-    """The loop: optimisation, schedule, checkpoints, logging, data parallelism."""
+    """The loop: optimisation, schedule, asynchronous rollout, checkpoints, logging, data parallelism."""
 
-    mode: str = "sync"  # sync: collect a batch, then update on it (async: planned, issue 6)
+    mode: str = "sync"  # sync: collect a batch, then update on it | async: rollout workers generate while the trainer updates
     steps: int = 500  # training steps (one rollout batch, or one SFT batch, each)
     seed: int = 0  # seeds torch / numpy / random and the minibatch shuffling
 
@@ -85,6 +87,17 @@ class TrainerConfig:
     minibatches: int = 1  # optimizer steps per pass; a minibatch holds whole groups (a prompt's samples stay together)
     micro_batch_tokens: int | None = None  # unique tokens per engine call on a rank; null: one call per rank
     recompute_logprobs: bool = False  # recompute old_logprobs with the training engine instead of the rollout's
+
+    # Asynchronous RL (mode=async; docs/training.md#asynchronous-rl).
+    max_staleness: int = 1  # async: a group is trained at most this many policy versions after its oldest token (0: synchronous)
+    rollout_workers: int = 1  # async: rollout worker processes, each sampling with its own copy of the policy on CPU
+    worker_threads: int = 1  # async: torch threads per worker (on CPU the trainer keeps the cores the workers leave)
+    worker_prompts: int | None = None  # async: prompts (groups) a worker samples in one engine call; null: prompts_per_step / rollout_workers
+    on_update: str = "finish"  # async: in-flight generations finish on the old weights | interrupt: resume on the new ones
+    interrupt_tokens: int = 8  # async, on_update=interrupt: tokens decoded between two looks for new weights
+    decoupled_loss: bool = True  # async: train ppo, grpo, dr_grpo, rloo, reinforce_pp as decoupled PPO (same advantages)
+    worker_timeout: float = 300.0  # async: a worker holding work with no model forward for this many seconds is restarted
+    max_worker_restarts: int = 10  # async: stop the run after this many worker restarts (crashes or hangs)
 
     # Data parallel (under torchrun; a plain `python`/`treerl` run is one rank).
     data_parallel: str = "auto"  # auto (ddp when there are several ranks) | none | ddp | fsdp2
@@ -150,7 +163,7 @@ def check_choices(config: Config) -> None:
     choices = {
         "model.dtype": DTYPES, "engine.name": ENGINES, "engine.recompute": RECOMPUTE,
         "trainer.data_parallel": DATA_PARALLEL, "trainer.lr_schedule": LR_SCHEDULES,
-        "sft.chat_format": CHAT_FORMATS, "trainer.mode": ("sync", "async"),
+        "sft.chat_format": CHAT_FORMATS, "trainer.mode": MODES, "trainer.on_update": ON_UPDATE,
     }
     if config.model.path is None:
         choices["model.shape"] = tuple(SHAPES)
@@ -158,8 +171,8 @@ def check_choices(config: Config) -> None:
         value = get(config, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
-    if config.trainer.mode == "async":
-        raise ConfigError("trainer.mode=async is not implemented yet (issue 6); use trainer.mode=sync")
+    if config.trainer.mode == "async" and config.rollout.server_url:
+        raise ConfigError("trainer.mode=async samples with its own rollout workers; rollout.server_url needs trainer.mode=sync")
     if config.algo.resolved().advantage == "gae":
         raise ConfigError(
             f"algo.advantage=gae (the default of algo.loss={config.algo.loss}) needs a critic, which treerl train "
@@ -176,8 +189,11 @@ def check_ranges(config: Config) -> None:
         "engine.chunk_tokens": config.engine.chunk_tokens, "engine.max_tokens": config.engine.max_tokens,
         "engine.head_chunk_rows": config.engine.head_chunk_rows,
         "sft.conversations_per_step": config.sft.conversations_per_step,
+        "trainer.rollout_workers": t.rollout_workers, "trainer.worker_threads": t.worker_threads,
+        "trainer.interrupt_tokens": t.interrupt_tokens, "trainer.worker_timeout": t.worker_timeout,
     }
     optional = {"trainer.micro_batch_tokens": t.micro_batch_tokens, "trainer.max_grad_norm": t.max_grad_norm,
+                "trainer.worker_prompts": t.worker_prompts,
                 "engine.memory_budget_bytes": config.engine.memory_budget_bytes}
     positive.update({k: v for k, v in optional.items() if v is not None})
     for key, value in positive.items():
@@ -187,7 +203,8 @@ def check_ranges(config: Config) -> None:
         "trainer.weight_decay": t.weight_decay, "trainer.warmup_steps": t.warmup_steps,
         "trainer.eval_prompts": t.eval_prompts, "trainer.eval_every": t.eval_every, "trainer.save_every": t.save_every,
         "trainer.keep_checkpoints": t.keep_checkpoints, "engine.batch_tokens": config.engine.batch_tokens,
-        "sft.eval_conversations": config.sft.eval_conversations,
+        "sft.eval_conversations": config.sft.eval_conversations, "trainer.max_staleness": t.max_staleness,
+        "trainer.max_worker_restarts": t.max_worker_restarts,
     }
     for key, value in non_negative.items():
         if not value >= 0:

@@ -23,8 +23,10 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +35,7 @@ from treerl.algo import AlgoConfig, LossNormalizer, build_loss, compute_advantag
 from treerl.algo.policy import kl_penalty
 from treerl.dist import Assignment
 from treerl.engine import LossFn, SequenceView
-from treerl.rollout import CompletionsClient, Rollout, RolloutBatch, RolloutStats, build_engine
+from treerl.rollout import CompletionsClient, InferenceEngine, Rollout, RolloutBatch, RolloutStats, build_engine
 from treerl.trainer.checkpoint import full_weights, write_pretrained
 from treerl.trainer.config import Config
 from treerl.trainer.metrics import tree_metrics
@@ -61,7 +63,11 @@ class TrainResult:
 
 
 def train(config: Config) -> TrainResult:
-    """Run synchronous RL as configured; returns the start/end rewards."""
+    """Run RL as configured (`trainer.mode=async`: treerl.trainer.async_rl); returns the start/end rewards."""
+    if config.trainer.mode == "async":
+        from treerl.trainer.async_rl import train_async
+
+        return train_async(config)
     started = time.perf_counter()
     run = Run.start(config, temperature=config.rollout.temperature)
     try:
@@ -69,58 +75,79 @@ def train(config: Config) -> TrainResult:
         sampler.version = run.start_step
         rollout = Rollout(config.rollout, run.tokenizer, sampler)
         reference = load_reference(config, run) if config.algo.kl_coef > 0 else None
-        evaluation = Rollout(replace(config.rollout, prompts_per_step=config.trainer.eval_prompts), run.tokenizer,
-                             sampler) if config.trainer.eval_prompts else None
-        reward_start = evaluate(run, evaluation, run.start_step, "start")
-        rewards: deque[float] = deque(maxlen=REWARD_WINDOW)
-        first: list[float] = []
-        dropped = 0
-        for step in run.steps():
-            metrics = train_step(run, rollout, reference, step)
-            if step + 1 < config.trainer.steps and config.trainer.eval_every and (step + 1) % config.trainer.eval_every == 0:
-                evaluate(run, evaluation, step + 1, None)
-            reward = metrics["rollout/reward_mean"]
-            dropped += int(metrics["rollout/dropped"])
-            if not math.isnan(reward):  # NaN: a step whose samples were all dropped
-                rewards.append(reward)
-                if len(first) < REWARD_WINDOW:
-                    first.append(reward)
-            run.end_step(step, metrics, {"reward": reward, "loss": metrics.get("train/loss", float("nan"))})
-        reward_end = evaluate(run, evaluation, config.trainer.steps, "end")
-        result = TrainResult(
-            reward_start=reward_start, reward_end=reward_end,
-            train_reward_first=_mean(first), train_reward_last=_mean(rewards),
-            steps=config.trainer.steps, skipped_steps=run.loop_state["skipped_steps"], dropped_samples=dropped,
-            seconds=time.perf_counter() - started, output_dir=config.trainer.output_dir,
-        )
-        run.summarise(asdict(result), f"training reward: first {len(first)} steps {result.train_reward_first:.3f} -> "
-                      f"last {len(rewards)} steps {result.train_reward_last:.3f}")
-        return result
+        evaluation = evaluation_rollout(run, sampler)
+        return train_loop(run, evaluation, lambda step: train_step(run, rollout, reference, step), started)
     finally:
         run.finish()
+
+
+def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int], dict[str, float]], started: float,
+               summary: Callable[[], dict[str, Any]] = dict) -> TrainResult:
+    """Evaluate, run `train_step(step)` for every step (logging, evaluating, checkpointing), evaluate again,
+    write summary.json (with the keys `summary()` adds)."""
+    config = run.config
+    reward_start = evaluate(run, evaluation, run.start_step, "start")
+    rewards: deque[float] = deque(maxlen=REWARD_WINDOW)
+    first: list[float] = []
+    dropped = 0
+    for step in run.steps():
+        metrics = train_step(step)
+        if step + 1 < config.trainer.steps and config.trainer.eval_every and (step + 1) % config.trainer.eval_every == 0:
+            evaluate(run, evaluation, step + 1, None)
+        reward = metrics["rollout/reward_mean"]
+        dropped += int(metrics["rollout/dropped"])
+        if not math.isnan(reward):  # NaN: a step whose samples were all dropped
+            rewards.append(reward)
+            if len(first) < REWARD_WINDOW:
+                first.append(reward)
+        run.end_step(step, metrics, {"reward": reward, "loss": metrics.get("train/loss", float("nan"))})
+    reward_end = evaluate(run, evaluation, config.trainer.steps, "end")
+    result = TrainResult(
+        reward_start=reward_start, reward_end=reward_end,
+        train_reward_first=_mean(first), train_reward_last=_mean(rewards),
+        steps=config.trainer.steps, skipped_steps=run.loop_state["skipped_steps"], dropped_samples=dropped,
+        seconds=time.perf_counter() - started, output_dir=config.trainer.output_dir,
+    )
+    run.summarise(asdict(result) | summary(), f"training reward: first {len(first)} steps "
+                  f"{result.train_reward_first:.3f} -> last {len(rewards)} steps {result.train_reward_last:.3f}")
+    return result
 
 
 def train_step(run: Run, rollout: Rollout, reference: torch.nn.Module | None, step: int) -> dict[str, float]:
     """One step: collect, prepare, update; returns its metrics."""
     started = time.perf_counter()
     batch = collect(run, rollout, step)
+    metrics = learn(run, batch, reference, step)
+    rollout.engine.version = step + 1
+    push_weights(run, rollout, step + 1)
+    metrics["time/rollout"] = batch.stats.seconds
+    metrics["time/step"] = time.perf_counter() - started
+    return metrics
+
+
+def learn(run: Run, batch: RolloutBatch, reference: torch.nn.Module | None, step: int,
+          proximal_in_loss: bool = False) -> dict[str, float]:
+    """Prepare and update on one batch (or skip the step if every sample was dropped); the step's metrics.
+
+    `proximal_in_loss` (decoupled PPO with one optimizer step per batch): the proximal policy is the
+    very policy the update differentiates, so its log-probs are taken, detached, from the update's
+    own forward instead of an extra no-grad pass over the batch (see `policy_loss`).
+    """
     metrics = batch.stats.metrics()
     report_dropped(run, step, batch.stats)
     if batch.sequences:
         metrics.update(tree_metrics(batch.sequences))
         algo = run.config.algo.resolved()
+        proximal_in_loss = proximal_in_loss and algo.loss == "decoupled_ppo"
         prepared = time.perf_counter()
-        prepare(run, batch.sequences, reference)
+        prepare(run, batch.sequences, reference, proximal_in_loss)
         metrics["time/logprobs"] = time.perf_counter() - prepared
-        metrics.update(update(run, batch.sequences, step, lambda minibatch: policy_loss(algo, minibatch)))
+        metrics.update(update(run, batch.sequences, step,
+                              lambda minibatch: policy_loss(algo, minibatch, proximal_in_loss)))
     else:  # every sample was dropped: nothing to learn from, the schedule still advances
         run.loop_state["skipped_steps"] += 1
         run.print(f"step {step}: every sample was dropped ({dict(batch.stats.dropped)}); step skipped")
     metrics["trainer/skipped_steps"] = run.loop_state["skipped_steps"]
-    rollout.engine.version = step + 1
-    push_weights(run, rollout, step + 1)
-    metrics["time/rollout"] = batch.stats.seconds
-    metrics["time/step"] = time.perf_counter() - started
     return metrics
 
 
@@ -167,6 +194,14 @@ def push_weights(run: Run, rollout: Rollout, version: int) -> None:
         dist.barrier()
 
 
+def evaluation_rollout(run: Run, sampler: InferenceEngine) -> Rollout | None:
+    """The fixed evaluation set (`trainer.eval_prompts` prompts), sampled like the training rollout; None: no evaluation."""
+    config = run.config
+    if not config.trainer.eval_prompts:
+        return None
+    return Rollout(replace(config.rollout, prompts_per_step=config.trainer.eval_prompts), run.tokenizer, sampler)
+
+
 def evaluate(run: Run, evaluation: Rollout | None, step: int, label: str | None) -> float:
     """Mean reward of the current policy on the fixed evaluation prompts (logged as eval/*; printed with a label)."""
     if evaluation is None:
@@ -197,18 +232,21 @@ def load_reference(config: Config, run: Run) -> torch.nn.Module:
     return model
 
 
-def prepare(run: Run, sequences: list[Sequence], reference: torch.nn.Module | None) -> None:
+def prepare(run: Run, sequences: list[Sequence], reference: torch.nn.Module | None,
+            proximal_in_loss: bool = False) -> None:
     """Fill the log-prob fields the loss reads, then the advantages; every check before the first update.
 
     `old_logprobs` are the rollout's behaviour log-probs unless `trainer.recompute_logprobs`.
     Each rank runs the no-grad forwards for its own share of the batch and the fields are then
-    shared, so every rank ends with the same complete batch.
+    shared, so every rank ends with the same complete batch. With `proximal_in_loss` the
+    `prox_logprobs` field is a copy of `old_logprobs` that the loss replaces before reading it.
     """
     algo = run.config.algo.resolved()
     assignment = run.assign(sequences)
     mine = [sequences[i] for i in assignment.sequences(run.env.rank)]
+    proximal = algo.loss == "decoupled_ppo" and not proximal_in_loss
     policy_fields = (["old_logprobs"] if run.config.trainer.recompute_logprobs else []) + (
-        ["prox_logprobs"] if algo.loss == "decoupled_ppo" else [])
+        ["prox_logprobs"] if proximal else [])
     if policy_fields and mine:
         with run.dp.gathered() as policy:
             fill_fields(run.engine, policy, mine, {"logprobs": policy_fields[0]})
@@ -218,6 +256,9 @@ def prepare(run: Run, sequences: list[Sequence], reference: torch.nn.Module | No
     if reference is not None and mine:
         fill_fields(run.engine, reference, mine, {"logprobs": "ref_logprobs"})
     share_fields(sequences, assignment, policy_fields + (["ref_logprobs"] if reference is not None else []))
+    if proximal_in_loss:
+        for seq in sequences:
+            seq.fields["prox_logprobs"] = seq.fields["old_logprobs"].clone()
     compute_advantages(algo, sequences)
     validate_batch(algo, sequences)
 
@@ -236,12 +277,19 @@ def share_fields(sequences: list[Sequence], assignment: Assignment, names: list[
 
 
 # ---------------------------------------------------------------------- the loss
-def policy_loss(algo: AlgoConfig, minibatch: list[Sequence]) -> LossFn:
-    """The algorithm's loss normalised over the whole (global) minibatch, plus `approx_kl` to the old policy."""
+def policy_loss(algo: AlgoConfig, minibatch: list[Sequence], proximal_in_loss: bool = False) -> LossFn:
+    """The algorithm's loss normalised over the whole (global) minibatch, plus `approx_kl` to the old policy.
+
+    `proximal_in_loss`: decoupled PPO's proximal log-probs are the current ones, detached (valid
+    only when the minibatch is the whole batch and its only update: then the proximal policy is
+    the policy being differentiated).
+    """
     normalizer = LossNormalizer.from_sequences(minibatch)
     loss_fn = build_loss(algo, normalizer)
 
     def with_approx_kl(view: SequenceView):
+        if proximal_in_loss:
+            view.fields["prox_logprobs"] = view.logprobs.detach()
         loss, metrics = loss_fn(view)
         logp = view.logprobs.detach()
         mask = view.fields["loss_mask"].to(logp)

@@ -1,0 +1,56 @@
+"""Generation that a weight update interrupts and that resumes on the new weights (AReaL's interruptible rollout).
+
+The embedded engine decodes a whole call on one set of weights. With `trainer.on_update=interrupt`
+a rollout worker decodes in segments of `trainer.interrupt_tokens` tokens and, before each
+segment (and each engine call, so every turn of an episode), loads the newest published weights.
+The unfinished replies then go on under those weights: each is prefilled again (prompt + its tokens
+so far, so the KV cache is recomputed with the new weights, as AReaL does) and decoded further.
+A resumed reply holds tokens of several policy versions; every token keeps the version and the
+behaviour log-prob of the weights that sampled it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from treerl.rollout import Completion, EmbeddedEngine, SamplingParams
+from treerl.rollout.tasks.base import rng_for
+
+
+@dataclass
+class InterruptibleEngine:
+    """An `InferenceEngine` over an embedded engine whose weights `refresh()` may replace between segments."""
+
+    engine: EmbeddedEngine
+    refresh: Callable[[], None]  # loads newer weights into engine.model, if any, and sets engine.version
+    segment_tokens: int = 8
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """`params.n` completions per prompt, decoded `segment_tokens` at a time on the newest weights."""
+        budget = params.max_new_tokens
+        self.refresh()
+        first = self.engine.generate(prompts, replace(params, max_new_tokens=min(self.segment_tokens, budget)))
+        replies = [(p, completion) for p, group in enumerate(first) for completion in group]
+        segment = 0
+        while unfinished := [(i, p, c) for i, (p, c) in enumerate(replies) if c.finish_reason == "length"
+                             and len(c.tokens) < budget]:
+            segment += 1
+            self.refresh()
+            done = len(unfinished[0][2].tokens)  # every unfinished reply has decoded the same number of tokens
+            seed = None if params.seed is None else rng_for("segment", params.seed, segment).getrandbits(62)
+            more = self.engine.generate(
+                [prompts[p] + c.tokens for _, p, c in unfinished],
+                replace(params, n=1, max_new_tokens=min(self.segment_tokens, budget - done), seed=seed),
+            )
+            for (i, p, c), [extra] in zip(unfinished, more):
+                replies[i] = (p, Completion(c.tokens + extra.tokens, c.logprobs + extra.logprobs, extra.finish_reason,
+                                            c.versions + extra.versions))
+        grouped: list[list[Completion]] = [[] for _ in prompts]
+        for p, completion in replies:
+            grouped[p].append(completion)
+        return grouped

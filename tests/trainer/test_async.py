@@ -1,0 +1,268 @@
+"""Asynchronous RL: staleness bound, counters that add up, worker crashes and hangs, interrupted generation,
+weights shared with the workers, and max_staleness = 0 being the synchronous loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from treerl.engine import FlatEngine, PolicyHead
+from treerl.models import build_model
+from treerl.rollout import EmbeddedEngine, SamplingParams
+from treerl.rollout.tasks import build_task
+from treerl.trainer import ConfigError, train
+from treerl.trainer import pool as pool_module
+from treerl.trainer.async_rl import decoupled
+from treerl.trainer.interruptible import InterruptibleEngine
+from treerl.trainer.pool import RolloutPool
+from treerl.trainer.run import load_policy
+from treerl.trainer.weights import SharedWeights
+from treerl.tree import Sequence
+
+ASYNC = ["trainer.mode=async", "rollout.group_size=2"]
+
+
+def train_rows(output_dir: str | Path) -> list[dict]:
+    rows = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "train/loss" in r]
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def check_behaviour_logprobs(seq: Sequence, snapshots: dict[int, dict], model: torch.nn.Module) -> None:
+    """Each generated token's behaviour log-prob is that of the weights of the version it is tagged with."""
+    versions = seq.fields["versions"]
+    for version in versions[versions >= 0].unique().tolist():
+        model.load_state_dict(snapshots[version])
+        [out] = FlatEngine(head=PolicyHead()).forward(model, [seq])
+        at = versions == version
+        torch.testing.assert_close(out["logprobs"][at].double(), seq.fields["old_logprobs"][at], atol=1e-6, rtol=0)
+
+
+def test_shared_weights_reach_a_model_once_per_version():
+    a, b = build_model(seed=0, dtype=torch.float64), build_model(seed=1, dtype=torch.float64)
+    shared = SharedWeights.of(a, version=3)
+    assert all(t.is_shared() for t in shared.tensors.values())
+    assert shared.pull(b, have=-1) == 3
+    assert all(torch.equal(b.state_dict()[k], v) for k, v in a.state_dict().items())
+    with torch.no_grad():
+        for p in a.parameters():
+            p.add_(1.0)
+    assert shared.pull(b, have=3) == 3 and not torch.equal(b.lm_head.weight, a.lm_head.weight)  # nothing new yet
+    shared.publish(a, version=4)
+    assert shared.pull(b, have=3) == 4 and torch.equal(b.lm_head.weight, a.lm_head.weight)
+
+
+def test_an_interrupted_reply_resumes_on_the_new_weights_with_per_token_versions():
+    """Decoded 3 tokens at a time; new weights arrive after the first segment: later tokens are theirs."""
+    old, new = build_model(seed=0, dtype=torch.float64), build_model(seed=1, dtype=torch.float64)
+    snapshots = {0: snapshot(old), 1: snapshot(new)}
+    engine = EmbeddedEngine(build_model(seed=0, dtype=torch.float64), version=0)
+    refreshes = []
+
+    def refresh() -> None:
+        refreshes.append(engine.version)
+        if len(refreshes) == 2:  # the first look is before the first segment; the update lands after it
+            engine.model.load_state_dict(snapshots[1])
+            engine.version = 1
+
+    sampler = InterruptibleEngine(engine, refresh, segment_tokens=3)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    groups = sampler.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=0))
+    assert [len(g) for g in groups] == [2, 2]
+    for prompt, group in zip(prompts, groups):
+        for completion in group:
+            assert completion.finish_reason == "length" and len(completion.tokens) == 8  # no stop tokens: full budget
+            assert completion.versions == [0] * 3 + [1] * 5
+            seq = Sequence(prompt + completion.tokens, {
+                "old_logprobs": torch.tensor([0.0] * len(prompt) + completion.logprobs, dtype=torch.float64),
+                "versions": torch.tensor([-1] * len(prompt) + completion.versions)})
+            check_behaviour_logprobs(seq, snapshots, build_model(seed=2, dtype=torch.float64))
+    assert len(refreshes) == 3  # before segments 1, 2 and 3 (8 tokens = 3 + 3 + 2)
+
+
+def test_zero_staleness_trains_what_the_synchronous_loop_trains(tiny_config, tmp_path):
+    """max_staleness = 0, one worker, the loss left as configured: the same samples, losses and gradients."""
+    common = ["trainer.steps=3", "trainer.decoupled_loss=false"]
+    train(tiny_config(*common, name="sync"))
+    result = train(tiny_config(*common, *ASYNC[:1], "trainer.max_staleness=0", name="async"))
+    sync_rows, async_rows = train_rows(tmp_path / "sync"), train_rows(tmp_path / "async")
+    for want, got in zip(sync_rows, async_rows, strict=True):
+        for key in ("rollout/reward_mean", "batch/flat_tokens", "train/loss", "train/grad_norm"):
+            assert got[key] == want[key], key
+        assert got["async/lag_max"] == 0
+    assert result.counters["admitted"] == result.counters["trained"] == 3 * 2  # nothing sampled ahead
+    assert result.counters["dropped_stale"] == 0
+
+
+def test_two_workers_bound_staleness_and_survive_a_crash_and_a_hang(tiny_config):
+    """Weights change every version; a worker is SIGKILLed holding work, another SIGSTOPped (a hang)."""
+    config = tiny_config(*ASYNC, "trainer.rollout_workers=2", "trainer.max_staleness=1", "model.dtype=float64",
+                         "trainer.worker_timeout=2")
+    model, _ = load_policy(config.model, torch.device("cpu"))
+    checker, _ = load_policy(config.model, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    weights = SharedWeights.of(model, version=0)
+    snapshots = {0: snapshot(model)}
+    pool = RolloutPool(config, build_task(config.rollout), weights, version=0)
+    trained: list[int] = []
+    lost: list[int] = []
+    version = 0
+
+    def step() -> None:
+        nonlocal version
+        batch = pool.next_batch(version)
+        assert len(batch.groups) == 2 and max(batch.lags) <= 1
+        for group in batch.groups:
+            assert all(version - v <= 1 for s in group.sequences for v in s.fields["versions"].tolist() if v >= 0)
+            trained.append(group.job.index)
+        check_behaviour_logprobs(batch.sequences[0], snapshots, checker)
+        with torch.no_grad():  # a new policy version
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+        version += 1
+        weights.publish(model, version)
+        snapshots[version] = snapshot(model)
+
+    def step_until(condition) -> None:
+        deadline = time.monotonic() + 60
+        while not condition() and time.monotonic() < deadline:
+            step()
+
+    try:
+        for _ in range(3):
+            step()
+        victim = pool.workers[0]  # a crash: stopped, so what it holds two steps later is unfinished; then killed
+        os.kill(victim.process.pid, signal.SIGSTOP)
+        for _ in range(2):
+            step()
+        step_until(lambda: victim.outstanding)
+        lost = [job.index for job in victim.outstanding.values()]
+        os.kill(victim.process.pid, signal.SIGKILL)
+        step_until(lambda: pool.counters.restarts == 1)
+        assert 1 <= pool.counters.lost_to_crash <= len(lost)
+        for _ in range(2):
+            step()
+        hung = pool.workers[1]  # a hang: alive, holding work, no model forward for worker_timeout seconds
+        os.kill(hung.process.pid, signal.SIGSTOP)
+        step_until(lambda: pool.counters.restarts == 2)
+        for _ in range(2):
+            step()
+    finally:
+        pool.close()
+    counters = pool.counters
+    counters.check()
+    assert counters.restarts == 2 and counters.lost_to_crash >= 1
+    assert counters.requeued == counters.lost_to_crash
+    assert len(trained) == len(set(trained)) == counters.trained + counters.dropped_failed
+    assert set(lost) <= set(trained)  # the crashed worker's prompts were sampled again and trained
+
+
+def test_train_async_with_a_worker_killed_mid_run(tiny_config, tmp_path, monkeypatch):
+    """`trainer.mode=async` end to end, two workers, interrupted generation; a worker is SIGKILLed after step 2."""
+    pools: list[RolloutPool] = []
+    original = RolloutPool.__init__
+
+    def capture(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        pools.append(self)
+
+    monkeypatch.setattr(pool_module.RolloutPool, "__init__", capture)
+
+    def kill_after_two_steps() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            path = tmp_path / "run" / "metrics.jsonl"
+            if path.exists() and len(train_rows(tmp_path / "run")) >= 2:
+                os.kill(pools[0].workers[1].process.pid, signal.SIGKILL)
+                return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_after_two_steps, daemon=True)
+    killer.start()
+    config = tiny_config(*ASYNC, "trainer.steps=8", "trainer.rollout_workers=2", "trainer.max_staleness=2",
+                         "trainer.on_update=interrupt", "trainer.interrupt_tokens=1", "trainer.eval_prompts=4")
+    result = train(config)
+    killer.join()
+    rows = train_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(8))
+    assert all(r["async/lag_max"] <= 2 for r in rows)
+    counters = result.counters
+    assert counters["restarts"] == 1 and counters["requeued"] == counters["lost_to_crash"]
+    assert counters["admitted"] == counters["produced"] + counters["lost_to_crash"] + counters["in_flight"]
+    assert counters["produced"] == (counters["trained"] + counters["dropped_stale"] + counters["dropped_failed"]
+                                    + counters["pending"])
+    assert counters["trained"] + counters["dropped_failed"] == 8 * 2
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["async"] == counters and 0 <= result.reward_end <= 1
+
+
+def test_async_trains_the_configured_loss_as_decoupled_ppo(tiny_config):
+    algo = tiny_config().algo
+    assert algo.loss == "dr_grpo"
+    decoupled_algo = decoupled(algo)
+    resolved = algo.resolved()
+    assert decoupled_algo.loss == "decoupled_ppo"
+    assert (decoupled_algo.advantage, decoupled_algo.aggregation, decoupled_algo.entropy_coef) == (
+        resolved.advantage, resolved.aggregation, resolved.entropy_coef)
+    gspo = tiny_config("algo.loss=gspo").algo
+    assert decoupled(gspo) is gspo  # a sequence-level ratio has no decoupled form here
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.on_update=never"], r"trainer.on_update='never' is not one of: finish, interrupt"),
+    (["trainer.max_staleness=-1"], r"trainer.max_staleness=-1 must be >= 0"),
+    (["trainer.rollout_workers=0"], r"trainer.rollout_workers=0 must be > 0"),
+    (["trainer.mode=async", "rollout.server_url=http://127.0.0.1:1"], r"rollout.server_url needs trainer.mode=sync"),
+])
+def test_bad_async_settings_are_clear_errors(tiny_config, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(*overrides)
+
+
+REWARDS = '''
+import os
+
+def broken(prompt, completion, answer):
+    raise RuntimeError("reward server down")
+
+def exits(prompt, completion, answer):
+    os._exit(3)
+
+def interrupts(prompt, completion, answer):
+    raise SystemExit("the reward function called exit()")
+'''
+
+
+@pytest.fixture
+def rewards(tmp_path, monkeypatch):
+    """A user's prompts and reward module (the workers import it from the current directory)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "async_test_rewards.py").write_text(REWARDS)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": 2 * a}) + "\n"
+                                                 for a in range(5)))
+    return lambda name: ["rollout.task=dataset", f"rollout.data_path={tmp_path / 'data.jsonl'}",
+                         "rollout.max_new_tokens=3", f"rollout.reward_fn=async_test_rewards:{name}", *ASYNC]
+
+
+def test_groups_whose_samples_all_failed_are_counted_and_their_steps_skipped(tiny_config, rewards):
+    result = train(tiny_config(*rewards("broken"), "trainer.steps=2", "trainer.save_final=false"))
+    assert result.skipped_steps == 2 and result.dropped_samples == 2 * 2 * 2
+    assert result.counters["dropped_failed"] == 2 * 2 and result.counters["trained"] == 0
+
+
+@pytest.mark.slow
+def test_a_worker_that_keeps_dying_stops_the_run_with_the_reason(tiny_config, rewards):
+    with pytest.raises(RuntimeError, match=r"restarted 2 times \(trainer.max_worker_restarts=1\).*exited with code 3"):
+        train(tiny_config(*rewards("exits"), "trainer.steps=2", "trainer.max_worker_restarts=1"))
+    with pytest.raises(RuntimeError, match=r"(?s)rollout worker 0 .* failed:.*SystemExit: the reward function"):
+        train(tiny_config(*rewards("interrupts"), "trainer.steps=2"))
