@@ -6,7 +6,7 @@
         update(run, batch.sequences, step)          # ppo_epochs x minibatches optimizer steps on the tree engine
 
 `collect` and `update` only meet through a `RolloutBatch` (training sequences + counters), so an
-asynchronous mode can feed `update` from rollout workers instead (issue 6) without changing it.
+asynchronous mode (`treerl.trainer.async_rl`) feeds the same `learn` from rollout workers instead.
 
 Under torchrun every rank must hold the same global batch. With the embedded sampler every rank
 runs the same seeded rollout (a step's prompts and sampling seed depend only on the config and
