@@ -90,15 +90,26 @@ def test_an_interrupted_reply_resumes_on_the_new_weights_with_per_token_versions
     assert len(refreshes) == 3  # before segments 1, 2 and 3 (8 tokens = 3 + 3 + 2)
 
 
-def test_zero_staleness_trains_what_the_synchronous_loop_trains(tiny_config, tmp_path):
+@pytest.fixture
+def one_thread():
+    """Both modes' trainers on one torch thread (async gives its workers the rest), so float sums agree bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_zero_staleness_trains_what_the_synchronous_loop_trains(tiny_config, tmp_path, one_thread):
     """max_staleness = 0, one worker, the loss left as configured: the same samples, losses and gradients."""
     common = ["trainer.steps=3", "trainer.decoupled_loss=false"]
     train(tiny_config(*common, name="sync"))
     result = train(tiny_config(*common, *ASYNC[:1], "trainer.max_staleness=0", name="async"))
     sync_rows, async_rows = train_rows(tmp_path / "sync"), train_rows(tmp_path / "async")
     for want, got in zip(sync_rows, async_rows, strict=True):
-        for key in ("rollout/reward_mean", "batch/flat_tokens", "train/loss", "train/grad_norm"):
+        for key in ("rollout/reward_mean", "batch/flat_tokens"):  # the same samples
             assert got[key] == want[key], key
+        for key in ("train/loss", "train/grad_norm"):  # the same update (float32: summation order may differ)
+            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
         assert got["async/lag_max"] == 0
     assert result.counters["admitted"] == result.counters["trained"] == 3 * 2  # nothing sampled ahead
     assert result.counters["dropped_stale"] == 0
