@@ -15,7 +15,7 @@ from treerl.rollout import CompletionsClient, Rollout, SamplingParams, build_eng
 from treerl.testing import relative_error
 from treerl.trainer import ConfigError, train
 from treerl.trainer.checkpoint import checkpoint_dir, latest_checkpoint, read_weights
-from treerl.trainer.rl import policy_loss, prepare
+from treerl.trainer.rl import policy_loss, prepare, update_critic
 from treerl.trainer.run import Run
 
 
@@ -93,6 +93,61 @@ def test_a_training_step_with_a_tree_engine_equals_flat(tiny_config, task, engin
         assert dfs_metrics[key] == pytest.approx(flat_metrics[key], rel=1e-6, abs=1e-9)
 
 
+def _critic_gradients(config) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """PPO with a critic, step 0: the policy's and the critic's first gradients, and the batch's GAE fields."""
+    run = Run.start(config, temperature=config.rollout.temperature)
+    assert run.critic is not None
+    grads: dict[str, dict[str, torch.Tensor]] = {"policy": {}, "critic": {}}
+    for name, model, optimizer in (("policy", run.policy, run.optimizer),
+                                   ("critic", run.critic.model, run.critic.optimizer)):
+        optimizer.register_step_pre_hook(lambda *_, name=name, model=model: grads[name].update(
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    rollout = Rollout(config.rollout, run.tokenizer, build_engine(config.rollout, run.policy))
+    batch = rollout.collect(0).sequences
+    prepare(run, batch, None)
+    algo = config.algo.resolved()
+    run.update(batch, policy_loss(algo, batch))
+    metrics = update_critic(run, batch, 0, algo)
+    run.finish()
+    fields = {k: torch.cat([s.fields[k] for s in batch]) for k in ("values", "advantages", "returns")}
+    return grads["policy"], grads["critic"], fields | {"value_loss": metrics["critic/value_loss"]}
+
+
+@pytest.mark.parametrize("task", ["arithmetic", "guess_number"])
+def test_ppo_with_a_critic_on_the_tree_equals_flat(tiny_config, task):
+    """Values, GAE advantages and returns, the policy's and the critic's gradients: DfsEngine == FlatEngine."""
+    common = ["model.dtype=float64", f"rollout.task={task}", "algo.loss=ppo", "rollout.prompts_per_step=3"]
+    dfs_policy, dfs_critic, dfs = _critic_gradients(tiny_config(*common, "engine.chunk_tokens=7"))
+    flat_policy, flat_critic, flat = _critic_gradients(tiny_config(*common, "engine.name=flat"))
+    assert dfs["values"].abs().sum() > 0 and dfs["returns"].abs().sum() > 0
+    for key in ("values", "advantages", "returns"):
+        assert relative_error(dfs[key], flat[key]) <= 1e-6, key
+    assert dfs["value_loss"] == pytest.approx(flat["value_loss"], rel=1e-6)
+    for want, got in ((flat_policy, dfs_policy), (flat_critic, dfs_critic)):
+        assert set(got) == set(want) and len(want) > 10
+        for name in want:
+            assert relative_error(got[name], want[name]) <= 1e-6, name
+    assert "score.weight" in flat_critic
+
+
+def test_ppo_with_a_critic_resumes_exactly(tiny_config, tmp_path):
+    """The critic, its optimizer and schedule are checkpointed too: step 2 after a resume == straight through."""
+    common = ["trainer.steps=3", "algo.loss=ppo", "trainer.minibatches=2", "critic.lr=0.01"]
+    train(tiny_config(*common, "trainer.save_every=2", "trainer.keep_checkpoints=0", name="straight"))
+    train(tiny_config(*common, f"trainer.resume={checkpoint_dir(tmp_path / 'straight', 2)}", name="resumed"))
+    want, got = step_row(tmp_path / "straight", 2), step_row(tmp_path / "resumed", 2)
+    for key in ("train/loss", "train/grad_norm", "critic/value_loss", "critic/grad_norm", "critic/lr"):
+        assert got[key] == want[key], key
+    critic_a = read_weights(checkpoint_dir(tmp_path / "straight", 3) / "critic")
+    critic_b = read_weights(checkpoint_dir(tmp_path / "resumed", 3) / "critic")
+    assert all(torch.equal(critic_a[k], critic_b[k]) for k in critic_a)
+    start = read_weights(checkpoint_dir(tmp_path / "straight", 2) / "critic")
+    assert not torch.equal(start["score.weight"], critic_a["score.weight"])  # the critic did train
+    with pytest.raises(FileNotFoundError, match="has no critic/"):  # a checkpoint of a run without a critic
+        train(tiny_config("trainer.steps=1", name="grpo"))
+        train(tiny_config(*common, f"trainer.resume={checkpoint_dir(tmp_path / 'grpo', 1)}", name="bad"))
+
+
 def test_multi_turn_batches_share_prefixes(tiny_config, tmp_path):
     result = train(tiny_config("trainer.steps=1", "rollout.task=guess_number", "trainer.eval_prompts=2"))
     row = step_row(tmp_path / "run", 0)
@@ -155,8 +210,8 @@ def test_bad_setups_are_clear_errors(tiny_config, tmp_path):
         train(tiny_config("model.path=/no/such/model"))
     with pytest.raises(ValueError, match="reward function 'no_such_module:f': cannot import"):
         train(tiny_config("rollout.task=dataset", f"rollout.data_path={tmp_path}", "rollout.reward_fn=no_such_module:f"))
-    with pytest.raises(ConfigError, match="needs a critic"):
-        tiny_config("algo.loss=ppo")
+    with pytest.raises(ConfigError, match="trains a critic"):
+        tiny_config("algo.loss=ppo", "trainer.mode=async")
 
 
 def test_a_checkpoint_is_a_local_model_path_for_a_users_data(tiny_config, tmp_path, user_task):

@@ -53,7 +53,9 @@ def test_yaml_then_overrides_win(tmp_path):
     (["algo.loss=foo"], r"algo.loss='foo' is not one of"),
     (["rollout.task=dataset"], r"rollout.task = 'dataset' needs rollout.data_path"),
     (["model.shape=huge"], r"model.shape='huge' is not one of"),
-    (["algo.loss=ppo"], r"needs a critic"),
+    (["algo.loss=ppo", "trainer.mode=async"], r"trains a critic, which trainer.mode=async does not run"),
+    (["algo.loss=ppo", "critic.path=/no/such/critic"], r"critic.path='/no/such/critic' does not exist"),
+    (["critic.lr=0"], r"critic.lr=0.0 must be > 0"),
 ])
 def test_bad_values_are_clear_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -52,6 +52,15 @@ class ModelConfig:
 
 
 @dataclass
+class CriticConfig:
+    """PPO's value model, built only when the advantages are GAE (`algo.loss=ppo` or `algo.advantage=gae`)."""
+
+    path: str | None = None  # local causal-LM checkpoint for its body; null: the policy's (model.path, or model.shape random)
+    lr: float | None = None  # its AdamW learning rate (same schedule as the policy); null: trainer.lr
+    seed: int = 1  # random initialisation of its value layer (and of its body when built from a shape)
+
+
+@dataclass
 class EngineConfig:
     """The training engine: how forward/backward walks a batch (all give the same gradients)."""
 
@@ -143,6 +152,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=_demo_algo)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
 
@@ -173,11 +183,13 @@ def check_choices(config: Config) -> None:
             raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
     if config.trainer.mode == "async" and config.rollout.server_url:
         raise ConfigError("trainer.mode=async samples with its own rollout workers; rollout.server_url needs trainer.mode=sync")
-    if config.algo.resolved().advantage == "gae":
+    if config.algo.resolved().advantage == "gae" and config.trainer.mode == "async":
         raise ConfigError(
-            f"algo.advantage=gae (the default of algo.loss={config.algo.loss}) needs a critic, which treerl train "
-            "does not run yet; choose algo.advantage=group, group_mean, rloo or returns"
+            f"algo.advantage=gae (the default of algo.loss={config.algo.loss}) trains a critic, which "
+            "trainer.mode=async does not run; use trainer.mode=sync, or algo.advantage=group, group_mean, rloo or returns"
         )
+    if config.critic.path is not None and not Path(config.critic.path).exists():
+        raise ConfigError(f"critic.path={config.critic.path!r} does not exist (treerl only loads local checkpoints)")
 
 
 def check_ranges(config: Config) -> None:
@@ -193,6 +205,7 @@ def check_ranges(config: Config) -> None:
         "trainer.interrupt_tokens": t.interrupt_tokens, "trainer.worker_timeout": t.worker_timeout,
     }
     optional = {"trainer.micro_batch_tokens": t.micro_batch_tokens, "trainer.max_grad_norm": t.max_grad_norm,
+                "critic.lr": config.critic.lr,
                 "trainer.worker_prompts": t.worker_prompts,
                 "engine.memory_budget_bytes": config.engine.memory_budget_bytes}
     positive.update({k: v for k, v in optional.items() if v is not None})
@@ -290,7 +303,7 @@ def _read_yaml(path: Path) -> Any:
     except Exception as e:  # YAML syntax errors come from several libraries
         raise ConfigError(f"{path}: not a valid YAML file ({e})") from None
     if not OmegaConf.is_dict(layer):
-        raise ConfigError(f"{path}: expected a mapping of sections (model, rollout, algo, engine, trainer, sft)")
+        raise ConfigError(f"{path}: expected a mapping of sections (model, rollout, algo, engine, critic, trainer, sft)")
     return layer
 
 
@@ -303,6 +316,6 @@ def _explain(error: OmegaConfBaseException) -> str:
         known = [k for k in all_keys() if k.startswith(parent + ".")] if parent else [f.name for f in fields(Config)]
         close = difflib.get_close_matches(str(key), known, n=1) or difflib.get_close_matches(leaf, known, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        where = f"section {parent!r}" if parent else "the config (sections: model, rollout, algo, engine, trainer, sft)"
+        where = f"section {parent!r}" if parent else "the config (sections: model, rollout, algo, engine, critic, trainer, sft)"
         return f"unknown key {str(key)!r}: {where} has no {leaf!r}{hint} (see docs/config.md)"
     return f"{key}: {message}" if key else message

@@ -31,7 +31,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from treerl.algo import AlgoConfig, LossNormalizer, build_loss, compute_advantages, fill_fields, validate_batch
+from treerl.algo import (
+    AlgoConfig,
+    LossNormalizer,
+    build_loss,
+    build_value_loss,
+    compute_advantages,
+    fill_fields,
+    validate_batch,
+)
 from treerl.algo.policy import kl_penalty
 from treerl.dist import Assignment
 from treerl.engine import LossFn, SequenceView
@@ -144,11 +152,25 @@ def learn(run: Run, batch: RolloutBatch, reference: torch.nn.Module | None, step
         metrics["time/logprobs"] = time.perf_counter() - prepared
         metrics.update(update(run, batch.sequences, step,
                               lambda minibatch: policy_loss(algo, minibatch, proximal_in_loss)))
+        if run.critic is not None:
+            metrics.update(update_critic(run, batch.sequences, step, algo))
     else:  # every sample was dropped: nothing to learn from, the schedule still advances
         run.loop_state["skipped_steps"] += 1
         run.print(f"step {step}: every sample was dropped ({dict(batch.stats.dropped)}); step skipped")
     metrics["trainer/skipped_steps"] = run.loop_state["skipped_steps"]
     return metrics
+
+
+def update_critic(run: Run, sequences: list[Sequence], step: int, algo: AlgoConfig) -> dict[str, float]:
+    """The critic's passes over the batch (the policy's epochs and minibatches), towards the GAE returns;
+    its metrics under critic/ (value_loss, value_clip_fraction, grad_norm, lr) and time/critic_update."""
+    metrics = update(run, sequences, step,
+                     lambda minibatch: build_value_loss(algo, LossNormalizer.from_sequences(minibatch)),
+                     optimizer_step=run.update_critic)
+    renamed = {f"critic/{key.removeprefix('train/')}": value for key, value in metrics.items()
+               if key.startswith("train/") and key not in ("train/loss", "train/updates")}
+    renamed["time/critic_update"] = metrics["time/update"]
+    return renamed
 
 
 # ---------------------------------------------------------------------- rollout
@@ -255,7 +277,11 @@ def prepare(run: Run, sequences: list[Sequence], reference: torch.nn.Module | No
                 seq.fields[name] = seq.fields[policy_fields[0]].clone()
     if reference is not None and mine:
         fill_fields(run.engine, reference, mine, {"logprobs": "ref_logprobs"})
-    share_fields(sequences, assignment, policy_fields + (["ref_logprobs"] if reference is not None else []))
+    if run.critic is not None and mine:  # V(s_t) for GAE, and V_old for the clipped value loss
+        with run.critic.dp.gathered() as critic:
+            fill_fields(run.critic.engine, critic, mine, {"values": "values"})
+    share_fields(sequences, assignment, policy_fields + (["ref_logprobs"] if reference is not None else [])
+                 + (["values"] if run.critic is not None else []))
     if proximal_in_loss:
         for seq in sequences:
             seq.fields["prox_logprobs"] = seq.fields["old_logprobs"].clone()

@@ -15,6 +15,7 @@ ranks), clips and steps. The loss must be normalised by the GLOBAL minibatch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -41,7 +42,8 @@ from treerl.dist import (
     init_distributed,
     tree_features,
 )
-from treerl.engine import DfsEngine, Engine, FlatEngine, LossFn, PackedEngine, PolicyHead
+from treerl.algo import build_critic
+from treerl.engine import DfsEngine, Engine, FlatEngine, LossFn, PackedEngine, PolicyHead, ValueHead
 from treerl.models import build_model
 from treerl.rollout import load_tokenizer
 from treerl.trainer.checkpoint import (
@@ -51,7 +53,7 @@ from treerl.trainer.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
-from treerl.trainer.config import Config, ConfigError, EngineConfig, ModelConfig, to_yaml
+from treerl.trainer.config import Config, ConfigError, EngineConfig, ModelConfig, TrainerConfig, to_yaml
 from treerl.trainer.metrics import MetricsLogger, sum_over_ranks
 from treerl.trainer.optim import build_optimizer, build_scheduler
 from treerl.tree import Sequence
@@ -60,11 +62,12 @@ log = logging.getLogger("treerl.trainer")
 
 COST_WINDOW = 256  # most recent measured micro-batches the cost model is fitted on
 COST_MIN_SAMPLES = 8
+CRITIC_DIR = "critic"  # the critic's checkpoint, inside the policy's
 
 
-def build_train_engine(config: EngineConfig, temperature: float = 1.0) -> Engine:
-    """The engine `engine.name` names; its log-probs are those of softmax(logits / temperature)."""
-    head = PolicyHead(temperature=temperature, chunk_rows=config.head_chunk_rows)
+def build_train_engine(config: EngineConfig, temperature: float = 1.0, head: PolicyHead | ValueHead | None = None) -> Engine:
+    """The engine `engine.name` names; its log-probs are those of softmax(logits / temperature) (or `head`'s outputs)."""
+    head = head or PolicyHead(temperature=temperature, chunk_rows=config.head_chunk_rows)
     if config.name == "dfs":
         return DfsEngine(head=head, chunk_tokens=config.chunk_tokens, batch_tokens=config.batch_tokens,
                          recompute=config.recompute, memory_budget_bytes=config.memory_budget_bytes)  # type: ignore[arg-type]
@@ -105,6 +108,33 @@ def seed_everything(seed: int) -> None:
 
 
 @dataclass
+class Critic:
+    """PPO's value model as this run trains it: data-parallel wrapper, AdamW, LR schedule, a ValueHead engine."""
+
+    dp: DataParallel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    engine: Engine
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return self.dp.model
+
+
+def build_run_critic(config: Config, strategy: str, vocab_size: int, device: torch.device) -> Critic:
+    """The critic's body from `critic.path` (else the policy's checkpoint or shape) with a fresh value layer."""
+    path = config.critic.path or config.model.path
+    model = build_critic(path=path, shape=config.model.shape, vocab_size=None if path else vocab_size,
+                         dtype=getattr(torch, config.model.dtype), device=device, seed=config.critic.seed,
+                         attn_implementation=config.model.attn_implementation)
+    model.eval()  # no dropout: the values the advantages use and the ones trained are one function
+    dp = DataParallel(model, strategy)  # type: ignore[arg-type]
+    schedule: TrainerConfig = dataclasses.replace(config.trainer, lr=config.critic.lr or config.trainer.lr)
+    optimizer = build_optimizer(dp.parameters(), schedule)
+    return Critic(dp, optimizer, build_scheduler(optimizer, schedule), build_train_engine(config.engine, head=ValueHead()))
+
+
+@dataclass
 class Run:
     """The state of one training run on this rank."""
 
@@ -119,6 +149,7 @@ class Run:
     start_step: int = 0
     loop_state: dict[str, Any] = field(default_factory=dict)  # saved and restored with each checkpoint
     cost: CostModel = field(default_factory=CostModel)
+    critic: Critic | None = None  # PPO's value model, when the advantages are GAE
     _bar: Any = None
 
     @classmethod
@@ -138,9 +169,16 @@ class Run:
         scheduler = build_scheduler(optimizer, config.trainer)
         run = cls(config, env, tokenizer, dp, optimizer, scheduler, build_train_engine(config.engine, temperature),
                   logger=None, loop_state={"skipped_steps": 0, "cost_samples": []})
+        if config.algo.resolved().advantage == "gae":
+            run.critic = build_run_critic(config, strategy, len(tokenizer), device_for(config.model, env))
         resume = find_resume_path(config.trainer.resume, config.trainer.output_dir)
         if resume is not None:
             run.start_step, run.loop_state = load_checkpoint(resume, dp.model, optimizer, scheduler)
+            if run.critic is not None:
+                if not (resume / CRITIC_DIR).exists():
+                    raise FileNotFoundError(f"checkpoint {resume} has no {CRITIC_DIR}/ (it was not written by a run "
+                                            "with a critic) but algo.advantage=gae needs one")
+                load_checkpoint(resume / CRITIC_DIR, run.critic.model, run.critic.optimizer, run.critic.scheduler)
             run._fit_cost_model()
             run.print(f"resumed from {resume} at step {run.start_step}")
         if env.is_main:
@@ -164,31 +202,44 @@ class Run:
         self._bar.close()
 
     def update(self, minibatch: list[Sequence], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on a global minibatch: this rank's micro-batches, one gradient sync, clip, step."""
+        """One policy optimizer step on a global minibatch."""
+        return self._optimizer_step(self.dp, self.optimizer, self.engine, minibatch, loss_fn, record_costs=True)
+
+    def update_critic(self, minibatch: list[Sequence], loss_fn: LossFn) -> dict[str, float]:
+        """One critic optimizer step on a global minibatch (its metrics under train/ too: the caller renames them)."""
+        assert self.critic is not None
+        return self._optimizer_step(self.critic.dp, self.critic.optimizer, self.critic.engine, minibatch, loss_fn,
+                                    record_costs=False)
+
+    def _optimizer_step(self, dp: DataParallel, optimizer: torch.optim.Optimizer, engine: Engine,
+                        minibatch: list[Sequence], loss_fn: LossFn, record_costs: bool) -> dict[str, float]:
+        """This rank's micro-batches of a global minibatch, one gradient sync, clip, step (`record_costs`: the
+        measured times refit the balancer's cost model, which prices the policy's engine calls)."""
         assignment = self.assign(minibatch)
         local: dict[str, float] = {"train/loss": 0.0, "perf/flat_tokens": 0.0, "perf/model_tokens": 0.0}
         measured = []
-        with self.dp.gradient_step() as policy:
+        with dp.gradient_step() as model:
             for micro_batch in assignment.micro_batches(self.env.rank):
                 part = [minibatch[i] for i in micro_batch]
-                stats = self.engine.forward_backward(policy, part, loss_fn)
+                stats = engine.forward_backward(model, part, loss_fn)
                 local["train/loss"] += stats.loss
                 local["perf/flat_tokens"] += stats.flat_tokens
                 local["perf/model_tokens"] += stats.model_tokens
                 for key, value in stats.metrics.items():
                     local[f"train/{key}"] = local.get(f"train/{key}", 0.0) + value
                 measured.append((tree_features(part), stats.seconds))
-        self._record_costs(measured)
+        if record_costs:
+            self._record_costs(measured)
         metrics = sum_over_ranks(local)
         if self.env.world_size > 1:
             balance_stats = evaluate(assignment, minibatch, self.cost)
             metrics["dist/imbalance"] = balance_stats.imbalance  # estimated max / mean cost over ranks
             metrics["dist/compression_kept"] = balance_stats.compression_kept  # 1: no shared prefix computed twice
             metrics["dist/micro_batches"] = balance_stats.micro_batches
-        metrics["train/grad_norm"] = self._clip_gradients()
-        metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        metrics["train/grad_norm"] = self._clip_gradients(dp)
+        metrics["train/lr"] = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         return metrics
 
     def assign(self, sequences: list[Sequence]) -> Assignment:
@@ -200,6 +251,8 @@ class Run:
         with warnings.catch_warnings():  # a skipped step (no samples) advances the schedule without an optimizer step
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
+            if self.critic is not None:
+                self.critic.scheduler.step()
         trainer = self.config.trainer
         if self.logger is not None and (step % trainer.log_every == 0 or step + 1 == trainer.steps):
             self.logger.log(step, metrics)
@@ -214,6 +267,9 @@ class Run:
         path = checkpoint_dir(self.config.trainer.output_dir, steps_done)
         save_checkpoint(path, self.policy, self.optimizer, self.scheduler, self.tokenizer, steps_done,
                         self.loop_state, to_yaml(self.config), self.env.is_main)
+        if self.critic is not None:  # after the policy's: writing that replaces the whole directory
+            save_checkpoint(path / CRITIC_DIR, self.critic.model, self.critic.optimizer, self.critic.scheduler,
+                            self.tokenizer, steps_done, {}, to_yaml(self.config), self.env.is_main)
         if self.env.is_main:
             prune_checkpoints(self.config.trainer.output_dir, self.config.trainer.keep_checkpoints)
         return path
@@ -237,9 +293,9 @@ class Run:
             dist.barrier()
 
     # ------------------------------------------------------------------ internals
-    def _clip_gradients(self) -> float:
+    def _clip_gradients(self, dp: DataParallel) -> float:
         """The global gradient norm before clipping (gradients are already summed over ranks)."""
-        parameters = [p for p in self.dp.parameters() if p.grad is not None]
+        parameters = [p for p in dp.parameters() if p.grad is not None]
         if not parameters:
             return 0.0
         max_norm = self.config.trainer.max_grad_norm

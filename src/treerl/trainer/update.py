@@ -19,8 +19,14 @@ from treerl.trainer.run import Run
 from treerl.tree import Sequence
 
 
-def update(run: Run, sequences: list[Sequence], step: int, loss_for: Callable[[list[Sequence]], LossFn]) -> dict[str, float]:
-    """Optimizer steps on the batch; `loss_for(minibatch)` builds the loss normalised over that (global) minibatch."""
+def update(run: Run, sequences: list[Sequence], step: int, loss_for: Callable[[list[Sequence]], LossFn],
+           optimizer_step: Callable[[list[Sequence], LossFn], dict[str, float]] | None = None) -> dict[str, float]:
+    """Optimizer steps on the batch; `loss_for(minibatch)` builds the loss normalised over that (global) minibatch.
+
+    `optimizer_step` (default `run.update`, the policy) takes one step on a minibatch: `run.update_critic`
+    trains the critic over the same minibatches.
+    """
+    optimizer_step = optimizer_step or run.update
     trainer = run.config.trainer
     generator = torch.Generator().manual_seed(trainer.seed * 1_000_003 + step)
     mean = Mean()
@@ -29,7 +35,7 @@ def update(run: Run, sequences: list[Sequence], step: int, loss_for: Callable[[l
     for _ in range(trainer.ppo_epochs):
         for part in minibatch_indices(sequences, trainer.minibatches, generator):
             minibatch = [sequences[i] for i in part]
-            mean.add(run.update(minibatch, loss_for(minibatch)))
+            mean.add(optimizer_step(minibatch, loss_for(minibatch)))
             updates += 1
     seconds = time.perf_counter() - started
     metrics = mean.result()
