@@ -16,6 +16,8 @@ from treerl.trainer.checkpoint import checkpoint_dir, read_weights
 pytestmark = pytest.mark.slow  # two processes importing torch + transformers: ~15 s on 2 cores
 
 STRATEGIES = ("ddp", "fsdp2")
+PPO = ["algo.loss=ppo", "algo.kl_coef=0.0",  # with a critic: its values, GAE and its updates under data parallelism
+       "trainer.save_every=1", "trainer.keep_checkpoints=0"]
 SETTINGS = [
     "model.dtype=float64", "rollout.task=guess_number", "rollout.prompts_per_step=2", "rollout.group_size=2",
     "algo.loss=decoupled_ppo", "algo.kl_coef=0.05", "trainer.recompute_logprobs=true",  # every no-grad fill, shared
@@ -35,6 +37,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     for strategy in STRATEGIES:
         result = train(_config(os.path.join(out_dir, strategy), f"trainer.data_parallel={strategy}"))
         assert result.steps == 2
+        train(_config(os.path.join(out_dir, f"ppo-{strategy}"), f"trainer.data_parallel={strategy}", *PPO))
     torch.distributed.destroy_process_group()
 
 
@@ -45,16 +48,29 @@ def runs(tmp_path_factory):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         assert name not in os.environ  # the single-process run below really is one process
     train(_config(str(out / "single")))
+    train(_config(str(out / "ppo-single"), *PPO))
     return out
+
+
+def assert_same_weights(got_dir, want_dir) -> None:
+    want, got = read_weights(want_dir), read_weights(got_dir)
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.linalg.norm(got[name] - want[name]) <= 1e-6 * torch.linalg.norm(want[name]), name
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_ranks_end_with_the_single_process_parameters(runs, strategy):
-    want = read_weights(checkpoint_dir(runs / "single", 2))
-    got = read_weights(checkpoint_dir(runs / strategy, 2))
-    assert set(got) == set(want)
-    for name in want:
-        assert torch.linalg.norm(got[name] - want[name]) <= 1e-6 * torch.linalg.norm(want[name]), name
+    assert_same_weights(checkpoint_dir(runs / strategy, 2), checkpoint_dir(runs / "single", 2))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_ppo_with_a_critic_on_two_ranks_ends_with_the_single_process_policy_and_critic(runs, strategy):
+    for part in ("", "critic"):
+        assert_same_weights(checkpoint_dir(runs / f"ppo-{strategy}", 2) / part,
+                            checkpoint_dir(runs / "ppo-single", 2) / part)
+    before, after = (read_weights(checkpoint_dir(runs / "ppo-single", step) / "critic") for step in (1, 2))
+    assert not torch.equal(before["score.weight"], after["score.weight"])  # the critic trained
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
