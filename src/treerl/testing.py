@@ -6,8 +6,8 @@ batch to see that the tree engines train it exactly like the flat reference.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Sequence as Seq
 
 import torch
 from transformers import PreTrainedModel

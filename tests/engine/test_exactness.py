@@ -9,9 +9,9 @@ import random
 
 import pytest
 import torch
-from support import ARCHS, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import ARCHS, tiny_model
 
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine, PolicyHead
 from treerl.testing import assert_engines_agree
@@ -58,7 +58,7 @@ def sequence_loss(view):
 
 def _hand_batches() -> dict[str, list[list[int]]]:
     rng = random.Random(0)
-    r = lambda n: [rng.randrange(VOCAB) for _ in range(n)]  # noqa: E731
+    r = lambda n: [rng.randrange(VOCAB) for _ in range(n)]
     p = r(9)
     return {
         "one sequence": [r(12)],

@@ -19,7 +19,8 @@ whitening statistic spans it.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Hashable, Sequence as Seq
+from collections.abc import Hashable
+from collections.abc import Sequence as Seq
 
 import torch
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 import torch
 

@@ -18,8 +18,8 @@ normalisers, or add them with `+`. A batch with no trained token at all has loss
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Sequence as Seq
 
 import torch
 

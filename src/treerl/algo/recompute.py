@@ -3,7 +3,7 @@ log-probs for the policy loss, the critic's values for GAE."""
 
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 from transformers import PreTrainedModel
 

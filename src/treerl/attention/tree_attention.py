@@ -22,8 +22,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -64,7 +64,7 @@ class PathKV:
         self.unit: UnitKV | None = None  # the unit being computed
         if preallocated:
             shape = (1, kv_heads, capacity, head_dim)
-            store = lambda dtype: [torch.zeros(shape, dtype=dtype, device=param.device) for _ in range(self.layers)]  # noqa: E731
+            store = lambda dtype: [torch.zeros(shape, dtype=dtype, device=param.device) for _ in range(self.layers)]
             self.keys, self.values = store(param.dtype), store(param.dtype)
             self.key_grads = store(self.grad_dtype) if with_grads else None
             self.value_grads = store(self.grad_dtype) if with_grads else None
@@ -191,7 +191,7 @@ class _TreeAttention(torch.autograd.Function):
         dk, dv = _reduce_heads(dk, groups), _reduce_heads(dv, groups)
         if unit.start > 0:
             anc_k, anc_v = path.ancestors(layer, unit.start)
-            fold = lambda x: _fold(x, kv_heads)  # noqa: E731
+            fold = lambda x: _fold(x, kv_heads)
             dq_anc, dk_anc, dv_anc = attend_backward(
                 fold(dout), fold(q), anc_k, anc_v, fold(out), fold(lse), ctx.anc_saved, scale, False
             )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Callable
 from itertools import accumulate
-from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile

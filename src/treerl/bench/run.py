@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -56,7 +56,7 @@ def workload_names() -> list[str]:
 
 def make_workload(name: str, scale: float, vocab: int, seed: int = 0) -> list[Sequence]:
     """The named synthetic batch (DESIGN.md "Measurement") at `scale` times its full size."""
-    s = lambda n: max(2, round(n * scale))  # noqa: E731
+    s = lambda n: max(2, round(n * scale))
     if name == "grpo":  # G = 8 samples of each of 4 prompts
         return grpo_groups(prompts=4, group_size=8, prompt_len=s(8192), response_len=s(4096), vocab=vocab, seed=seed)
     if name == "agent":  # tau2-bench-like multi-turn episodes, ~9.4x compression at full size
@@ -144,7 +144,7 @@ def memory_scaling(config: BenchConfig, groups: tuple[int, ...] = (1, 4, 16, 64)
     device = torch.device(config.device)
     model = build_model(shape=config.shape, vocab_size=config.vocab_size, dtype=getattr(torch, config.dtype),
                         device=device, seed=config.seed)
-    s = lambda n: max(2, round(n * config.scale))  # noqa: E731
+    s = lambda n: max(2, round(n * config.scale))
     rows = []
     for g in groups:
         batch = grpo_groups(prompts=1, group_size=g, prompt_len=s(8192), response_len=s(4096),

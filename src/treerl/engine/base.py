@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol, Sequence as Seq
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedModel

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Sequence as Seq
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel

@@ -8,8 +8,8 @@ what a careful user runs, not a strawman. Shared prefixes are computed once per 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Sequence as Seq
 
 import torch
 from transformers import PreTrainedModel

@@ -15,8 +15,8 @@ FlexAttention block mask that skips the blocks no token may see.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Sequence as Seq
 
 import torch
 from transformers import PreTrainedModel

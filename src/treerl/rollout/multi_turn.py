@@ -57,7 +57,7 @@ class Trajectory:
     reward: float = 0.0
     truncated: bool = False
 
-    def fork(self, branch: int) -> "Trajectory":
+    def fork(self, branch: int) -> Trajectory:
         """A branch that shares the calls so far and owns a copy of the environment."""
         return replace(self, env=copy.deepcopy(self.env), calls=list(self.calls), id=f"{self.id}/{branch}")
 

@@ -16,9 +16,10 @@ import inspect
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 RewardFn = Callable[..., float]
 REWARD_ARGUMENTS = {"prompt": "", "completion": "", "answer": None}

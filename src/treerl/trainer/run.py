@@ -32,6 +32,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from treerl.algo import build_critic
 from treerl.dist import (
     Assignment,
     CostModel,
@@ -42,7 +43,6 @@ from treerl.dist import (
     init_distributed,
     tree_features,
 )
-from treerl.algo import build_critic
 from treerl.engine import DfsEngine, Engine, FlatEngine, LossFn, PackedEngine, PolicyHead, ValueHead
 from treerl.models import build_model
 from treerl.rollout import load_tokenizer

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any, Sequence as Seq
+from typing import Any
 
 import torch
 

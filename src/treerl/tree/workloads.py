@@ -63,7 +63,7 @@ class AgentShape:
 
     def scaled(self, scale: float) -> AgentShape:
         """The same shape with every length multiplied by `scale` (CPU-sized runs)."""
-        s = lambda n: max(1, round(n * scale))  # noqa: E731
+        s = lambda n: max(1, round(n * scale))
         return AgentShape(
             s(self.system_len), s(self.task_len), s(self.context_len), s(self.reply_len), s(self.tool_len),
             self.tasks, self.samples_per_task, self.branch_at, self.branches,

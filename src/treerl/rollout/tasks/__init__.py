@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from treerl.rollout.rewards import RewardFn
 from treerl.rollout.tasks.arithmetic import Arithmetic
-from treerl.rollout.tasks.base import AgentTask, EnvReply, Environment, Prompt, SingleTurnTask
+from treerl.rollout.tasks.base import AgentTask, Environment, EnvReply, Prompt, SingleTurnTask
 from treerl.rollout.tasks.dataset import DatasetTask
 from treerl.rollout.tasks.guess_number import GuessEnv, GuessNumber
 
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from treerl.rollout.config import RolloutConfig
 
 
-def build_task(config: "RolloutConfig", reward_fn: RewardFn | None = None) -> SingleTurnTask | AgentTask:
+def build_task(config: RolloutConfig, reward_fn: RewardFn | None = None) -> SingleTurnTask | AgentTask:
     """The task `config.task` names, with its options from the config."""
     if config.task == "arithmetic":
         return Arithmetic(max_operand=config.max_operand, seed=config.seed)

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from treerl.rollout.chat import Message
-from treerl.tree.io import json_lines
 from treerl.rollout.rewards import RewardFn, check_reward_fn
 from treerl.rollout.tasks.base import Prompt, rng_for
+from treerl.tree.io import json_lines
 
 DATASETS_FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json"}
 
@@ -77,7 +77,7 @@ class DatasetTask:
     def load(
         cls, path: str | Path, reward_fn: RewardFn, prompt_key: str = "prompt", answer_key: str = "answer",
         system_prompt: str | None = None, **kwargs: Any,
-    ) -> "DatasetTask":
+    ) -> DatasetTask:
         """Read and check every row up front, so a bad row fails before training starts."""
         check_reward_fn(reward_fn, getattr(reward_fn, "__name__", "reward_fn"))
         rows = read_rows(path)
