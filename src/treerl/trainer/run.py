@@ -65,7 +65,8 @@ COST_MIN_SAMPLES = 8
 CRITIC_DIR = "critic"  # the critic's checkpoint, inside the policy's
 
 
-def build_train_engine(config: EngineConfig, temperature: float = 1.0, head: PolicyHead | ValueHead | None = None) -> Engine:
+def build_train_engine(config: EngineConfig, temperature: float = 1.0,
+                       head: PolicyHead | ValueHead | None = None) -> Engine:
     """The engine `engine.name` names; its log-probs are those of softmax(logits / temperature) (or `head`'s outputs)."""
     head = head or PolicyHead(temperature=temperature, chunk_rows=config.head_chunk_rows)
     if config.name == "dfs":
@@ -128,10 +129,16 @@ def build_run_critic(config: Config, strategy: str, vocab_size: int, device: tor
                          dtype=getattr(torch, config.model.dtype), device=device, seed=config.critic.seed,
                          attn_implementation=config.model.attn_implementation)
     model.eval()  # no dropout: the values the advantages use and the ones trained are one function
+    schedule = dataclasses.replace(config.trainer, lr=config.critic.lr or config.trainer.lr)
+    return Critic(*make_trainable(model, strategy, schedule), build_train_engine(config.engine, head=ValueHead()))
+
+
+def make_trainable(model: PreTrainedModel, strategy: str, trainer: TrainerConfig,
+                   ) -> tuple[DataParallel, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """A model's data-parallel wrapper, then AdamW over what this rank steps, and its LR schedule."""
     dp = DataParallel(model, strategy)  # type: ignore[arg-type]
-    schedule: TrainerConfig = dataclasses.replace(config.trainer, lr=config.critic.lr or config.trainer.lr)
-    optimizer = build_optimizer(dp.parameters(), schedule)
-    return Critic(dp, optimizer, build_scheduler(optimizer, schedule), build_train_engine(config.engine, head=ValueHead()))
+    optimizer = build_optimizer(dp.parameters(), trainer)
+    return dp, optimizer, build_scheduler(optimizer, trainer)
 
 
 @dataclass
@@ -164,9 +171,7 @@ class Run:
         strategy = config.trainer.data_parallel
         if strategy == "auto":
             strategy = "ddp" if env.world_size > 1 else "none"
-        dp = DataParallel(model, strategy)  # type: ignore[arg-type]
-        optimizer = build_optimizer(dp.parameters(), config.trainer)
-        scheduler = build_scheduler(optimizer, config.trainer)
+        dp, optimizer, scheduler = make_trainable(model, strategy, config.trainer)
         run = cls(config, env, tokenizer, dp, optimizer, scheduler, build_train_engine(config.engine, temperature),
                   logger=None, loop_state={"skipped_steps": 0, "cost_samples": []})
         if config.algo.resolved().advantage == "gae":
