@@ -34,13 +34,18 @@ def tiny_model(shape: str = "tiny-qwen3", vocab_size: int = 64, exact: bool = Tr
     """
     key = (shape, vocab_size, exact)
     if key not in _MODELS:
-        model = build_model(shape=shape, vocab_size=vocab_size, dtype=torch.float64, seed=0)
-        if exact:
-            for module in model.modules():
-                if type(module).__name__.endswith("RMSNorm"):
-                    module.forward = types.MethodType(_rms_norm_in_input_dtype, module)
-        _MODELS[key] = model
+        _MODELS[key] = fresh_model(shape, vocab_size, exact)
     return _MODELS[key]
+
+
+def fresh_model(shape: str = "tiny-qwen3", vocab_size: int = 64, exact: bool = True, dtype=torch.float64, **kwargs):
+    """A new model (float64 unless told, not cached): for tests that change its mode or settings."""
+    model = build_model(shape=shape, vocab_size=vocab_size, dtype=dtype, seed=0, **kwargs)
+    if exact:
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                module.forward = types.MethodType(_rms_norm_in_input_dtype, module)
+    return model
 
 
 def free_port() -> int:

@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treerl.engine.base import Engine, LossFn
+from treerl.engine.support import dict_outputs
 from treerl.tree import Sequence
 
 
@@ -33,6 +34,41 @@ def run_engine(engine: Engine, model: PreTrainedModel, sequences: Seq[Sequence],
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return EngineRun(outputs, stats.loss, grads)
+
+
+@torch.no_grad()
+def model_outputs(model: PreTrainedModel, sequence: Sequence, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    """The model's own log-probs and entropy for one sequence alone: `log_softmax(model(tokens).logits)`.
+
+    What every engine must reproduce (position 0 predicts nothing and holds 0, as in the engines).
+    """
+    tokens = sequence.tokens.to(model.get_input_embeddings().weight.device)
+    if len(tokens) == 1:
+        zero = torch.zeros(1, dtype=torch.float64, device=tokens.device)
+        return {"logprobs": zero, "entropy": zero.clone()}
+    with dict_outputs(model):
+        output = model(input_ids=tokens[None, :-1], use_cache=False)
+    logits = (output.logits if hasattr(output, "logits") else output[0])[0].double() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    zero = logp.new_zeros(1)
+    return {
+        "logprobs": torch.cat([zero, logp.gather(1, tokens[1:, None])[:, 0]]),
+        "entropy": torch.cat([zero, -(logp.exp() * logp).sum(-1)]),
+    }
+
+
+def assert_matches_model(
+    model: PreTrainedModel, sequences: Seq[Sequence], outputs: list[dict[str, torch.Tensor]], tol: float = 1e-6
+) -> float:
+    """Raise if an engine's outputs differ from the model's own forward on each sequence alone; return the worst error."""
+    worst = 0.0
+    for i, (sequence, out) in enumerate(zip(sequences, outputs, strict=True)):
+        for name, expected in model_outputs(model, sequence).items():
+            error = relative_error(out[name], expected)
+            if error > tol:
+                raise AssertionError(f"sequence {i}: {name} differs from the model's own forward by {error:.3g}")
+            worst = max(worst, error)
+    return worst
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-7) -> float:

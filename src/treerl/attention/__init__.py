@@ -1,12 +1,29 @@
-"""Attention functions registered with transformers' AttentionInterface."""
+"""Attention routed through transformers' AttentionInterface: tree (DFS) and packed (tree mask) calls."""
 
-from treerl.attention.tree_attention import (
+from treerl.attention.dispatch import (
     ATTENTION_NAME,
-    PathKV,
-    UnitKV,
-    attention_implementation,
-    check_supported,
-    tree_attention,
+    CALL_KWARG,
+    LayerAttention,
+    UnsupportedModel,
+    all_configs,
+    check_layer_types,
+    engine_attention,
 )
+from treerl.attention.kernels import AttentionSpec
+from treerl.attention.packed_attention import PackedCall
+from treerl.attention.tree_attention import PathKV, TreeCall, UnitKV
 
-__all__ = ["ATTENTION_NAME", "PathKV", "UnitKV", "attention_implementation", "check_supported", "tree_attention"]
+__all__ = [
+    "ATTENTION_NAME",
+    "CALL_KWARG",
+    "AttentionSpec",
+    "LayerAttention",
+    "PackedCall",
+    "PathKV",
+    "TreeCall",
+    "UnitKV",
+    "UnsupportedModel",
+    "all_configs",
+    "check_layer_types",
+    "engine_attention",
+]

@@ -4,80 +4,174 @@ Tree attention splits one softmax over `[ancestor keys | own keys]` into two ker
 merges them by log-sum-exp. Its backward calls each part's kernel backward with the *merged*
 output and log-sum-exp (as ring attention does), which gives the exact gradient.
 
-Backends: PyTorch's flash kernels (CPU: any float dtype; CUDA: fp16/bf16), and a plain math
-version for everything else. All take `q [B, H, L, D]`, `k, v [B, H, S, D]` with equal head
-counts (callers expand grouped K/V heads). `attend` returns `out [B, H, L, D]`, `lse [B, H, L]`
-and what the backend's backward needs besides.
+What a layer's scores are is an `AttentionSpec`: the scale, and the features some models add
+(tanh soft-capping, a sliding window, chunked attention). Queries and keys of one part each sit
+at a contiguous run of absolute positions (`q_start`, `k_start`), which is all a window or a
+chunk needs.
+
+Backends: PyTorch's flash kernels (CPU: any float dtype; CUDA: fp16/bf16) for plain scores, and
+an exact math version with an explicit mask for everything else (soft-capping, a window or
+chunk that binds, fp32 on CUDA). All take `q [B, H, L, D]`, `k [B, H, S, D]`, `v [B, H, S, Dv]`
+with equal head counts (callers expand grouped K/V heads). `attend` returns `out [B, H, L, Dv]`,
+`lse [B, H, L]` and what the backend's backward needs besides.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 aten = torch.ops.aten
 
 
-def backend(q: torch.Tensor) -> str:
-    """Which kernel runs on this device and dtype."""
-    if q.device.type == "cpu":
+@dataclass(frozen=True)
+class Part:
+    """Where one partial attention's queries and keys sit (absolute positions), and whether it is causal.
+
+    Query i sits at `q_start + i`, or at `q_start + i % q_period` when several rows of the same
+    positions are folded into one long query (the tree attention's ancestor part).
+    """
+
+    q_start: int
+    k_start: int
+    causal: bool
+    q_period: int | None = None
+
+    def query_positions(self, q_len: int, device=None) -> torch.Tensor:
+        i = torch.arange(q_len, device=device)
+        return self.q_start + (i % self.q_period if self.q_period else i)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer forms its attention scores (beyond q . k): everything a model can ask for."""
+
+    scale: float
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)   (Gemma-2)
+    window: int | None = None  # key k visible to query q iff q - k < window      (sliding window)
+    chunk: int | None = None  # ... iff q // chunk == k // chunk                   (chunked attention)
+
+    def binds(self, part: Part, q_len: int, k_len: int) -> bool:
+        """Whether the window or chunk hides a key that causality alone would show."""
+        q_last = part.q_start + min(q_len, part.q_period or q_len) - 1
+        k_first = part.k_start
+        if self.window is not None and q_last - k_first >= self.window:
+            return True
+        return self.chunk is not None and q_last // self.chunk != k_first // self.chunk
+
+    def visible(self, part: Part, q_len: int, k_len: int, device=None) -> torch.Tensor:
+        """Boolean `[q_len, k_len]`: which keys each query may see."""
+        q = part.query_positions(q_len, device)[:, None]
+        k = torch.arange(part.k_start, part.k_start + k_len, device=device)[None, :]
+        allowed = k <= q if part.causal else torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+        if self.window is not None:
+            allowed = allowed & (q - k < self.window)
+        if self.chunk is not None:
+            allowed = allowed & (q // self.chunk == k // self.chunk)
+        return allowed
+
+
+def backend(q: torch.Tensor, spec: AttentionSpec, part: Part, k_len: int) -> str:
+    """Which kernel runs: flash where the scores are plain, the exact math version otherwise."""
+    plain = spec.softcap is None and not spec.binds(part, q.shape[-2], k_len)
+    if plain and q.device.type == "cpu":
         return "cpu-flash"
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+    if plain and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
         return "cuda-flash"
     return "math"
 
 
-def attend(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """softmax(q k^T * scale [+ causal mask]) v, the row log-sum-exp of the scores, and backward state."""
-    kind = backend(q)
+def attend(q, k, v, spec: AttentionSpec, part: Part, kind: str | None = None):
+    """softmax(scores(q, k)) v over the visible keys, the row log-sum-exp of the scores, and backward state."""
+    kind = kind or backend(q, spec, part, k.shape[-2])
+    if kind == "math":
+        scores = _scores(q, k, spec, part)
+        lse = torch.logsumexp(scores, dim=-1)  # -inf where a query sees no key of this part
+        probs = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None]).to(v.dtype)
+        return probs @ v, lse, ()
+    q, k, v, dv = _same_head_dim(q, k, v)
     if kind == "cpu-flash":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse, ()
-    if kind == "cuda-flash":
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale
-        )
-        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
-    scores = _scores(q, k, scale, causal)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None]).to(v.dtype)
-    return probs @ v, lse, ()
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, part.causal, scale=spec.scale)
+        return out[..., :dv], lse, ()
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, part.causal, False, scale=spec.scale
+    )
+    return out[..., :dv], lse, (cum_q, cum_k, max_q, max_k, seed, offset)
 
 
-def attend_backward(dout, q, k, v, out, lse, saved: tuple, scale: float, causal: bool):
+def attend_backward(dout, q, k, v, out, lse, saved: tuple, spec: AttentionSpec, part: Part, kind: str | None = None):
     """Gradients w.r.t. q, k, v of one part, given the merged output and log-sum-exp."""
-    kind = backend(q)
+    kind = kind or backend(q, spec, part, k.shape[-2])
+    if kind == "math":
+        return _math_backward(dout, q, k, v, out, lse, spec, part)
+    dqk, dv_dim = q.shape[-1], v.shape[-1]
+    q, k, v, _ = _same_head_dim(q, k, v)
+    dout, out = _pad_last(dout, q.shape[-1]), _pad_last(out, q.shape[-1])
     if kind == "cpu-flash":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, part.causal, scale=spec.scale
         )
-    if kind == "cuda-flash":
+    else:
         cum_q, cum_k, max_q, max_k, seed, offset = saved
-        return aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, part.causal, seed, offset, scale=spec.scale
         )
-    compute = lse.dtype
-    probs = torch.exp(_scores(q, k, scale, causal) - lse[..., None])
+    return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_dim]
+
+
+def _same_head_dim(q, k, v):
+    """Flash kernels need one head size for q, k and v: pad the smaller with zeros (scores unchanged)."""
+    d = max(q.shape[-1], v.shape[-1])
+    return _pad_last(q, d), _pad_last(k, d), _pad_last(v, d), v.shape[-1]
+
+
+def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
+
+
+def _raw_scores(q, k, spec: AttentionSpec) -> torch.Tensor:
+    compute = torch.promote_types(q.dtype, torch.float32)
+    return (q.to(compute) @ k.to(compute).transpose(-1, -2)) * spec.scale
+
+
+def _scores(q, k, spec: AttentionSpec, part: Part, raw: torch.Tensor | None = None) -> torch.Tensor:
+    """The scores the softmax sees: scaled, soft-capped, -inf where a key is not visible."""
+    scores = _raw_scores(q, k, spec) if raw is None else raw
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    hide = ~spec.visible(part, q.shape[-2], k.shape[-2], q.device)
+    return scores.masked_fill(hide, float("-inf")) if bool(hide.any()) else scores
+
+
+def _math_backward(dout, q, k, v, out, lse, spec: AttentionSpec, part: Part):
+    raw = _raw_scores(q, k, spec)
+    compute = raw.dtype
+    probs = torch.exp(_scores(q, k, spec, part, raw) - lse.to(compute).nan_to_num(neginf=0.0)[..., None])
     dout_c, v_c = dout.to(compute), v.to(compute)
     dv = probs.transpose(-1, -2) @ dout_c
     dprobs = dout_c @ v_c.transpose(-1, -2)
-    dscores = probs * (dprobs - (dout_c * out.to(compute)).sum(-1, keepdim=True)) * scale
+    dscores = probs * (dprobs - (dout_c * out.to(compute)).sum(-1, keepdim=True))
+    if spec.softcap is not None:  # d/dx [c tanh(x / c)] = 1 - tanh^2(x / c)
+        dscores = dscores * (1 - torch.tanh(raw / spec.softcap) ** 2)
+    dscores = dscores * spec.scale
     dq, dk = dscores @ k.to(compute), dscores.transpose(-1, -2) @ q.to(compute)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
-    compute = torch.promote_types(q.dtype, torch.float32)
-    scores = (q.to(compute) @ k.to(compute).transpose(-1, -2)) * scale
-    if causal:
-        future = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    return scores
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor | None = None):
+    """Combine partial attentions over disjoint key sets into the attention over their union.
 
-
-def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine partial attentions over disjoint key sets into the attention over their union."""
-    if len(parts) == 1:
+    `sink` (broadcastable to the lse, e.g. `[1, H, 1]`): a learned logit per head that joins the
+    softmax's denominator with a zero value (attention sinks, gpt-oss).
+    """
+    if len(parts) == 1 and sink is None:
         return parts[0]
-    lse = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
-    out = sum(o.to(lse.dtype) * torch.exp(part_lse - lse)[..., None] for o, part_lse in parts)
+    lses = [lse for _, lse in parts]
+    if sink is not None:
+        lses.append(sink.to(lses[0].dtype).expand_as(lses[0]))
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    safe = lse.nan_to_num(neginf=0.0)
+    out = sum(o.to(lse.dtype) * torch.exp(part_lse - safe)[..., None] for o, part_lse in parts)
     return out.to(parts[0][0].dtype), lse

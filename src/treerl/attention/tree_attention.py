@@ -7,30 +7,23 @@ computed by separate kernels and merged by log-sum-exp (treerl.attention.kernels
 - the ancestor part folds all G rows (and grouped-query heads) into one long query against the
   ancestors stored once: broadcast, never copied, and no mask;
 - the own part is plain causal attention per row, so right padding never leaks into real rows.
+A sliding window or chunk narrows both parts (the ancestors to the keys some row can still
+see); attention sinks are one more log-sum-exp term in the merge.
 
-The ancestors' K/V live in a preallocated per-layer path store; their gradient is added to a
-matching gradient store, which each ancestor collects when its subtree is finished. A unit's own
-K/V gradient from its descendants is collected into the unit (`UnitKV.key_grads`) and added in
-its backward. That is how K/V gradients travel up the tree without holding descendants' graphs.
-
-Registered with transformers' `AttentionInterface`: any causal LM that dispatches attention
-through it (Qwen2/2.5/3, Llama, ...) runs unchanged.
+The ancestors' K/V live in a per-layer path store; their gradient is added to a matching
+gradient store, which each ancestor collects when its subtree is finished. A unit's own K/V
+gradient from its descendants is collected into the unit (`UnitKV.key_grads`) and added in its
+backward. That is how K/V gradients travel up the tree without holding descendants' graphs.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
 
-from treerl.attention.kernels import attend, attend_backward, merge
-
-ATTENTION_NAME = "treerl_tree"
+from treerl.attention.dispatch import LayerAttention
+from treerl.attention.kernels import AttentionSpec, Part, attend, attend_backward, merge
 
 
 @dataclass
@@ -44,52 +37,59 @@ class UnitKV:
     value_grads: dict[int, torch.Tensor] | None = None
 
 
+def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Gradients of many descendants are summed in the store: keep them at least in float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class PathKV:
     """K/V of the current root-to-node path, per layer, and the K/V gradient flowing back up it.
 
     `preallocated=True` (default): one `[1, kv_heads, capacity, head_dim]` store per layer, written
     in place; ancestors are a view of its prefix. `False` keeps one tensor per path node and
     concatenates them for every call (the plain way, kept to measure what preallocation buys).
+    Stores take the shape and dtype of the first K/V a layer produces (key and value head sizes
+    may differ; under autocast they are the compute dtype).
     """
 
-    def __init__(self, model: PreTrainedModel, capacity: int, with_grads: bool, preallocated: bool = True):
-        config = model.config
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        param = next(model.parameters())
-        self.layers = config.num_hidden_layers
-        self.with_grads, self.preallocated = with_grads, preallocated
-        # Gradients of many descendants are summed here: keep them at least in float32.
-        self.grad_dtype = torch.promote_types(param.dtype, torch.float32)
-        self.unit: UnitKV | None = None  # the unit being computed
-        if preallocated:
-            shape = (1, kv_heads, capacity, head_dim)
-            store = lambda dtype: [torch.zeros(shape, dtype=dtype, device=param.device) for _ in range(self.layers)]
-            self.keys, self.values = store(param.dtype), store(param.dtype)
-            self.key_grads = store(self.grad_dtype) if with_grads else None
-            self.value_grads = store(self.grad_dtype) if with_grads else None
-        else:  # per layer, one entry per path node: (keys, values, key grads, value grads)
-            self.entries: list[list[list[torch.Tensor]]] = [[] for _ in range(self.layers)]
+    def __init__(self, capacity: int, with_grads: bool, preallocated: bool = True):
+        self.capacity, self.with_grads, self.preallocated = capacity, with_grads, preallocated
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.key_grads: dict[int, torch.Tensor] = {}
+        self.value_grads: dict[int, torch.Tensor] = {}
+        self.entries: dict[int, list[list[torch.Tensor]]] = {}  # unpreallocated: per layer, per path node
 
-    def ancestors(self, layer: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of positions [0, start) of the path."""
+    def ancestors(self, layer: int, lo: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of positions [lo, start) of the path."""
         if self.preallocated:
-            return self.keys[layer][:, :, :start], self.values[layer][:, :, :start]
-        entries = self.entries[layer]
-        return torch.cat([e[0] for e in entries], dim=2), torch.cat([e[1] for e in entries], dim=2)
+            return self.keys[layer][:, :, lo:start], self.values[layer][:, :, lo:start]
+        keys = torch.cat([e[0] for e in self.entries[layer]], dim=2)
+        values = torch.cat([e[1] for e in self.entries[layer]], dim=2)
+        return keys[:, :, lo:start], values[:, :, lo:start]
 
-    def add_ancestor_grads(self, layer: int, start: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
-        """Add d(loss)/d(K, V) of positions [0, start), to be collected by each ancestor."""
+    def add_ancestor_grads(self, layer: int, lo: int, start: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """Add d(loss)/d(K, V) of positions [lo, start), to be collected by each ancestor."""
         if self.preallocated:
-            self.key_grads[layer][:, :, :start] += dk
-            self.value_grads[layer][:, :, :start] += dv
+            self.key_grads[layer][:, :, lo:start] += dk
+            self.value_grads[layer][:, :, lo:start] += dv
             return
         offset = 0
         for entry in self.entries[layer]:
             n = entry[0].shape[2]
-            entry[2] += dk[:, :, offset : offset + n]
-            entry[3] += dv[:, :, offset : offset + n]
+            a, b = max(lo, offset), min(start, offset + n)
+            if a < b:
+                entry[2][:, :, a - offset : b - offset] += dk[:, :, a - lo : b - lo]
+                entry[3][:, :, a - offset : b - offset] += dv[:, :, a - lo : b - lo]
             offset += n
+
+    def _allocate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        shape = lambda x: (1, x.shape[1], self.capacity, x.shape[3])
+        self.keys[layer] = k.new_zeros(shape(k))
+        self.values[layer] = v.new_zeros(shape(v))
+        if self.with_grads:
+            self.key_grads[layer] = k.new_zeros(shape(k), dtype=_grad_dtype(k.dtype))
+            self.value_grads[layer] = v.new_zeros(shape(v), dtype=_grad_dtype(v.dtype))
 
     @torch.no_grad()
     def push(self, unit: UnitKV, row: int, length: int) -> None:
@@ -98,11 +98,14 @@ class PathKV:
         for layer, k in unit.keys.items():
             k, v = k[row : row + 1, :, :length], unit.values[layer][row : row + 1, :, :length]
             if self.preallocated:
+                if layer not in self.keys:
+                    self._allocate(layer, k, v)
                 self.keys[layer][:, :, unit.start : end] = k
                 self.values[layer][:, :, unit.start : end] = v
             else:
-                grads = [torch.zeros_like(k, dtype=self.grad_dtype), torch.zeros_like(v, dtype=self.grad_dtype)]
-                self.entries[layer].append([k.clone(), v.clone()] + (grads if self.with_grads else [None, None]))
+                grads = [torch.zeros_like(k, dtype=_grad_dtype(k.dtype)), torch.zeros_like(v, dtype=_grad_dtype(v.dtype))]
+                entry = [k.clone(), v.clone()] + (grads if self.with_grads else [None, None])
+                self.entries.setdefault(layer, []).append(entry)
 
     @torch.no_grad()
     def pop(self, unit: UnitKV, row: int, length: int) -> None:
@@ -113,8 +116,8 @@ class PathKV:
             return
         end = unit.start + length
         if unit.key_grads is None:
-            unit.key_grads = {l: torch.zeros_like(k, dtype=self.grad_dtype) for l, k in unit.keys.items()}
-            unit.value_grads = {l: torch.zeros_like(v, dtype=self.grad_dtype) for l, v in unit.values.items()}
+            unit.key_grads = {l: torch.zeros_like(k, dtype=_grad_dtype(k.dtype)) for l, k in unit.keys.items()}
+            unit.value_grads = {l: torch.zeros_like(v, dtype=_grad_dtype(v.dtype)) for l, v in unit.values.items()}
         for layer in unit.keys:
             if self.preallocated:
                 slots = (self.key_grads[layer][:, :, unit.start : end], self.value_grads[layer][:, :, unit.start : end])
@@ -154,112 +157,87 @@ def _reduce_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.reshape(g, h // groups, groups, r, d).sum(2)
 
 
+def ancestor_range(spec: AttentionSpec, start: int) -> int:
+    """First ancestor position any query of a unit starting at `start` can still see."""
+    lo = 0
+    if spec.window is not None:
+        lo = max(lo, start - spec.window + 1)
+    if spec.chunk is not None:
+        lo = max(lo, start // spec.chunk * spec.chunk)
+    return min(lo, start)
+
+
 class _TreeAttention(torch.autograd.Function):
-    """Causal attention over own K/V merged with full attention over the path's ancestor K/V."""
+    """Causal attention over own K/V merged with attention over the path's ancestor K/V (and sinks)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, path: PathKV, layer: int, scale: float):
-        unit = path.unit
+    def forward(ctx, q, k, v, sinks, path: PathKV, unit: UnitKV, layer: int, spec: AttentionSpec):
         unit.keys[layer], unit.values[layer] = k, v
         rows, heads, length, _ = q.shape
         kv_heads = k.shape[1]
         groups = heads // kv_heads
-        own_out, own_lse, own_saved = attend(q, _expand_heads(k, groups), _expand_heads(v, groups), scale, True)
+        start = unit.start
+        own = Part(q_start=start, k_start=start, causal=True)
+        own_out, own_lse, own_saved = attend(q, _expand_heads(k, groups), _expand_heads(v, groups), spec, own)
         parts = [(own_out, own_lse)]
+        lo = ancestor_range(spec, start)
         anc_saved: tuple = ()
-        if unit.start > 0:
-            anc_k, anc_v = path.ancestors(layer, unit.start)
-            anc_out, anc_lse, anc_saved = attend(_fold(q, kv_heads), anc_k, anc_v, scale, False)
+        if lo < start:
+            anc_k, anc_v = path.ancestors(layer, lo, start)
+            anc = Part(q_start=start, k_start=lo, causal=False, q_period=length)
+            anc_out, anc_lse, anc_saved = attend(_fold(q, kv_heads), anc_k, anc_v, spec, anc)
             parts.append((_unfold(anc_out, rows, heads, length), _unfold(anc_lse, rows, heads, length)))
-        out, lse = merge(parts)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.path, ctx.unit, ctx.layer, ctx.scale = path, unit, layer, scale
+        sink = sinks.view(1, heads, 1) if sinks is not None else None
+        out, lse = merge(parts, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.path, ctx.unit, ctx.layer, ctx.spec, ctx.lo = path, unit, layer, spec, lo
         ctx.own_saved, ctx.anc_saved = own_saved, anc_saved
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        path, unit, layer, scale = ctx.path, ctx.unit, ctx.layer, ctx.scale
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        path, unit, layer, spec, lo = ctx.path, ctx.unit, ctx.layer, ctx.spec, ctx.lo
         rows, heads, length, _ = q.shape
         kv_heads = k.shape[1]
         groups = heads // kv_heads
+        start = unit.start
         dout = dout.contiguous()
+        own = Part(q_start=start, k_start=start, causal=True)
         dq, dk, dv = attend_backward(
-            dout, q, _expand_heads(k, groups), _expand_heads(v, groups), out, lse, ctx.own_saved, scale, True
+            dout, q, _expand_heads(k, groups), _expand_heads(v, groups), out, lse, ctx.own_saved, spec, own
         )
         dk, dv = _reduce_heads(dk, groups), _reduce_heads(dv, groups)
-        if unit.start > 0:
-            anc_k, anc_v = path.ancestors(layer, unit.start)
+        if lo < start:
+            anc_k, anc_v = path.ancestors(layer, lo, start)
+            anc = Part(q_start=start, k_start=lo, causal=False, q_period=length)
             fold = lambda x: _fold(x, kv_heads)
             dq_anc, dk_anc, dv_anc = attend_backward(
-                fold(dout), fold(q), anc_k, anc_v, fold(out), fold(lse), ctx.anc_saved, scale, False
+                fold(dout), fold(q), anc_k, anc_v, fold(out), fold(lse), ctx.anc_saved, spec, anc
             )
             dq = dq + _unfold(dq_anc, rows, heads, length)
-            path.add_ancestor_grads(layer, unit.start, dk_anc, dv_anc)
+            path.add_ancestor_grads(layer, lo, start, dk_anc, dv_anc)
         if unit.key_grads is not None:
             dk = dk + unit.key_grads[layer].to(dk.dtype)
             dv = dv + unit.value_grads[layer].to(dv.dtype)
-        return dq, dk, dv, None, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # d out / d sink = -p_sink * out, p_sink = exp(sink - lse): the sink only grows the denominator.
+            compute = lse.dtype
+            p_sink = torch.exp(sinks.to(compute).view(1, heads, 1) - lse)
+            dsinks = -(p_sink * (dout.to(compute) * out.to(compute)).sum(-1)).sum((0, 2)).to(sinks.dtype)
+        return dq, dk, dv, dsinks, None, None, None, None
 
 
-_CURRENT: contextvars.ContextVar[PathKV | None] = contextvars.ContextVar("treerl_path_kv", default=None)
+@dataclass
+class TreeCall:
+    """The attention of one unit over the path: handed to every layer through the attention kwargs."""
 
+    path: PathKV
+    unit: UnitKV
+    layers_called: set[int] = field(default_factory=set)
 
-def tree_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """transformers attention function: query `[G, H, R, D]` of one unit over the path."""
-    path = _CURRENT.get()
-    if path is None or path.unit is None:
-        raise RuntimeError(f"attention '{ATTENTION_NAME}' called outside a treerl engine")
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    out = _TreeAttention.apply(query, key, value, path, module.layer_idx, scale)
-    return out.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(ATTENTION_NAME, tree_attention_forward)
-
-
-def check_supported(model: PreTrainedModel) -> None:
-    """Fail early on models whose attention the tree engine cannot reproduce exactly."""
-    config = model.config
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or getattr(config, "use_sliding_window", False):
-        raise NotImplementedError(
-            f"{type(model).__name__}: sliding-window / non-full attention layers are not supported by tree attention"
-        )
-    if model.training and getattr(config, "attention_dropout", 0.0):
-        raise NotImplementedError(f"{type(model).__name__}: attention dropout > 0 in training mode is not supported")
-    for name, sub in model.named_modules():
-        if sub.__class__.__name__.endswith("Attention") and not hasattr(sub, "layer_idx"):
-            raise NotImplementedError(f"{name}: attention module has no layer_idx; cannot route tree attention")
-
-
-@contextlib.contextmanager
-def attention_implementation(model: PreTrainedModel, name: str) -> Iterator[None]:
-    """Switch `model`'s transformers attention implementation for the duration of the block."""
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = name
-    try:
-        yield
-    finally:
-        model.config._attn_implementation = previous
-
-
-@contextlib.contextmanager
-def tree_attention(model: PreTrainedModel, path: PathKV) -> Iterator[PathKV]:
-    """Route `model`'s attention through the path store for the duration of the block."""
-    token = _CURRENT.set(path)
-    try:
-        with attention_implementation(model, ATTENTION_NAME):
-            yield path
-    finally:
-        _CURRENT.reset(token)
+    def __call__(self, module, query, key, value, layer: LayerAttention) -> torch.Tensor:
+        self.layers_called.add(module.layer_idx)
+        out = _TreeAttention.apply(query, key, value, layer.sinks, self.path, self.unit, module.layer_idx, layer.spec)
+        return out.transpose(1, 2).contiguous()

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedModel
 
+from treerl.engine.support import check_rope_lengths, check_tree_model
 from treerl.tree import Node, PrefixTree, Sequence, validate_sequences
 
 
@@ -122,20 +123,34 @@ def empty_outputs(model: PreTrainedModel, head: Head) -> dict[str, torch.Tensor]
     return {name: torch.zeros(0, dtype=dtype, device=param.device) for name in head.outputs}
 
 
-def check_batch(model: PreTrainedModel, head: Head, sequences: Seq[Sequence]) -> None:
-    """Every check that can fail, before any compute."""
-    head.check(model)
-    config = model.config
+def check_batch(model: PreTrainedModel, head: Head, sequences: Seq[Sequence], tree: bool) -> None:
+    """Every check that can fail, before any compute: the batch, then the model and its settings.
+
+    `tree`: the engine computes shared prefixes once (DFS, packed), which needs more of the model
+    than the flat reference does (see treerl.engine.support).
+    """
+    config = model.config.get_text_config()
     validate_sequences(
         sequences,
         vocab_size=model.get_input_embeddings().num_embeddings,
         max_positions=getattr(config, "max_position_embeddings", None),
     )
+    if tree:
+        check_tree_model(model)
+    check_rope_lengths(model, sequences)
+    head.check(model)
 
 
 def decoder(model: PreTrainedModel) -> torch.nn.Module:
     """The transformer body whose output is the final-normed hidden state."""
     return model.base_model
+
+
+def final_hidden(model: PreTrainedModel, **inputs) -> torch.Tensor:
+    """The body's final hidden states `[B, L, d]`, whatever output class (or tuple) the model returns."""
+    outputs = decoder(model)(**inputs, use_cache=False, return_dict=True)
+    hidden = getattr(outputs, "last_hidden_state", None)
+    return hidden if hidden is not None else outputs[0]
 
 
 def sum_losses(
@@ -144,6 +159,7 @@ def sum_losses(
     """Sum of loss_fn over (index, sequence, outputs) triples; their metrics are added to `stats`."""
     losses = []
     for index, sequence, outputs in views:
+        outputs = {name: out.clone() for name, out in outputs.items()}  # the loss may edit its copy in place
         loss, metrics = split_loss(loss_fn(SequenceView(index, sequence, outputs)))
         losses.append(loss)
         stats.add_metrics(metrics)

@@ -27,19 +27,20 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
-from treerl.attention import PathKV, UnitKV, check_supported, tree_attention
+from treerl.attention import PathKV, TreeCall, UnitKV, engine_attention
 from treerl.engine.base import (
     Head,
     LossFn,
     StepStats,
     check_batch,
-    decoder,
     empty_outputs,
+    final_hidden,
     head_rows,
     run_length,
     sum_losses,
 )
 from treerl.engine.head import PolicyHead
+from treerl.engine.support import check_all_layers_routed
 from treerl.tree import ROOT, Node, PrefixTree, Sequence
 from treerl.tree.batching import group_siblings
 
@@ -57,14 +58,14 @@ class DfsEngine:
 
     def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
         walk = _Walk(self, model, self.plan(model, sequences), loss_fn=None)
-        with torch.no_grad(), tree_attention(model, walk.path):
+        with torch.no_grad(), engine_attention(model):
             walk.run()
         return walk.results
 
     def forward_backward(self, model: PreTrainedModel, sequences: Seq[Sequence], loss_fn: LossFn) -> StepStats:
         started = time.perf_counter()
         walk = _Walk(self, model, self.plan(model, sequences), loss_fn=loss_fn)
-        with tree_attention(model, walk.path):
+        with engine_attention(model):
             walk.run()
         walk.stats.loss = float(walk.total_loss)
         walk.stats.seconds = time.perf_counter() - started
@@ -72,8 +73,7 @@ class DfsEngine:
 
     def plan(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> PrefixTree:
         """Check everything, then merge the batch into a tree whose nodes are at most `chunk_tokens` long."""
-        check_batch(model, self.head, sequences)
-        check_supported(model)
+        check_batch(model, self.head, sequences, tree=True)
         if self.recompute not in ("auto", "always", "never"):
             raise ValueError(f"recompute must be 'auto', 'always' or 'never', got {self.recompute!r}")
         return PrefixTree.build(sequences).chunked(self.chunk_tokens)
@@ -96,11 +96,13 @@ class _Unit:
 
 def graph_bytes_per_token(model: PreTrainedModel) -> int:
     """Rough size of what autograd saves per token for one pass through the model (for the budget)."""
-    c = model.config
+    c = model.config.get_text_config()
     heads = c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    per_layer = 3 * c.hidden_size + 5 * heads * head_dim + 4 * kv_heads * head_dim + 4 * c.intermediate_size
+    ffn = next((getattr(c, k) for k in ("intermediate_size", "n_inner", "ffn_dim") if getattr(c, k, None)), None)
+    ffn = ffn or 4 * c.hidden_size  # GPT-2, Falcon, OPT...: the usual 4x width when the config does not say
+    per_layer = 3 * c.hidden_size + 5 * heads * head_dim + 4 * kv_heads * head_dim + 4 * ffn
     elem = next(model.parameters()).element_size()
     return (c.num_hidden_layers * per_layer + 2 * c.hidden_size) * elem
 
@@ -124,11 +126,12 @@ class _Walk:
         self.shift = 1 if self.head.shifted else 0
         self.device = model.get_input_embeddings().weight.device
         capacity = max(len(s) for s in tree.sequences)
-        self.path = PathKV(model, capacity, with_grads=loss_fn is not None, preallocated=engine.preallocated_kv)
+        self.path = PathKV(capacity, with_grads=loss_fn is not None, preallocated=engine.preallocated_kv)
         self.values: dict[int, dict[str, torch.Tensor]] = {}  # node -> outputs for its tokens (no graph)
         self.grads: dict[int, dict[str, torch.Tensor]] = {}  # node -> d(loss)/d(outputs) for its tokens
         self.forks: dict[int, dict[str, torch.Tensor]] = {}  # child -> its first token's outputs
         self.results: list[dict[str, torch.Tensor]] = [{} for _ in tree.sequences]
+        self.needs_backward: set[int] = set()  # nodes on the path of a loss that depends on the outputs
         self.stats = StepStats(sequences=len(tree.sequences), flat_tokens=sum(len(s) for s in tree.sequences))
         self.total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self.budget = engine.memory_budget_bytes
@@ -218,11 +221,12 @@ class _Walk:
         start = unit.kv.start
         positions = torch.arange(start, start + width).expand(len(unit.nodes), -1)
         self.stats.model_tokens += sum(unit.lengths)
-        self.path.unit = unit.kv
+        call = TreeCall(self.path, unit.kv)
         with torch.set_grad_enabled(grad):
-            hidden = decoder(self.model)(
-                input_ids=ids.to(self.device), position_ids=positions.to(self.device), use_cache=False
-            ).last_hidden_state.reshape(len(unit.nodes) * width, -1)
+            hidden = final_hidden(
+                self.model, input_ids=ids.to(self.device), position_ids=positions.to(self.device), treerl_call=call
+            ).reshape(len(unit.nodes) * width, -1)
+            check_all_layers_routed(self.model, call.layers_called)
             if not torch.equal(rows, torch.arange(len(hidden))):
                 hidden = hidden[rows.to(self.device)]
             return self.head(self.model, hidden, targets.to(self.device))
@@ -262,6 +266,7 @@ class _Walk:
         self.total_loss += total.detach().to(self.total_loss.dtype)
         if not total.requires_grad:
             return
+        self.needs_backward.update(i for s, _ in leaves for i in self.tree.path(s))
         inputs = [(s, name, t) for s, outputs in leaves for name, t in outputs.items()]
         grads = torch.autograd.grad(total, [t for _, _, t in inputs], allow_unused=True)
         for (s, name, _), g in zip(inputs, grads):
@@ -275,7 +280,15 @@ class _Walk:
 
     # ------------------------------------------------------------ way back up
     def backward(self, unit: _Unit) -> None:
-        """Back-propagate the unit's buffered output gradients (and, via the store, its K/V's)."""
+        """Back-propagate the unit's buffered output gradients (and, via the store, its K/V's).
+
+        A unit no gradient-carrying loss reads is skipped, so parameters keep `.grad = None` as
+        with the flat reference (a zero gradient would still move them through weight decay).
+        """
+        if not any(node.index in self.needs_backward for node in unit.nodes):
+            self.kept -= unit.kept_bytes
+            unit.graph, unit.kept_bytes = None, 0
+            return
         outputs = unit.graph if unit.graph is not None else self._compute(unit, grad=True)
         tensors, grads = [], []
         for name, out in outputs.items():

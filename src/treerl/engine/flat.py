@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from treerl.engine.base import Head, LossFn, StepStats, check_batch, decoder, sum_losses
+from treerl.engine.base import Head, LossFn, StepStats, check_batch, final_hidden, sum_losses
 from treerl.engine.head import PolicyHead
 from treerl.tree import Sequence
 
@@ -27,7 +27,7 @@ class FlatEngine:
     max_tokens: int = 8192  # padded tokens per micro-batch (the same budget as DfsEngine.batch_tokens)
 
     def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
-        check_batch(model, self.head, sequences)
+        check_batch(model, self.head, sequences, tree=False)
         results: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
         with torch.no_grad():
             for batch in self.micro_batches(sequences):
@@ -36,7 +36,7 @@ class FlatEngine:
         return results
 
     def forward_backward(self, model: PreTrainedModel, sequences: Seq[Sequence], loss_fn: LossFn) -> StepStats:
-        check_batch(model, self.head, sequences)
+        check_batch(model, self.head, sequences, tree=False)
         stats = StepStats(sequences=len(sequences), flat_tokens=sum(len(s) for s in sequences))
         started = time.perf_counter()
         total = torch.zeros((), dtype=torch.float64)
@@ -78,8 +78,8 @@ class FlatEngine:
         attend[:, 0] = True
         ids, valid, attend = ids.to(device), valid.to(device), attend.to(device)
         positions = torch.arange(width, device=device).expand(len(batch), -1)
-        hidden = decoder(model)(input_ids=ids, attention_mask=attend.long(), position_ids=positions, use_cache=False)
-        rows = hidden.last_hidden_state[valid]
+        hidden = final_hidden(model, input_ids=ids, attention_mask=attend.long(), position_ids=positions)
+        rows = hidden[valid]
         targets = torch.cat([seq.tokens[shift:] for seq in batch]).to(device)
         outputs = self.head(model, rows, targets)
         results = []

@@ -3,47 +3,121 @@
 A `[tokens, vocab]` float32 logits tensor is never materialised for a long node: forward and
 backward each walk the rows `chunk_rows` at a time and recompute a chunk's logits in backward
 instead of saving them.
+
+The logits are the model's own: some architectures scale the LM head's output (Cohere, Granite,
+MiniCPM, Falcon-H1) or soft-cap it (Gemma-2/3). `logit_transform` reads that from the config and
+checks it once per model against the model's own forward; a model whose logits are something
+else is refused, so every engine's log-probs equal the model's.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
+from treerl.attention import UnsupportedModel
+from treerl.engine.support import dict_outputs
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """logits = softcap * tanh(scale * lm_head(hidden) / softcap)  (no soft-cap: scale * lm_head(hidden))."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def apply(self, raw: torch.Tensor) -> torch.Tensor:
+        logits = raw * self.scale if self.scale != 1.0 else raw
+        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+
+    def derivative(self, raw: torch.Tensor) -> torch.Tensor | float:
+        """d logits / d raw, elementwise."""
+        if not self.softcap:
+            return self.scale
+        return self.scale * (1 - torch.tanh(raw * self.scale / self.softcap) ** 2)
+
+
+# config key -> how it enters the logits (multiply or divide the LM head's output)
+_SCALES = {"logit_scale": "multiply", "lm_head_multiplier": "multiply", "logits_scaling": "divide"}
+_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> transforms checked against it
+
+
+def logit_transform(model: PreTrainedModel) -> LogitTransform:
+    """The model's logits as a function of its LM head's output, from the config keys treerl knows."""
+    config = model.config.get_text_config()
+    scale = 1.0
+    for key, how in _SCALES.items():
+        value = getattr(config, key, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 1:
+            scale = scale * value if how == "multiply" else scale / value
+    softcap = getattr(config, "final_logit_softcapping", None) or None
+    return LogitTransform(float(scale), float(softcap) if softcap else None)
+
+
+@torch.no_grad()
+def verify_logit_transform(model: PreTrainedModel, transform: LogitTransform) -> None:
+    """Once per model: the model's own logits on a few tokens must equal the transform of its LM head's output."""
+    if transform in _VERIFIED.get(model, ()):
+        return
+    lm_head = model.get_output_embeddings()
+    seen = {}
+    hook = lm_head.register_forward_hook(lambda module, args, out: seen.setdefault("raw", out))
+    try:
+        vocab = model.get_input_embeddings().num_embeddings
+        ids = torch.arange(min(4, vocab), device=lm_head.weight.device)[None]
+        with dict_outputs(model):
+            output = model(input_ids=ids, use_cache=False)
+    finally:
+        hook.remove()
+    logits = output.logits if hasattr(output, "logits") else output[0]
+    raw = seen.get("raw")
+    if raw is None or raw.shape != logits.shape:
+        raise UnsupportedModel(f"{type(model).__name__}: its logits do not come from get_output_embeddings()")
+    expected = transform.apply(raw.to(logits.dtype))
+    tolerance = 1e-2 if torch.finfo(logits.dtype).bits <= 16 else 1e-5 if logits.dtype == torch.float32 else 1e-10
+    error = float((expected - logits).abs().max()) / max(1.0, float(logits.abs().max()))
+    if not error <= tolerance:
+        raise UnsupportedModel(
+            f"{type(model).__name__}: its logits are not {transform} of its LM head's output (off by {error:.3g}); "
+            "treerl cannot reproduce its log-probs"
+        )
+    _VERIFIED.setdefault(model, set()).add(transform)
+
 
 class _ChunkedLogprobEntropy(torch.autograd.Function):
-    """log softmax(h W^T / t)[target] and the entropy of that softmax, row chunk by row chunk."""
+    """log softmax(f(h W^T + b) / t)[target] and the entropy of that softmax, row chunk by row chunk (f: the model's logit transform)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_rows: int):
+    def forward(ctx, hidden, weight, bias, targets, transform: LogitTransform, temperature: float, chunk_rows: int):
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         n = hidden.shape[0]
         logprobs = hidden.new_empty(n, dtype=dtype)
         entropy = hidden.new_empty(n, dtype=dtype)
         for lo in range(0, n, chunk_rows):
             hi = min(lo + chunk_rows, n)
-            logits = _logits(hidden[lo:hi], weight, bias, temperature, dtype)
+            logits, _ = _logits(hidden[lo:hi], weight, bias, transform, temperature, dtype)
             lse = torch.logsumexp(logits, dim=-1)
             logprobs[lo:hi] = logits.gather(1, targets[lo:hi, None])[:, 0] - lse
             probs = torch.exp(logits - lse[:, None])
             entropy[lo:hi] = lse - (probs * logits).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, entropy)
-        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ctx.transform, ctx.temperature, ctx.chunk_rows = transform, temperature, chunk_rows
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, bias, targets, entropy = ctx.saved_tensors
-        t, chunk_rows = ctx.temperature, ctx.chunk_rows
+        transform, t, chunk_rows = ctx.transform, ctx.temperature, ctx.chunk_rows
         dtype = entropy.dtype
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=dtype) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=dtype) if bias is not None and ctx.needs_input_grad[2] else None
         for lo in range(0, hidden.shape[0], chunk_rows):
             hi = min(lo + chunk_rows, hidden.shape[0])
-            logits = _logits(hidden[lo:hi], weight, bias, t, dtype)
+            logits, slope = _logits(hidden[lo:hi], weight, bias, transform, t, dtype)
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             probs = torch.exp(logits - lse)
             # d logp[y] / d z = onehot(y) - p ;  d H / d z = -p (z - E_p[z]),  E_p[z] = lse - H
@@ -51,7 +125,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             g_ent = grad_entropy[lo:hi, None].to(dtype)
             grad_logits = -probs * (g_lp + g_ent * (logits - (lse - entropy[lo:hi, None])))
             grad_logits.scatter_add_(1, targets[lo:hi, None], g_lp)
-            grad_logits /= t
+            grad_logits *= slope  # through the temperature and the model's logit scale / soft-cap
             h = hidden[lo:hi].to(dtype)
             if grad_hidden is not None:
                 grad_hidden[lo:hi] = (grad_logits @ weight.to(dtype)).to(hidden.dtype)
@@ -63,12 +137,17 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
-def _logits(h, weight, bias, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    logits = torch.nn.functional.linear(h, weight, bias).to(dtype)
-    return logits / temperature if temperature != 1.0 else logits
+def _logits(h, weight, bias, transform: LogitTransform, temperature: float, dtype: torch.dtype):
+    """The sampled distribution's logits for rows `h`, and d logits / d (h W^T + b) (scalar or per element)."""
+    raw = torch.nn.functional.linear(h, weight, bias).to(dtype)
+    logits = transform.apply(raw)
+    slope = transform.derivative(raw)
+    if temperature != 1.0:
+        logits, slope = logits / temperature, slope / temperature
+    return logits, slope
 
 
 @dataclass
@@ -85,18 +164,17 @@ class PolicyHead:
     shifted: bool = True
 
     def check(self, model: PreTrainedModel) -> None:
-        """Reject models whose logits are not a plain linear map of the final hidden state."""
+        """Reject models whose logits are not a known function of a linear map of the final hidden state."""
         lm_head = model.get_output_embeddings()
         if not isinstance(lm_head, torch.nn.Linear):
-            raise NotImplementedError(f"{type(model).__name__}: output embeddings are not an nn.Linear")
-        if getattr(model.config, "final_logit_softcapping", None):
-            raise NotImplementedError(f"{type(model).__name__}: final logit soft-capping is not supported")
+            raise UnsupportedModel(f"{type(model).__name__}: output embeddings are not an nn.Linear")
+        verify_logit_transform(model, logit_transform(model))
 
     def __call__(self, model: PreTrainedModel, hidden: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """Rows of `hidden` `[N, d]` and the token each row predicts -> `{"logprobs": [N], "entropy": [N]}`."""
         lm_head = model.get_output_embeddings()
         logprobs, entropy = _ChunkedLogprobEntropy.apply(
-            hidden, lm_head.weight, lm_head.bias, targets, self.temperature, self.chunk_rows
+            hidden, lm_head.weight, lm_head.bias, targets, logit_transform(model), self.temperature, self.chunk_rows
         )
         return {"logprobs": logprobs, "entropy": entropy}
 
@@ -119,13 +197,13 @@ class ValueHead:
         """Reject models without a one-output linear `score`, or with dropout the engines would not apply."""
         score = getattr(model, "score", None)
         if not isinstance(score, torch.nn.Linear) or score.out_features != 1:
-            raise NotImplementedError(
+            raise UnsupportedModel(
                 f"{type(model).__name__}: a value head needs `model.score`, an nn.Linear with one output "
                 "(a *ForTokenClassification model with num_labels=1; see treerl.algo.critic.build_critic)"
             )
         dropout = getattr(model, "dropout", None)
         if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
-            raise NotImplementedError(
+            raise UnsupportedModel(
                 f"{type(model).__name__}: value dropout p={dropout.p} is not applied by the engines; "
                 "set config.classifier_dropout = 0"
             )

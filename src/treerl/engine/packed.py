@@ -8,8 +8,10 @@ restoration" of the Tree Training paper, the "sparse" baseline of AReaL). Cheap 
 the mask is quadratic in the packed length, so large trees are split into packs of whole
 top-level subtrees under `max_tokens`.
 
-The mask goes to the model's own attention: a dense boolean mask with SDPA, or on CUDA a
-FlexAttention block mask that skips the blocks no token may see.
+The model's attention is routed to treerl's packed attention (treerl.attention.PackedCall),
+whatever implementation the model was loaded with: a dense boolean mask with SDPA (or exact
+math for soft-capping and sinks), or on CUDA a FlexAttention block mask that skips the blocks no
+token may see. Sliding windows and chunked attention narrow the mask by position distance.
 """
 
 from __future__ import annotations
@@ -21,19 +23,20 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from treerl.attention import attention_implementation
+from treerl.attention import PackedCall, engine_attention
 from treerl.engine.base import (
     Head,
     LossFn,
     StepStats,
     check_batch,
-    decoder,
     empty_outputs,
+    final_hidden,
     head_rows,
     run_length,
     sum_losses,
 )
 from treerl.engine.head import PolicyHead
+from treerl.engine.support import check_all_layers_routed
 from treerl.tree import ROOT, PrefixTree, Sequence
 
 
@@ -46,28 +49,29 @@ class PackedEngine:
     flex_attention: bool = True  # on CUDA, use FlexAttention's block-sparse mask
 
     def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
-        check_batch(model, self.head, sequences)
+        check_batch(model, self.head, sequences, tree=True)
         tree = PrefixTree.build(sequences)
         results: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
-        with torch.no_grad():
+        with torch.no_grad(), engine_attention(model):
             for pack in self.packs(tree):
                 for s, outputs in self._run(model, tree, pack):
                     results[s] = outputs
         return results
 
     def forward_backward(self, model: PreTrainedModel, sequences: Seq[Sequence], loss_fn: LossFn) -> StepStats:
-        check_batch(model, self.head, sequences)
+        check_batch(model, self.head, sequences, tree=True)
         started = time.perf_counter()
         tree = PrefixTree.build(sequences)
         stats = StepStats(sequences=len(sequences), flat_tokens=sum(len(s) for s in sequences))
         total = torch.zeros((), dtype=torch.float64)
-        for pack in self.packs(tree):
-            views = ((s, sequences[s], outputs) for s, outputs in self._run(model, tree, pack))
-            pack_loss = sum_losses(views, loss_fn, stats)
-            if pack_loss.requires_grad:
-                pack_loss.backward()
-            total += pack_loss.detach().cpu().double()
-            stats.model_tokens += sum(run_length(tree.nodes[i], self.head.shifted) for i in pack)
+        with engine_attention(model):  # backward too: gradient checkpointing recomputes layers through treerl
+            for pack in self.packs(tree):
+                views = ((s, sequences[s], outputs) for s, outputs in self._run(model, tree, pack))
+                pack_loss = sum_losses(views, loss_fn, stats)
+                if pack_loss.requires_grad:
+                    pack_loss.backward()
+                total += pack_loss.detach().cpu().double()
+                stats.model_tokens += sum(run_length(tree.nodes[i], self.head.shifted) for i in pack)
         stats.loss = float(total)
         stats.seconds = time.perf_counter() - started
         return stats
@@ -105,13 +109,11 @@ class PackedEngine:
         if len(ids) == 0:
             outputs = empty_outputs(model, self.head)
         else:
-            mask = self._mask(tree, pack, lengths, device)
-            implementation = "flex_attention" if not isinstance(mask, torch.Tensor) else model.config._attn_implementation
-            with attention_implementation(model, implementation):
-                hidden = decoder(model)(
-                    input_ids=ids[None].to(device), position_ids=positions[None].to(device), attention_mask=mask,
-                    use_cache=False,
-                ).last_hidden_state[0]
+            call = self._call(tree, pack, lengths, positions.to(device))
+            hidden = final_hidden(
+                model, input_ids=ids[None].to(device), position_ids=positions[None].to(device), treerl_call=call
+            )[0]
+            check_all_layers_routed(model, call.layers_called)
             outputs = self.head(model, hidden[rows.to(device)], targets.to(device))
         index = self._sequence_index(tree, pack, [len(r) for r, _ in parts])
         padded = {name: torch.cat([out, out.new_zeros(1)]) for name, out in outputs.items()}
@@ -144,23 +146,15 @@ class PackedEngine:
                 out[s] = torch.cat(pieces)[: len(tree.sequences[s])]
         return out
 
-    def _mask(self, tree: PrefixTree, pack: list[int], lengths: list[int], device: torch.device):
-        """Token q sees token k iff k <= q and q's node lies in the subtree of k's node."""
+    def _call(self, tree: PrefixTree, pack: list[int], lengths: list[int], positions: torch.Tensor) -> PackedCall:
+        """The pack's ancestor structure: token q sees token k iff k <= q and q's node lies in k's node's subtree."""
         local = {index: k for k, index in enumerate(pack)}
         subtree_end = list(range(len(pack)))  # last pack position of each node's subtree (preorder)
         for k in reversed(range(len(pack))):
             parent = local.get(tree.nodes[pack[k]].parent)
             if parent is not None:
                 subtree_end[parent] = max(subtree_end[parent], subtree_end[k])
+        device = positions.device
         node_of = torch.repeat_interleave(torch.arange(len(pack)), torch.tensor(lengths)).to(device)
         end_of = torch.tensor(subtree_end, device=device)[node_of]
-        n = len(node_of)
-        if device.type == "cuda" and self.flex_attention:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            def tree_mask(b, h, q, k):
-                return (k <= q) & (node_of[q] <= end_of[k])
-
-            return create_block_mask(tree_mask, B=None, H=None, Q_LEN=n, KV_LEN=n, device=device)
-        q = torch.arange(n, device=device)
-        return ((q[None, :] <= q[:, None]) & (node_of[:, None] <= end_of[None, :]))[None, None]
+        return PackedCall(positions, node_of, end_of, flex=device.type == "cuda" and self.flex_attention)

@@ -1,0 +1,74 @@
+"""The attention kernels against a naive softmax: every backend, every score feature, values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treerl.attention.kernels import AttentionSpec, Part, attend, attend_backward, backend, merge
+
+
+def naive(q, k, v, spec: AttentionSpec, part: Part, sink: torch.Tensor | None = None):
+    """softmax over visible keys (and a sink logit per head) by plain autograd ops."""
+    scores = (q @ k.transpose(-1, -2)) * spec.scale
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    scores = scores.masked_fill(~spec.visible(part, q.shape[-2], k.shape[-2]), float("-inf"))
+    if sink is not None:
+        scores = torch.cat([scores, sink.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num()
+    if sink is not None:
+        probs = probs[..., :-1]
+    return probs @ v
+
+
+SPECS = [
+    AttentionSpec(scale=0.3),
+    AttentionSpec(scale=0.3, softcap=2.0),
+    AttentionSpec(scale=0.3, window=3),
+    AttentionSpec(scale=0.3, chunk=4),
+    AttentionSpec(scale=0.3, softcap=1.5, window=5, chunk=6),
+]
+PARTS = [Part(q_start=7, k_start=7, causal=True), Part(q_start=7, k_start=2, causal=False, q_period=3)]
+
+
+@pytest.mark.parametrize("kind", ["cpu-flash", "math"])
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+@pytest.mark.parametrize("part", PARTS, ids=["own", "ancestors"])
+@pytest.mark.parametrize("value_dim", [8, 5])
+def test_attend_and_backward_equal_naive_softmax(kind, spec, part, value_dim):
+    torch.manual_seed(0)
+    length = 6
+    keys = length if part.causal else 5
+    q = torch.randn(2, 3, length, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, keys, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 3, keys, value_dim, dtype=torch.float64, requires_grad=True)
+    plain = spec.softcap is None and not spec.binds(part, length, keys)
+    if kind == "cpu-flash" and not plain:
+        pytest.skip("flash kernels only compute plain scores")
+    if kind == "math" and spec.chunk is None and spec.window is None and spec.softcap is None:
+        assert backend(q, spec, part, keys) == "cpu-flash"  # the default picks flash for plain scores
+    out, lse, saved = attend(q, k, v, spec, part, kind=kind)
+    reference = naive(q, k, v, spec, part)
+    visible_rows = spec.visible(part, length, keys).any(-1)
+    assert torch.allclose(out[..., visible_rows, :], reference[..., visible_rows, :], atol=1e-12)
+    dout = torch.randn_like(out)
+    dq, dk, dv = attend_backward(dout, q, k, v, out, lse, saved, spec, part, kind=kind)
+    expected = torch.autograd.grad(reference, (q, k, v), dout)
+    for ours, theirs in zip((dq, dk, dv), expected):
+        assert torch.allclose(ours, theirs, atol=1e-10)
+
+
+def test_merged_parts_with_a_sink_equal_one_softmax():
+    """Own + ancestor parts merged by log-sum-exp, with a sink logit per head, equal one softmax over all keys."""
+    torch.manual_seed(1)
+    spec = AttentionSpec(scale=0.5)
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    k = torch.randn(1, 2, 10, 8, dtype=torch.float64)
+    v = torch.randn(1, 2, 10, 8, dtype=torch.float64)
+    sink = torch.randn(2, dtype=torch.float64)
+    whole = naive(q, k, v, spec, Part(q_start=6, k_start=0, causal=True), sink)
+    own = attend(q, k[:, :, 6:], v[:, :, 6:], spec, Part(q_start=6, k_start=6, causal=True))
+    anc = attend(q, k[:, :, :6], v[:, :, :6], spec, Part(q_start=6, k_start=0, causal=False))
+    out, _ = merge([own[:2], anc[:2]], sink.view(1, 2, 1))
+    assert torch.allclose(out, whole, atol=1e-12)
