@@ -25,6 +25,22 @@ def _rms_norm_in_input_dtype(self, x: torch.Tensor) -> torch.Tensor:
     return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def _gemma_rms_norm_in_input_dtype(self, x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+def exact_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """Keep RMSNorms in the model's dtype (transformers rounds them to float32: a ~1e-7 floor in float64)."""
+    for module in model.modules():
+        if not type(module).__name__.endswith("RMSNorm"):
+            continue
+        if hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_rms_norm_in_input_dtype, module)
+        elif "Gemma" in type(module).__name__ and hasattr(module, "eps"):
+            module.forward = types.MethodType(_gemma_rms_norm_in_input_dtype, module)
+    return model
+
+
 def tiny_model(shape: str = "tiny-qwen3", vocab_size: int = 64, exact: bool = True):
     """A cached float64 model; tests must leave its parameters and .grad as they found them.
 
@@ -41,11 +57,7 @@ def tiny_model(shape: str = "tiny-qwen3", vocab_size: int = 64, exact: bool = Tr
 def fresh_model(shape: str = "tiny-qwen3", vocab_size: int = 64, exact: bool = True, dtype=torch.float64, **kwargs):
     """A new model (float64 unless told, not cached): for tests that change its mode or settings."""
     model = build_model(shape=shape, vocab_size=vocab_size, dtype=dtype, seed=0, **kwargs)
-    if exact:
-        for module in model.modules():
-            if type(module).__name__.endswith("RMSNorm"):
-                module.forward = types.MethodType(_rms_norm_in_input_dtype, module)
-    return model
+    return exact_norms(model) if exact else model
 
 
 def free_port() -> int:

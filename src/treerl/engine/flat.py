@@ -73,12 +73,11 @@ class FlatEngine:
         for row, (seq, n) in enumerate(zip(batch, lengths)):
             ids[row, :n] = seq.tokens[:n]
             valid[row, :n] = True
-        # A one-token sequence has nothing to predict; its row still attends to one token (no NaN).
-        attend = valid.clone()
-        attend[:, 0] = True
-        ids, valid, attend = ids.to(device), valid.to(device), attend.to(device)
+        # Right padding needs no padding mask: causality already hides a row's padding from its real
+        # tokens, and padding that sees itself never gives a fully masked (NaN) row, even in a window.
+        ids, valid = ids.to(device), valid.to(device)
         positions = torch.arange(width, device=device).expand(len(batch), -1)
-        hidden = final_hidden(model, input_ids=ids, attention_mask=attend.long(), position_ids=positions)
+        hidden = final_hidden(model, input_ids=ids, position_ids=positions)
         rows = hidden[valid]
         targets = torch.cat([seq.tokens[shift:] for seq in batch]).to(device)
         outputs = self.head(model, rows, targets)

@@ -1,0 +1,149 @@
+"""Exact or refused on the attention and output features real architectures add.
+
+Sliding windows (Mistral; Qwen2 on some layers), soft-capped scores and logits (Gemma-2), attention sinks (gpt-oss),
+logit scaling (Cohere, Granite), key and value heads of different sizes (DeepSeek-V3 MLA), no
+`intermediate_size` (GPT-2), and RoPE whose frequencies depend on the call's length (Phi-3
+longrope). Tiny float64 configs with float64 norms; windows of 5 tokens so that random trees
+cross them in every way. Gemma-2 and gpt-oss run eager attention, whose softmax transformers takes
+in float32: ~1e-9 there.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support import exact_norms
+from transformers import (
+    AutoModelForCausalLM,
+    CohereConfig,
+    DeepseekV3Config,
+    Gemma2Config,
+    GPT2Config,
+    GptOssConfig,
+    GraniteConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+)
+
+from treerl.attention import UnsupportedModel
+from treerl.engine import DfsEngine, FlatEngine, PackedEngine
+from treerl.testing import assert_engines_agree, assert_matches_model
+from treerl.tree import Sequence
+
+VOCAB = 64
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FEATURES = {
+    "mistral-window": lambda: MistralConfig(**SMALL, sliding_window=5),
+    "qwen2-window-layers": lambda: Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    "gemma2-softcap-window": lambda: Gemma2Config(**SMALL, head_dim=8, sliding_window=5, attn_logit_softcapping=1.0,
+                                                  final_logit_softcapping=2.0, query_pre_attn_scalar=8),
+    "gpt-oss-sinks-window": lambda: GptOssConfig(**{**SMALL, "intermediate_size": 16}, head_dim=8, sliding_window=5,
+                                                 num_local_experts=4, num_experts_per_tok=2),
+    "cohere-logit-scale": lambda: CohereConfig(**SMALL, logit_scale=0.3),
+    "granite-logits-scaling": lambda: GraniteConfig(**SMALL, logits_scaling=4.0, residual_multiplier=0.5,
+                                                    embedding_multiplier=3.0, attention_multiplier=0.2),
+    "deepseek-v3-mla": lambda: DeepseekV3Config(**{**SMALL, "num_key_value_heads": 4}, q_lora_rank=16, kv_lora_rank=16,
+                                                qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=4,
+                                                num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+                                                n_group=1, topk_group=1),
+    "gpt2-no-intermediate-size": lambda: GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256,
+                                                    bos_token_id=1, eos_token_id=2),
+}
+EAGER_ONLY = {"gemma2-softcap-window", "gpt-oss-sinks-window"}  # transformers offers no SDPA for these
+# How close the flat reference itself can be: 1e-9 where every op runs in float64 (norms patched),
+# the 1e-6 contract where the model keeps float32 pieces (LayerNorm, MoE router), 1e-5 for eager
+# attention (transformers takes its softmax in float32).
+TOL = {"mistral-window": 1e-9, "qwen2-window-layers": 1e-9, "granite-logits-scaling": 1e-9, "gpt2-no-intermediate-size": 1e-9,
+       "gemma2-softcap-window": 1e-5, "gpt-oss-sinks-window": 1e-5}
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def feature_model(name: str) -> torch.nn.Module:
+    if name not in _MODELS:
+        torch.manual_seed(0)
+        implementation = "eager" if name in EAGER_ONLY else "sdpa"
+        _MODELS[name] = exact_norms(AutoModelForCausalLM.from_config(
+            FEATURES[name](), dtype=torch.float64, attn_implementation=implementation, experts_implementation="eager"
+        ).eval())
+    return _MODELS[name]
+
+
+def _sequences(token_lists: list[list[int]], seed: int) -> list[Sequence]:
+    g = torch.Generator().manual_seed(seed)
+    return [Sequence(torch.tensor(t), fields={"advantages": torch.randn(len(t), generator=g, dtype=torch.float64)})
+            for t in token_lists]
+
+
+def _loss(view):
+    return -(view.logprobs * view.fields["advantages"]).sum() - 0.1 * view.entropy.sum()
+
+
+def _grpo_like(seed: int) -> list[Sequence]:
+    rng = random.Random(seed)
+    prompt = [rng.randrange(VOCAB) for _ in range(9)]
+    lists = [prompt + [rng.randrange(VOCAB) for _ in range(n)] for n in (4, 7, 11, 0)]
+    return _sequences(lists + [[rng.randrange(VOCAB) for _ in range(13)]], seed)
+
+
+ENGINES = {"flat": FlatEngine(), "dfs": DfsEngine(chunk_tokens=3), "dfs-batched": DfsEngine(), "packed": PackedEngine()}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", FEATURES)
+def test_every_engine_equals_the_models_own_forward(name, engine):
+    model = feature_model(name)
+    batch = _grpo_like(0)
+    tol = TOL.get(name, 1e-6)
+    assert_matches_model(model, batch, ENGINES[engine].forward(model, batch), tol=tol)
+    assert_engines_agree(model, batch, _loss, ENGINES[engine], FlatEngine(), tol=tol)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(["mistral-window", "qwen2-window-layers", "gemma2-softcap-window", "gpt-oss-sinks-window"]),
+    lists=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=16), min_size=1, max_size=6),
+    chunk=st.sampled_from([1, 2, 3, 5, 2048]),
+    batch_tokens=st.sampled_from([0, 64]),
+    recompute=st.sampled_from(["auto", "always"]),
+)
+def test_random_trees_cross_windows_in_every_way(name, lists, chunk, batch_tokens, recompute):
+    """Small alphabet: lots of sharing; nodes end and start at every offset from the window's edge.
+
+    Eager-only models: transformers' eager softmax is float32, so the flat reference itself is only
+    ~1e-6 exact; there DfsEngine is held to 1e-9 against PackedEngine (exact float64 math, no walk)
+    and PackedEngine to 1e-5 against the flat reference.
+    """
+    model = feature_model(name)
+    batch = _sequences(lists, seed=len(lists))
+    engine = DfsEngine(chunk_tokens=chunk, batch_tokens=batch_tokens, recompute=recompute)
+    if name in EAGER_ONLY:
+        assert_engines_agree(model, batch, _loss, engine, PackedEngine(), tol=1e-9)
+        assert_engines_agree(model, batch, _loss, PackedEngine(), FlatEngine(), tol=1e-5)
+    else:
+        assert_engines_agree(model, batch, _loss, engine, FlatEngine(), tol=1e-9)
+
+
+def _longrope_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = Phi3Config(**{**SMALL, "max_position_embeddings": 64}, original_max_position_embeddings=16,
+                        rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [3.0] * 4})
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_length_dependent_rope_is_exact_below_its_switch_and_refused_above(engine):
+    model = _longrope_model()
+    short = _sequences([[3, 4, 5, 6, 7, 8], [3, 4, 5, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], seed=0)
+    assert_matches_model(model, short, ENGINES[engine].forward(model, short), tol=1e-6)
+    long = short + _sequences([list(range(20))], seed=1)
+    calls = []
+    model.model.layers[0].register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(UnsupportedModel, match="'longrope' changes its frequencies with the length of each call"):
+        ENGINES[engine].forward_backward(model, long, _loss)
+    assert calls == []
