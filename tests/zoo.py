@@ -38,16 +38,19 @@ _WINDOW_KEYS = ["sliding_window", "sliding_window_size", "attention_window_size"
                 "local_attention_window_len"]
 _SMALL: dict[str, int] = {
     **dict.fromkeys(["hidden_size", "n_embd", "d_model", "word_embed_proj_dim", "emb_dim", "embedding_dim",
-                     "hidden_size_global", "adapter_in_dim", "adapter_out_dim", "adapter_input_size", "out_hidden_size"],
+                     "hidden_size_global", "adapter_in_dim", "adapter_out_dim", "adapter_input_size",
+                     "out_hidden_size"],
                     HIDDEN),
-    **dict.fromkeys(["num_attention_heads", "num_attention_heads_per_layer", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
+    **dict.fromkeys(["num_attention_heads", "num_attention_heads_per_layer", "n_head", "n_heads", "num_heads",
+                     "decoder_attention_heads",
                      "encoder_attention_heads", "attention_heads", "num_decoder_attention_heads",
                      "num_encoder_attention_heads", "swa_num_attention_heads", "indexer_n_heads", "index_n_heads"],
                     HEADS),
     **dict.fromkeys(["head_dim", "attention_head_dim", "d_head", "kv_channels", "swa_head_dim", "attention_head_size",
                      "dim_head", "indexer_head_dim", "index_head_dim"], HEAD_DIM),
     **dict.fromkeys(["intermediate_size", "ffn_dim", "decoder_ffn_dim", "encoder_ffn_dim", "n_inner", "d_inner", "dff",
-                     "dim_ff", "feed_forward_size", "ffn_hidden_size", "intermediate_size_mlp", "dense_intermediate_size",
+                     "dim_ff", "feed_forward_size", "ffn_hidden_size", "intermediate_size_mlp",
+                     "dense_intermediate_size",
                      "prefix_dense_intermediate_size", "expert_ffn_hidden_size"], FFN),
     **dict.fromkeys(["moe_intermediate_size", "shared_expert_intermediate_size", "shared_intermediate_size",
                      "shared_experts_intermediate_size", "moe_shared_expert_intermediate_size"], MOE_FFN),
@@ -151,14 +154,19 @@ def _select_layers(values: dict) -> dict:
     for k, last in last_k.items():
         out[k] = sum(i >= n - last for i in chosen)
     if per_layer_config:
-        out["per_layer_config"] = {f"{chosen.index(int(i)):02d}": _shrink_layer(layer)
+        out["per_layer_config"] = {f"{chosen.index(int(i)):02d}": layer
                                    for i, layer in per_layer_config.items() if int(i) in chosen}
     return out
 
 
-def _shrink_layer(layer: dict) -> dict:
-    """A per-layer override of a heterogeneous config, shrunk by the same rules as the global values."""
-    return {**layer, **_shrink(layer, set(), set(layer))}
+def _shrink_layer(layer: dict, values: dict, shrunk: dict) -> dict:
+    """A per-layer override of a heterogeneous config (Gemma-4's wider global-attention heads), shrunk in the same
+    proportion as the global value it overrides, so that the layers still differ."""
+    out = dict(layer)
+    for k, v in layer.items():
+        if _is_number(v) and _is_number(values.get(k)) and values[k] and k in shrunk:
+            out[k] = max(1, round(shrunk[k] * v / values[k]))
+    return out
 
 
 def _shrink(values: dict, derived: set[str], fields: set[str]) -> dict:
@@ -199,6 +207,8 @@ def _shrink(values: dict, derived: set[str], fields: set[str]) -> dict:
     if values.get("is_decoder") is False and "is_decoder" in fields:  # BERT & co: the LM head is for decoders
         out["is_decoder"] = True
     out.update(_select_layers(values))
+    if out.get("per_layer_config"):
+        out["per_layer_config"] = {i: _shrink_layer(layer, values, out) for i, layer in out["per_layer_config"].items()}
     vocab = out.get("vocab_size", values.get("vocab_size"))
     if vocab is not None:
         for k, v in values.items():
@@ -220,61 +230,67 @@ def _in_vocab(token, vocab: int):
 # Per-type overrides, only where the generic shrinker cannot work or the default config is not a buildable model.
 # Values are config kwargs (a dict under a sub-config key goes to that sub-config). Each entry says why.
 
+_QWEN4_INDEXER = {"indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM, "indexer_budget": 8,
+                  "indexer_compress_ratio": 4}
+
 OVERRIDES: dict[str, dict] = {
     # layer kinds come from "attention every 8th layer from 4" / "MoE every 2nd from 1": one mamba+MLP layer, one
     # attention+MoE layer
-    "jamba": dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                  expert_layer_offset=1),
+    "jamba": {"num_hidden_layers": 2, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+              "expert_layer_offset": 1},
     # the shared attention block is tied across hybrid layers and needs at least two of them
-    "zamba": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"]),
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
     # block_types is a repeating 3-pattern (recurrent, recurrent, attention), not one entry per layer
-    "recurrent_gemma": dict(num_hidden_layers=2, block_types=["recurrent", "attention"]),
+    "recurrent_gemma": {"num_hidden_layers": 2, "block_types": ["recurrent", "attention"]},
     # the default keeps no conv layer (full_attn_idxs = every layer); LFM2 checkpoints mix conv and attention
-    "lfm2": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
-    "lfm2_moe": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "lfm2": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
+    "lfm2_moe": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     # falcon_h1's mamba inner width is its own field
-    "falcon_h1": dict(mamba_d_ssm=8 * HEAD_DIM, mamba_n_heads=8, mamba_d_head=HEAD_DIM),
+    "falcon_h1": {"mamba_d_ssm": 8 * HEAD_DIM, "mamba_n_heads": 8, "mamba_d_head": HEAD_DIM},
     # the default's rope_parameters is {} although the model looks rope up per layer type; use Cohere2's pattern:
     # rope on sliding layers, none on the global one
-    "cohere_compass_text": dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
-                                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 50000.0},
-                                                 "full_attention": None}),
+    "cohere_compass_text": {
+        "num_hidden_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 50000.0},
+                            "full_attention": None},
+    },
     # modeling_dbrx still reads attn_config.rope_theta, which the config class no longer has (transformers bug),
     # and clamps q/k/v to clip_qkv, which must then be set (DBRX checkpoints use 8)
-    "dbrx": dict(attn_config=dict(rope_theta=500000.0, clip_qkv=8.0)),
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
     # the defaults have no attention layer at all, which the model's cache cannot handle; Bamba / Granite-4.0-H
     # checkpoints mix mamba and attention layers
-    "bamba": dict(num_hidden_layers=2, attn_layer_indices=[1]),
-    "granitemoehybrid": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
-    # the sliding layers' per-layer MLA override inherits head_dim, which must equal their nope + rope head
-    "dots3_note_text": dict(head_dim=24),
-    "dots3_note": dict(text_config=dict(head_dim=24)),
+    "bamba": {"num_hidden_layers": 2, "attn_layer_indices": [1]},
+    "granitemoehybrid": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},
+    # the sliding layers' per-layer MLA override (nope head 1.5x the global one, shrunk to 24) inherits head_dim,
+    # which must equal their nope + rope head
+    "dots3_note_text": {"head_dim": 32},
+    "dots3_note": {"text_config": {"head_dim": 32}},
     # xLSTM's recurrent state is sized from qk_dim rounded up to a multiple of 64 while its projections are not
     # rounded (transformers bug for widths whose qk part is no multiple of 64): width 128 makes the qk part 64
-    "xlstm": dict(hidden_size=128, embedding_dim=128),
+    "xlstm": {"hidden_size": 128, "embedding_dim": 128},
     # vision / audio towers with wide convolutions (a few MB even at width 64)
-    "got_ocr2": dict(vision_config=dict(output_channels=16)),
-    "phi4_multimodal": dict(audio_config=dict(ext_pw_out_channel=32, depthwise_separable_out_channel=32,
-                                              nemo_conv_channels=32)),
+    "got_ocr2": {"vision_config": {"output_channels": 16}},
+    "phi4_multimodal": {"audio_config": {"ext_pw_out_channel": 32, "depthwise_separable_out_channel": 32,
+                                         "nemo_conv_channels": 32}},
     # ZAYA supports one expert per token only
-    "zaya": dict(num_experts_per_tok=1),
+    "zaya": {"num_experts_per_tok": 1},
     # full attention layers are "indexed" (query-sparse attention); the default leaves the indexer unset, which
     # does not build: a small indexer that keeps 8 of the keys in blocks of 4
-    "qwen4_exp_text": dict(indexer_n_heads=HEADS, indexer_kv_heads=1, indexer_head_dim=HEAD_DIM, indexer_budget=8,
-                           indexer_compress_ratio=4),
-    "qwen4_exp": dict(text_config=dict(indexer_n_heads=HEADS, indexer_kv_heads=1, indexer_head_dim=HEAD_DIM,
-                                       indexer_budget=8, indexer_compress_ratio=4)),
+    "qwen4_exp_text": _QWEN4_INDEXER,
+    "qwen4_exp": {"text_config": _QWEN4_INDEXER},
     # byte latent transformer: the hash n-gram embeddings have 500002 rows each by default
     # (use_cache: its forward builds DynamicCache(config=BltConfig), which has no num_hidden_layers: transformers bug)
-    "blt": dict(encoder_hash_byte_group_vocab=64, local_attention_window_len=WINDOW, use_cache=False),
+    "blt": {"encoder_hash_byte_group_vocab": 64, "local_attention_window_len": WINDOW, "use_cache": False},
     # axial position embeddings must sum to the width
-    "reformer": dict(axial_pos_shape=[16, 16], axial_pos_embds_dim=[16, 48]),
+    "reformer": {"axial_pos_shape": [16, 16], "axial_pos_embds_dim": [16, 48]},
     # XLM's causal-LM mode (the xlm-clm checkpoints); its default is the masked-LM encoder
-    "xlm": dict(causal=True),
+    "xlm": {"causal": True},
 }
 
 # The causal-LM class of these types takes one sub-config of the composite config.
 _SUB_CONFIG = {"musicgen": "decoder", "musicgen_melody": "decoder"}
+
 
 def _keep_in_fp32_strict(model: PreTrainedModel, dtype: torch.dtype) -> None:
     """Cast the model's `_keep_in_fp32_modules_strict` weights to float32, as transformers does for fp16/bf16 only."""
@@ -321,7 +337,7 @@ def _rebuild(config: PretrainedConfig, extra: dict | None = None) -> PretrainedC
             changes[k] = _rebuild(sub, extra.get(k))
     try:
         defaults = _fields(cls())
-    except Exception:  # a sub-config class whose defaults alone do not validate
+    except Exception:  # noqa: BLE001 - a sub-config class whose defaults alone do not validate
         defaults = {}
     kwargs = {k: v for k, v in values.items() if k not in derived and (k not in defaults or defaults[k] != v)}
     for k in ("transformers_version", "architectures", "model_type", "_name_or_path", "dtype", "id2label",
@@ -344,6 +360,13 @@ def _quiet():
             yield
         finally:
             logger.setLevel(level)
+
+
+def default_config(model_type: str) -> PretrainedConfig:
+    """The config class's defaults, as the mapped causal-LM class takes them (MusicGen's takes its decoder's)."""
+    with _quiet():
+        config = CONFIG_MAPPING[model_type]()
+    return getattr(config, _SUB_CONFIG[model_type]) if model_type in _SUB_CONFIG else config
 
 
 def tiny_config(model_type: str) -> PretrainedConfig:
@@ -503,13 +526,15 @@ def arch_info(model_type: str, model: PreTrainedModel) -> ArchInfo:
         final_logit_softcap=next((values[k] for k in _FINAL_SOFTCAP_KEYS if values.get(k) is not None), None),
         sinks=any("sink" in name.lower() or name.endswith("s_aux") for name, _ in model.named_parameters())
         or "s_aux" in kwargs or "sinks" in kwargs,
-        logit_scaling=", ".join(f"{k}={values[k]}" for k in _LOGIT_SCALE_KEYS if values.get(k) is not None) or None,
+        logit_scaling=", ".join(f"{k}={values[k]}" for k in _LOGIT_SCALE_KEYS if values.get(k) not in (None, False))
+        or None,
         recurrent=_is_recurrent(model),
         rope_type=_rope_type(values),
         kv_head_dims=_kv_head_dims(values),
-        moe=any(re.search(r"Expert|Moe|MoE|Router|Gating", type(m).__name__) for m in model.modules()),
-        dropout_keys=_dropout_keys(CONFIG_MAPPING[model_type]()),
-        notes="; ".join(notes + _dtype_notes(model) + _attention_scale_notes(model)),
+        moe=any(re.search(r"Expert|Moe|MoE|Router", type(m).__name__) for m in model.modules()),
+        dropout_keys=_dropout_keys(default_config(model_type)),
+        notes="; ".join(notes + _position_notes(model, ids, logits) + _other_softcaps(values) + _dtype_notes(model)
+                        + _attention_scale_notes(model)),
         attention_calls=calls,
         attention_kwargs=kwargs,
         lm_head_check=_lm_head_check(model, ids, logits, values),
@@ -530,9 +555,33 @@ def _is_causal(model: PreTrainedModel, ids: torch.Tensor, logits: torch.Tensor, 
         for j in (ids.shape[1] // 3, 2 * ids.shape[1] // 3):
             changed = torch.cat([ids[:, : j + 1], _ordinary_ids(model, ids[:, j + 1:].shape, seed=j)], dim=1)
             leak = max(leak, float((_logits(model, changed) - logits)[:, : j + 1].abs().max()))
-    if 0 < leak < 1e-3:
-        notes.append(f"later tokens change earlier logits by up to {leak:.2g}")
-    return leak == 0
+    if 0 < leak <= 1e-5:
+        notes.append(f"later tokens change earlier logits by up to {leak:.2g} (rounding: causal)")
+    return leak <= 1e-5
+
+
+def _position_notes(model: PreTrainedModel, ids: torch.Tensor, logits: torch.Tensor) -> list[str]:
+    """How the forward treats explicit position_ids (what a packed or tree layout passes)."""
+    positions = torch.arange(ids.shape[1]).expand(ids.shape)
+    try:
+        with torch.no_grad(), _quiet():
+            at_zero = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+            stretched = model(input_ids=ids, position_ids=2 * positions, use_cache=False).logits  # rope is shift-free
+    except Exception as error:  # noqa: BLE001
+        return [f"position_ids not accepted ({type(error).__name__}: {str(error)[:60]})"]
+    notes = []
+    if not torch.equal(at_zero, logits):
+        difference = (at_zero - logits).abs().max()
+        notes.append(f"default positions are not arange(length) (logits differ by {difference:.2g})")
+    if torch.equal(stretched, at_zero):
+        notes.append("position_ids have no effect")
+    return notes
+
+
+def _other_softcaps(values: dict) -> list[str]:
+    caps = {k: v for k, v in values.items() if re.search("softcap|soft_cap", k) and v is not None
+            and k not in _ATTN_SOFTCAP_KEYS + _FINAL_SOFTCAP_KEYS}
+    return [f"other soft-caps: {caps}"] if caps else []
 
 
 def _layer_types(values: dict) -> list[str] | None:
@@ -611,7 +660,7 @@ def _dtype_notes(model: PreTrainedModel) -> list[str]:
         if downcasts:
             notes.append("casts float64 down to float32 in: " + ", ".join(downcasts))
         if float32_made:
-            notes.append("float32 math on float32-made tensors (masks, rope tables, ...) in: " + ", ".join(float32_made))
+            notes.append("float32 math on float32-made tensors (masks, rope tables...) in: " + ", ".join(float32_made))
     return notes
 
 
@@ -735,10 +784,11 @@ def _mask_pattern(mask, query: torch.Tensor, key: torch.Tensor) -> str:
     if torch.equal(allowed, rows[None, :] <= rows[:, None]):
         return "causal"
     visible = allowed.sum(-1)
+    key, query = rows[None, :], rows[:, None]
     for window in range(1, length):
-        if torch.equal(allowed, (rows[None, :] <= rows[:, None]) & (rows[None, :] > rows[:, None] - window)):
+        if torch.equal(allowed, (key <= query) & (key > query - window)):
             return f"sliding window {window}"
-        if torch.equal(allowed, (rows[None, :] <= rows[:, None]) & (rows[None, :] // window == rows[:, None] // window)):
+        if torch.equal(allowed, (key <= query) & (key // window == query // window)):
             return f"chunks of {window}"
     return f"other (keys visible per query: {visible.tolist()})"
 
@@ -816,32 +866,47 @@ def _head_transforms(model: PreTrainedModel, head: torch.nn.Linear):
                 lambda h, child=child: head(child(h))
 
 
+_TABLE_HEAD = ["type", "class", "attn", "causal", "window", "layer kinds", "softcap attn/final", "sinks",
+               "logit scaling", "recurrent", "rope", "k/v head dims", "MoE", "dropout > 0 (default config)",
+               "logits vs lm_head(h)", "AttentionInterface calls", "build s"]
+
+
 def _markdown_table(infos: dict[str, ArchInfo | str], seconds: dict[str, float]) -> str:
-    """One row per model type: built (features) or skipped (reason)."""
-    head = ("| type | class | attn | causal | window | layer types | softcap attn/final | sinks | logit scaling | "
-            "recurrent | rope | k/v head dims | MoE | dropout>0 in default | logits vs lm_head(h) | AttentionInterface "
-            "calls | notes | s |")
-    rows = [head, "|" + "---|" * (head.count("|") - 1)]
-    for t, info in infos.items():
+    """One row per model type: what it is when built, or why it is skipped."""
+    rows = ["| " + " | ".join(_TABLE_HEAD) + " |", "|" + "---|" * len(_TABLE_HEAD)]
+    for model_type, info in infos.items():
         if isinstance(info, str):
-            rows.append(f"| {t} | **skipped**: {info} |" + " |" * (head.count("|") - 3) + f" {seconds[t]:.2f} |")
-            continue
-        kinds = sorted(set(info.layer_types)) if info.layer_types else ""
-        caps = f"{info.attn_softcap or '-'}/{info.final_logit_softcap or '-'}"
-        cells = [t, info.model_class, info.attn_implementation, "yes" if info.causal else "**no**",
-                 info.sliding_window or "", ", ".join(kinds), caps if caps != "-/-" else "", "yes" if info.sinks else "",
-                 info.logit_scaling or "", "yes" if info.recurrent else "", info.rope_type or "",
-                 info.kv_head_dims or "", "yes" if info.moe else "",
-                 ", ".join(f"{k}={v}" for k, v in info.dropout_keys.items()), info.lm_head_check,
-                 info.attention_calls if info.attention_calls is not None else "**not pluggable**", info.notes,
-                 f"{seconds[t]:.2f}"]
-        rows.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
+            cells = [model_type, f"**skipped**: {info}"] + [""] * (len(_TABLE_HEAD) - 3)
+        else:
+            caps = f"{info.attn_softcap or '-'}/{info.final_logit_softcap or '-'}"
+            cells = [
+                model_type, info.model_class, info.attn_implementation, "yes" if info.causal else "**no**",
+                info.sliding_window or "", ", ".join(sorted(set(info.layer_types or []))),
+                "" if caps == "-/-" else caps, "yes" if info.sinks else "", info.logit_scaling or "",
+                "yes" if info.recurrent else "", info.rope_type or "", info.kv_head_dims or "",
+                "yes" if info.moe else "",
+                ", ".join(f"{k}={v}" for k, v in info.dropout_keys.items()), info.lm_head_check,
+                "**none**" if info.attention_calls is None else info.attention_calls,
+            ]
+        rows.append("| " + " | ".join(str(c).replace("|", "/") for c in [*cells, f"{seconds[model_type]:.2f}"]) + " |")
     return "\n".join(rows)
+
+
+def _markdown_details(infos: dict[str, ArchInfo | str]) -> str:
+    """Per built type: what the attention probe saw, and the notes."""
+    lines = []
+    for model_type, info in infos.items():
+        if isinstance(info, ArchInfo):
+            seen = "; ".join(f"{k}: {v}" for k, v in info.attention_kwargs.items())
+            saw = f"  \n  attention calls saw: {seen}" if seen else ""
+            lines.append(f"- **{model_type}**: {info.notes or '-'}{saw}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # python tests/zoo.py > table.md : build every type, print the report table
     import time
 
+    torch.set_num_threads(1)  # tiny models: threads only add OpenMP contention
     infos: dict[str, ArchInfo | str] = {}
     seconds: dict[str, float] = {}
     for model_type in CAUSAL_LM_TYPES:
@@ -854,4 +919,4 @@ if __name__ == "__main__":  # python tests/zoo.py > table.md : build every type,
             seconds[model_type] = time.perf_counter() - start
             infos[model_type] = str(skip)
         print(model_type, file=sys.stderr, flush=True)
-    print(_markdown_table(infos, seconds))
+    print(_markdown_table(infos, seconds), _markdown_details(infos), sep="\n\n")
