@@ -829,7 +829,7 @@ def _lm_head_check(model: PreTrainedModel, ids: torch.Tensor, logits: torch.Tens
         target = logits if cap is None else cap * torch.atanh((logits / cap).clamp(-1 + 1e-15, 1 - 1e-15))
         scale = float((target * raw).sum() / (raw * raw).sum())
         if torch.allclose(scale * raw, target, rtol=1e-6, atol=max(atol, 1e-9)):
-            inner = f"{scale:.6g} * lm_head(h)" if abs(scale - 1) > 1e-9 else "lm_head(h)"
+            inner = f"{scale:.6g} * lm_head(h)" if abs(scale - 1) > max(atol, 1e-9) else "lm_head(h)"
             return prefix + "logits = " + (f"{cap} * tanh({inner} / {cap})" if cap else inner)
     return prefix + f"unexplained: max |logits - lm_head(h)| = {(logits - raw).abs().max():.3g}"
 
