@@ -29,7 +29,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model_type", CAUSAL_LM_TYPES)
 def test_every_type_builds_tiny_and_gives_finite_logits(model_type):
     if model_type in EXPECTED_SKIPS:
