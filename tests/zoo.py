@@ -415,7 +415,8 @@ def build_tiny(model_type: str, dtype: torch.dtype = torch.float64, seed: int = 
             model = _construct(model_type, config, seed, dtype=dtype, attn_implementation=attn_implementation,
                                experts_implementation=experts_implementation)
         except ImportError as error:  # an optional package a sub-model needs (gemma3n's vision tower needs timm)
-            raise ZooSkip(f"needs a package that is not installed: {str(error).strip().splitlines()[0]}") from error
+            first_sentence = " ".join(str(error).split()).split(". ")[0]
+            raise ZooSkip(f"needs a package that is not installed: {first_sentence}") from error
         except ValueError as error:
             if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(error):
                 raise
