@@ -433,10 +433,11 @@ def input_ids(model: PreTrainedModel, batch: int = 1, length: int = 24, seed: in
     are left out: some models treat them apart wherever they are (XLM masks every pad id)."""
     config = model.config.get_text_config()
     rows = batch * getattr(config, "num_codebooks", 1) if "Musicgen" in type(model).__name__ else batch
-    return _ordinary_ids(model, (rows, length), seed)
+    return ordinary_ids(model, (rows, length), seed)
 
 
-def _ordinary_ids(model: PreTrainedModel, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+def ordinary_ids(model: PreTrainedModel, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Random token ids of `shape` that no config of `model` names as special."""
     ordinary = torch.tensor(sorted(set(range(_vocab_size(model))) - _special_ids(model.config)))
     generator = torch.Generator().manual_seed(seed)
     return ordinary[torch.randint(0, len(ordinary), shape, generator=generator)]
@@ -551,7 +552,7 @@ def _is_causal(model: PreTrainedModel, ids: torch.Tensor, logits: torch.Tensor, 
             notes.append(f"forward not deterministic (max |diff| {(again - logits).abs().max():.2g})")
         leak = 0.0
         for j in (ids.shape[1] // 3, 2 * ids.shape[1] // 3):
-            changed = torch.cat([ids[:, : j + 1], _ordinary_ids(model, ids[:, j + 1:].shape, seed=j)], dim=1)
+            changed = torch.cat([ids[:, : j + 1], ordinary_ids(model, ids[:, j + 1:].shape, seed=j)], dim=1)
             leak = max(leak, float((_logits(model, changed) - logits)[:, : j + 1].abs().max()))
     if 0 < leak <= 1e-5:
         notes.append(f"later tokens change earlier logits by up to {leak:.2g} (rounding: causal)")

@@ -78,17 +78,21 @@ def relative_error(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-7) -> flo
 
 
 def compare_runs(run: EngineRun, reference: EngineRun) -> dict[str, float]:
-    """Relative errors of outputs, loss (absolute below 1) and every parameter gradient."""
+    """Relative errors of outputs, loss (absolute below 1), every parameter's gradient and the whole gradient."""
     errors: dict[str, float] = {}
     for i, (out, ref) in enumerate(zip(run.outputs, reference.outputs, strict=True)):
         for name in ref:
             errors[f"seq{i}.{name}"] = relative_error(out[name], ref[name])
     errors["loss"] = abs(run.loss - reference.loss) / max(abs(reference.loss), 1.0)
+    pairs = []
     for name in set(run.grads) | set(reference.grads):  # no .grad at all == a zero gradient
         ours, ref = run.grads.get(name), reference.grads.get(name)
         ours = torch.zeros_like(ref) if ours is None else ours
         ref = torch.zeros_like(ours) if ref is None else ref
         errors[f"grad.{name}"] = relative_error(ours, ref)
+        pairs.append((ours.flatten(), ref.flatten()))
+    if pairs:  # the whole gradient as one vector
+        errors["gradient"] = relative_error(torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs]))
     return errors
 
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 import pytest
+import torch
 
 from treerl.engine.head import LogitTransform, _ChunkedLogprobEntropy
 

@@ -36,8 +36,9 @@ from treerl.testing import assert_engines_agree, assert_matches_model
 from treerl.tree import Sequence
 
 VOCAB = 64
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "bos_token_id": 1,
+         "eos_token_id": 2, "pad_token_id": 0}
 FEATURES = {
     "mistral-window": lambda: MistralConfig(**SMALL, sliding_window=5),
     "qwen2-window-layers": lambda: Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=5, max_window_layers=1),

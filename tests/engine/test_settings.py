@@ -69,16 +69,15 @@ def test_attention_implementations(name, implementation):
 
 @pytest.mark.parametrize("name", TREE_ENGINES)
 def test_dropout_in_training_is_refused_before_the_model_runs(name):
-    for overrides in ({"attention_dropout": 0.1},):
-        model = fresh_model(overrides=overrides)
-        model.train()
-        calls = []
-        model.model.layers[0].register_forward_hook(lambda *a: calls.append(1))
-        with pytest.raises(UnsupportedModel, match="attention_dropout=0.1"):
-            TREE_ENGINES[name].forward_backward(model, _batch(), _loss)
-        assert calls == [] and all(p.grad is None for p in model.parameters())
-        model.eval()  # dropout off: exact again
-        assert_engines_agree(model, _batch(), _loss, TREE_ENGINES[name], FlatEngine(), tol=1e-10)
+    model = fresh_model(overrides={"attention_dropout": 0.1})
+    model.train()
+    calls = []
+    model.model.layers[0].register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(UnsupportedModel, match="attention_dropout=0.1"):
+        TREE_ENGINES[name].forward_backward(model, _batch(), _loss)
+    assert calls == [] and all(p.grad is None for p in model.parameters())
+    model.eval()  # dropout off: exact again
+    assert_engines_agree(model, _batch(), _loss, TREE_ENGINES[name], FlatEngine(), tol=1e-10)
 
 
 def test_dropout_modules_are_refused_too():

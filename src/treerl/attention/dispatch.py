@@ -188,6 +188,7 @@ def check_layer_types(model: PreTrainedModel) -> None:
     for kind in sorted(set(getattr(config, "layer_types", None) or [])):
         if kind not in _LAYER_TYPES:
             raise UnsupportedModel(
-                f"{type(model).__name__}: layer type {kind!r} carries state across tokens outside attention; "
-                "the tree engines support only attention layers (use FlatEngine)"
+                f"layer type {kind!r} is not softmax attention over a window of earlier tokens (state-space, "
+                "linear, convolution or indexed sparse attention); the tree engines support only "
+                f"{', '.join(sorted(_LAYER_TYPES))} layers (use FlatEngine)"
             )

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treerl.attention.dispatch import LayerAttention
+from treerl.attention.dispatch import LayerAttention, UnsupportedModel
 from treerl.attention.kernels import AttentionSpec, Part, attend, attend_backward, merge
 
 
@@ -236,8 +236,15 @@ class TreeCall:
     path: PathKV
     unit: UnitKV
     layers_called: set[int] = field(default_factory=set)
+    forward_done: bool = False  # set by the engine; later calls are gradient checkpointing's recomputation
 
     def __call__(self, module, query, key, value, layer: LayerAttention) -> torch.Tensor:
-        self.layers_called.add(module.layer_idx)
-        out = _TreeAttention.apply(query, key, value, layer.sinks, self.path, self.unit, module.layer_idx, layer.spec)
+        index = module.layer_idx
+        if index in self.layers_called and not self.forward_done:
+            raise UnsupportedModel(
+                f"{type(module).__name__}: layer {index} calls attention more than once per forward (differential "
+                "or repeated attention); the tree path stores one K/V per layer (use PackedEngine or FlatEngine)"
+            )
+        self.layers_called.add(index)
+        out = _TreeAttention.apply(query, key, value, layer.sinks, self.path, self.unit, index, layer.spec)
         return out.transpose(1, 2).contiguous()

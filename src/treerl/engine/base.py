@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedModel
 
-from treerl.engine.support import check_rope_lengths, check_tree_model
+from treerl.engine.support import check_known_model, check_rope_lengths, check_tree_model, decoder_module, last_hidden
 from treerl.tree import Node, PrefixTree, Sequence, validate_sequences
 
 
@@ -130,6 +130,7 @@ def check_batch(model: PreTrainedModel, head: Head, sequences: Seq[Sequence], tr
     than the flat reference does (see treerl.engine.support).
     """
     config = model.config.get_text_config()
+    check_known_model(model)
     validate_sequences(
         sequences,
         vocab_size=model.get_input_embeddings().num_embeddings,
@@ -141,16 +142,9 @@ def check_batch(model: PreTrainedModel, head: Head, sequences: Seq[Sequence], tr
     head.check(model)
 
 
-def decoder(model: PreTrainedModel) -> torch.nn.Module:
-    """The transformer body whose output is the final-normed hidden state."""
-    return model.base_model
-
-
 def final_hidden(model: PreTrainedModel, **inputs) -> torch.Tensor:
     """The body's final hidden states `[B, L, d]`, whatever output class (or tuple) the model returns."""
-    outputs = decoder(model)(**inputs, use_cache=False, return_dict=True)
-    hidden = getattr(outputs, "last_hidden_state", None)
-    return hidden if hidden is not None else outputs[0]
+    return last_hidden(decoder_module(model)(**inputs, use_cache=False, return_dict=True))
 
 
 def sum_losses(

@@ -40,7 +40,7 @@ from treerl.engine.base import (
     sum_losses,
 )
 from treerl.engine.head import PolicyHead
-from treerl.engine.support import check_all_layers_routed
+from treerl.engine.support import attention_layers, check_all_layers_routed
 from treerl.tree import ROOT, Node, PrefixTree, Sequence
 from treerl.tree.batching import group_siblings
 
@@ -97,14 +97,29 @@ class _Unit:
 def graph_bytes_per_token(model: PreTrainedModel) -> int:
     """Rough size of what autograd saves per token for one pass through the model (for the budget)."""
     c = model.config.get_text_config()
-    heads = c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    ffn = next((getattr(c, k) for k in ("intermediate_size", "n_inner", "ffn_dim") if getattr(c, k, None)), None)
-    ffn = ffn or 4 * c.hidden_size  # GPT-2, Falcon, OPT...: the usual 4x width when the config does not say
-    per_layer = 3 * c.hidden_size + 5 * heads * head_dim + 4 * kv_heads * head_dim + 4 * ffn
+    hidden = _size(c, "hidden_size")
+    heads = _size(c, "num_attention_heads") or 1
+    kv_heads = _size(c, "num_key_value_heads") or heads
+    head_dim = _size(c, "head_dim") or hidden // heads
+    ffn = _size(c, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden  # GPT-2, OPT: the usual 4x width
+    per_layer = 3 * hidden + 5 * heads * head_dim + 4 * kv_heads * head_dim + 4 * ffn
     elem = next(model.parameters()).element_size()
-    return (c.num_hidden_layers * per_layer + 2 * c.hidden_size) * elem
+    layers = _size(c, "num_hidden_layers") or len(attention_layers(model)) or 1
+    return (layers * per_layer + 2 * hidden) * elem
+
+
+def _size(config, *names: str) -> int:
+    """The first of `names` the config sets, as one number (the largest, where it varies by layer)."""
+    for name in names:
+        try:
+            value = getattr(config, name, None)
+        except Exception:  # noqa: BLE001 - per-layer configs refuse a global read (Gemma-4)
+            value = [getattr(layer, name, 0) or 0 for layer in getattr(config, "per_layer_config", [])]
+        if isinstance(value, (list, tuple)):
+            value = max(value, default=0)
+        if value:
+            return int(value)
+    return 0
 
 
 def _default_budget(device: torch.device) -> int:
@@ -226,6 +241,7 @@ class _Walk:
             hidden = final_hidden(
                 self.model, input_ids=ids.to(self.device), position_ids=positions.to(self.device), treerl_call=call
             ).reshape(len(unit.nodes) * width, -1)
+            call.forward_done = True
             check_all_layers_routed(self.model, call.layers_called)
             if not torch.equal(rows, torch.arange(len(hidden))):
                 hidden = hidden[rows.to(self.device)]

@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treerl.attention import UnsupportedModel
-from treerl.engine.support import dict_outputs
+from treerl.engine.support import decoder_module, dict_outputs, last_hidden
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,18 @@ class LogitTransform:
         return self.scale * (1 - torch.tanh(raw * self.scale / self.softcap) ** 2)
 
 
-# config key -> how it enters the logits (multiply or divide the LM head's output)
-_SCALES = {"logit_scale": "multiply", "lm_head_multiplier": "multiply", "logits_scaling": "divide"}
+# config key -> how it enters the logits: multiply or divide the LM head's output (MiniCPM3 and Inkling
+# divide the hidden state before a bias-free head instead: the same logits)
+_SCALES = {"logit_scale": "multiply", "lm_head_multiplier": "multiply", "logits_scaling": "divide",
+           "logits_mup_width_multiplier": "divide"}
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> transforms checked against it
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference relative to the largest value (infinite if the shapes differ)."""
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a.double() - b.double()).abs().max()) / max(1.0, float(b.double().abs().max()))
 
 
 def logit_transform(model: PreTrainedModel) -> LogitTransform:
@@ -59,30 +68,38 @@ def logit_transform(model: PreTrainedModel) -> LogitTransform:
 
 @torch.no_grad()
 def verify_logit_transform(model: PreTrainedModel, transform: LogitTransform) -> None:
-    """Once per model: the model's own logits on a few tokens must equal the transform of its LM head's output."""
+    """Once per model: its own logits on a few tokens must be the transform of its LM head applied to the body's output.
+
+    Catches what no config key says: a transform between the body and the LM head (BERT/RoBERTa
+    heads), logits from another stream (ProphetNet), several heads (MusicGen), an unknown scale.
+    """
     if transform in _VERIFIED.get(model, ()):
         return
     lm_head = model.get_output_embeddings()
-    seen = {}
-    hook = lm_head.register_forward_hook(lambda module, args, out: seen.setdefault("raw", out))
+    seen: dict[str, torch.Tensor] = {}
+    hook = decoder_module(model).register_forward_hook(lambda m, a, out: seen.update(hidden=last_hidden(out)))
     try:
         vocab = model.get_input_embeddings().num_embeddings
-        ids = torch.arange(min(4, vocab), device=lm_head.weight.device)[None]
+        ids = (torch.arange(4) + vocab // 3).clamp(max=vocab - 1)[None]  # ordinary ids: specials sit at the ends
         with dict_outputs(model):
-            output = model(input_ids=ids, use_cache=False)
+            output = model(input_ids=ids.to(lm_head.weight.device), use_cache=False)
+    except Exception as error:  # the model's own forward on four tokens: anything but success is a refusal
+        raise UnsupportedModel(
+            f"{type(model).__name__}: its own forward failed on a four-token probe ({type(error).__name__}: {error})"
+        ) from error
     finally:
         hook.remove()
     logits = output.logits if hasattr(output, "logits") else output[0]
-    raw = seen.get("raw")
-    if raw is None or raw.shape != logits.shape:
-        raise UnsupportedModel(f"{type(model).__name__}: its logits do not come from get_output_embeddings()")
-    expected = transform.apply(raw.to(logits.dtype))
-    tolerance = 1e-2 if torch.finfo(logits.dtype).bits <= 16 else 1e-5 if logits.dtype == torch.float32 else 1e-10
-    error = float((expected - logits).abs().max()) / max(1.0, float(logits.abs().max()))
+    hidden = seen.get("hidden")
+    readable = hidden is not None and hidden.shape[-1] == lm_head.in_features  # else the head reads something else
+    ours = transform.apply(lm_head(hidden).to(logits.dtype)) if readable else None
+    tolerance = {16: 1e-2, 32: 1e-5}.get(torch.finfo(logits.dtype).bits, 1e-10)
+    error = _relative(ours, logits) if ours is not None else float("inf")
     if not error <= tolerance:
         raise UnsupportedModel(
-            f"{type(model).__name__}: its logits are not {transform} of its LM head's output (off by {error:.3g}); "
-            "treerl cannot reproduce its log-probs"
+            f"{type(model).__name__}: its logits are not {transform} of get_output_embeddings() applied to the "
+            f"body's final hidden state (off by {error:.3g}: a transform between them, another output stream, "
+            "or a scale treerl does not know); treerl cannot reproduce its log-probs"
         )
     _VERIFIED.setdefault(model, set()).add(transform)
 

@@ -10,6 +10,7 @@ at the first layer of the first call, before any output or gradient exists.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
@@ -27,18 +28,73 @@ _DROPOUT_IGNORED = {"classifier_dropout", "summary_first_dropout", "summary_last
 _RECURRENT_WORDS = ("Mamba", "RWKV", "Recurrent", "LinearAttention", "GatedDeltaNet", "ShortConv", "xLSTM", "Mixer")
 
 
+def decoder_module(model: PreTrainedModel) -> torch.nn.Module:
+    """The transformer body whose output is the final-normed hidden state the LM head reads.
+
+    `get_decoder()` where it names a body (it is the seq2seq families' decoder, which their causal
+    LM calls directly), else `base_model`, else `model.model` (Llama-4 reports itself for both).
+    """
+    candidates = [model.get_decoder() if hasattr(model, "get_decoder") else None, model.base_model,
+                  getattr(model, "model", None)]
+    for body in candidates:
+        if isinstance(body, torch.nn.Module) and body is not model and _takes_input_ids(body):
+            return body
+    raise UnsupportedModel(f"{model_name(model)}: cannot find its transformer body (get_decoder / base_model)")
+
+
+def _takes_input_ids(module: torch.nn.Module) -> bool:
+    parameters = inspect.signature(module.forward).parameters
+    return "input_ids" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def last_hidden(outputs) -> torch.Tensor:
+    """The body's final hidden states, whatever output class (or tuple) the model returns."""
+    hidden = getattr(outputs, "last_hidden_state", None)
+    return hidden if hidden is not None else outputs[0]
+
+
 def model_name(model: PreTrainedModel) -> str:
     return f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')})"
+
+
+# Model types no engine can train as causal LMs, for reasons no generic check sees.
+_UNSUPPORTED_TYPES = {
+    "xlnet": "its default attention is bidirectional (permutation LM), not causal",
+    "cpmant": "it attends bidirectionally over its whole input (not a causal LM)",
+    "reformer": "its LSH attention hashes with random rotations in training and it refuses backward in eval mode",
+}
+
+
+def check_known_model(model: PreTrainedModel) -> None:
+    """What every engine, the flat reference included, needs: one token embedding, a causal LM."""
+    kind = getattr(model.config, "model_type", None)
+    if kind in _UNSUPPORTED_TYPES:
+        raise UnsupportedModel(f"{model_name(model)}: {_UNSUPPORTED_TYPES[kind]}")
+    if not isinstance(model.get_input_embeddings(), torch.nn.Embedding):
+        raise UnsupportedModel(
+            f"{model_name(model)}: its input embeddings are not one nn.Embedding (several codebooks?); "
+            "treerl trains models over one token vocabulary"
+        )
 
 
 def check_tree_model(model: PreTrainedModel) -> None:
     """What the tree engines (DFS, packed) need beyond the flat reference: attention is the only token mixer."""
     name = model_name(model)
+    if not getattr(model, "_supports_attention_backend", False):
+        raise UnsupportedModel(
+            f"{name}: transformers does not declare it written against the AttentionInterface "
+            "(_supports_attention_backend), so the tree engines cannot route its attention (use FlatEngine)"
+        )
+    if "position_ids" not in inspect.signature(decoder_module(model).forward).parameters:
+        raise UnsupportedModel(
+            f"{name}: its body takes no position_ids (positions come from the input length), so a tree node "
+            "cannot run at its depth (use FlatEngine)"
+        )
     try:
         check_layer_types(model)
     except UnsupportedModel as error:
         raise UnsupportedModel(f"{name}: {error}") from None
-    for path, module in model.named_modules():
+    for path, module in decoder_module(model).named_modules():  # the text body: a vision tower never runs here
         kind = type(module).__name__
         if any(word in kind for word in _RECURRENT_WORDS):
             raise UnsupportedModel(
@@ -108,12 +164,17 @@ def _original_length(rotary: torch.nn.Module) -> int | None:
 
 def check_all_layers_routed(model: PreTrainedModel, called: set[int]) -> None:
     """Every attention layer must have run treerl's attention: one that did not saw no ancestors."""
-    layers = model.config.get_text_config().num_hidden_layers
-    if called != set(range(layers)):
+    layers = attention_layers(model)
+    if called != layers:
         raise UnsupportedModel(
-            f"{model_name(model)}: only layers {sorted(called)} of {layers} ran treerl's attention; the others "
-            "do not dispatch through transformers' AttentionInterface (use FlatEngine)"
+            f"{model_name(model)}: only layers {sorted(called)} of {sorted(layers)} ran treerl's attention; the "
+            "others do not dispatch through transformers' AttentionInterface (use FlatEngine)"
         )
+
+
+def attention_layers(model: PreTrainedModel) -> set[int]:
+    """The layer indices of the text body's modules (attention, and any other layer that holds a cache slot)."""
+    return {m.layer_idx for m in decoder_module(model).modules() if isinstance(getattr(m, "layer_idx", None), int)}
 
 
 @contextlib.contextmanager

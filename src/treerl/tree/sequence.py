@@ -59,7 +59,7 @@ def validate_sequences(
         n = len(seq)
         if n == 0:
             raise BatchError(f"{who}: field 'tokens' is empty")
-        if max_positions is not None and n > max_positions:
+        if max_positions is not None and 0 < max_positions < n:  # <= 0: the model sets no limit (XLNet)
             raise BatchError(
                 f"{who}: field 'tokens' has {n} tokens, more than the model's maximum of {max_positions} positions"
             )

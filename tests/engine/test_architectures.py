@@ -1,0 +1,167 @@
+"""Every causal LM in the installed transformers: each engine is exact or refuses, never a third outcome.
+
+For each model type in transformers' causal-LM mapping a tiny random float64 model is built
+(tests/zoo.py; the few that cannot be built are listed there with the reason). On a small tree
+(a shared prompt, branches, a prefix of another sequence, a lone sequence) every engine either
+- matches the model's own forward on each sequence alone (log-probs and entropy) and the flat
+  reference's gradients, or
+- raises UnsupportedModel, leaving every `.grad` as it was.
+Any other exception, or a mismatch, fails. docs/models.md is generated from these outcomes:
+`python tests/engine/test_architectures.py` rewrites it; a test fails when it is stale.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+if __name__ == "__main__":  # run as a script to rewrite docs/models.md
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from zoo import CAUSAL_LM_TYPES, ZooSkip, build_tiny, ordinary_ids
+
+from treerl.attention import UnsupportedModel
+from treerl.engine import DfsEngine, FlatEngine, PackedEngine
+from treerl.testing import compare_runs, model_outputs, relative_error, run_engine
+from treerl.tree import Sequence
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+ENGINES = {"FlatEngine": FlatEngine(), "DfsEngine": DfsEngine(chunk_tokens=4), "PackedEngine": PackedEngine()}
+TOL = 1e-6  # log-probs, entropy and the whole gradient (all parameters as one vector)
+# Each parameter's gradient on its own: transformers computes norms, routers, activations and eager softmax in
+# float32 even in float64 models, which puts the small gradients of some parameters (router weights, activation
+# scalars) at ~1e-6 relative; a real error in a small parameter (a sink, a norm) is O(1).
+PARAMETER_TOL = 1e-4
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str  # "exact", "refused" or "skipped"
+    detail: str  # worst error, or the reason
+
+
+def _batch(model: torch.nn.Module) -> list[Sequence]:
+    """A shared prompt with three branches (one of them a chain), a prefix of the prompt, a lone sequence."""
+    seeds = iter(range(100))
+    tokens = lambda n: ordinary_ids(model, (n,), next(seeds)).tolist()
+    prompt = tokens(9)
+    lists = [prompt + tokens(4), prompt + tokens(7), prompt + tokens(3) + tokens(6), prompt[:6], tokens(11)]
+    g = torch.Generator().manual_seed(0)
+    return [Sequence(torch.tensor(t), fields={"advantages": torch.randn(len(t), generator=g, dtype=torch.float64)})
+            for t in lists]
+
+
+def _loss(view):
+    return -(view.logprobs * view.fields["advantages"]).sum() - 0.1 * view.entropy.sum()
+
+
+@functools.cache
+def outcomes(model_type: str) -> dict[str, Outcome]:
+    """Run every engine on one architecture; assert the outcome is exact or a clean refusal."""
+    torch.set_num_threads(1)  # tiny ops: threads only add contention
+    try:
+        model = build_tiny(model_type)
+    except ZooSkip as reason:
+        return {name: Outcome("skipped", str(reason)) for name in ENGINES}
+    batch = _batch(model)
+    results: dict[str, Outcome] = {}
+    reference = None
+    for name, engine in ENGINES.items():
+        try:
+            run = run_engine(engine, model, batch, _loss)
+        except UnsupportedModel as refusal:
+            assert all(p.grad is None for p in model.parameters()), f"{name} wrote gradients before refusing"
+            results[name] = Outcome("refused", str(refusal))
+            continue
+        worst = 0.0
+        for sequence, out in zip(batch, run.outputs):
+            for key, expected in model_outputs(model, sequence).items():
+                error = relative_error(out[key], expected)
+                assert error <= TOL, f"{name}: {key} differs from {model_type}'s own forward by {error:.3g}"
+                worst = max(worst, error)
+        if name == "FlatEngine":
+            reference = run
+            alone = run_engine(FlatEngine(max_tokens=1), model, batch, _loss)  # each sequence in its own call
+            errors = compare_runs(run, alone)
+        else:
+            assert reference is not None, "the flat reference refused a model a tree engine accepts"
+            errors = compare_runs(run, reference)
+        assert errors["gradient"] <= TOL, f"{name}: the gradient differs from the flat reference by {errors['gradient']:.3g}"
+        _assert_each_parameter(name, run.grads, (reference if name != "FlatEngine" else alone).grads)
+        results[name] = Outcome("exact", f"{max(worst, errors['gradient']):.0e}")
+    return results
+
+
+def _assert_each_parameter(engine: str, grads: dict, expected: dict) -> None:
+    """Every parameter within PARAMETER_TOL of its own norm, plus rounding noise at the whole gradient's scale
+    (a gradient that is zero in exact arithmetic, e.g. of a key bias, comes out as ~1e-16 noise)."""
+    scale = torch.cat([g.flatten() for g in expected.values()]).norm().item() if expected else 0.0
+    for name in set(grads) | set(expected):
+        ours, ref = grads.get(name), expected.get(name)
+        ours = torch.zeros_like(ref) if ours is None else ours
+        ref = torch.zeros_like(ours) if ref is None else ref
+        diff, norm = (ours - ref).norm().item(), ref.norm().item()
+        assert diff <= PARAMETER_TOL * norm + 1e-10 * scale, f"{engine}: grad.{name} off by {diff:.3g} (norm {norm:.3g})"
+
+
+@pytest.mark.parametrize("model_type", CAUSAL_LM_TYPES)
+def test_every_architecture_is_exact_or_refused(model_type):
+    result = outcomes(model_type)
+    if result["FlatEngine"].kind == "refused":  # a model the reference refuses, no tree engine may accept
+        assert all(o.kind == "refused" for o in result.values())
+
+
+def support_table() -> str:
+    """docs/models.md: the outcome of every engine on every causal-LM type."""
+    rows = {t: outcomes(t) for t in CAUSAL_LM_TYPES}
+    count = lambda engine, kind: sum(r[engine].kind == kind for r in rows.values())
+    lines = [
+        "# Model support",
+        "",
+        "Generated by `python tests/engine/test_architectures.py` from the test of the same name; do not edit.",
+        "Every causal-LM type in the installed transformers, built tiny and random in float64 (tests/zoo.py), on a",
+        "small tree (a shared prompt with branches, a prefix, a lone sequence). **exact**: log-probs and entropy equal",
+        "the model's own forward on each sequence alone, and the whole gradient equals the flat reference's (which",
+        f"equals each sequence in its own call), relative error <= {TOL:g}, every parameter's <= {PARAMETER_TOL:g} (the",
+        "figure is the worst seen; ~1e-7 comes from transformers computing norms, routers and eager softmax in",
+        "float32 even in float64 models). **refused**: the engine raises `UnsupportedModel` with the reason below,",
+        "before any output or gradient. No third outcome.",
+        "",
+        "| engine | exact | refused | not built |",
+        "|---|---|---|---|",
+    ]
+    for engine in ENGINES:
+        lines.append(f"| {engine} | {count(engine, 'exact')} | {count(engine, 'refused')} | {count(engine, 'skipped')} |")
+    lines += ["", "| model type | " + " | ".join(ENGINES) + " |", "|---|" + "---|" * len(ENGINES)]
+    reasons: dict[str, int] = {}
+    for model_type, result in rows.items():
+        cells = []
+        for outcome in result.values():
+            if outcome.kind == "exact":
+                cells.append(f"exact ({outcome.detail})")
+            else:
+                reason = re.sub(r"^\w+( \([\w.-]+\))?: ", "", outcome.detail)  # the model's name: in the row
+                reason = re.sub(r"layers \[[\d, ]*\] of \[[\d, ]*\]", "some layers", reason)
+                reason = re.sub(r"layer \d+ calls", "a layer calls", reason)
+                reason = re.sub(r"off by [\d.e+-]+|off by inf", "off by far", reason)
+                reason = re.sub(r"(attention module|the) [\w.]+ has no", r"\1 ... has no", reason)
+                number = reasons.setdefault(reason, len(reasons) + 1)
+                cells.append(f"{outcome.kind} [{number}]")
+        lines.append(f"| {model_type} | " + " | ".join(cells) + " |")
+    lines += ["", "Reasons:", ""]
+    lines += [f"{number}. {reason.replace('|', '/')}" for reason, number in reasons.items()]
+    return "\n".join(lines) + "\n"
+
+
+def test_models_doc_is_current():
+    assert DOC.read_text() == support_table(), "docs/models.md is stale: run python tests/engine/test_architectures.py"
+
+
+if __name__ == "__main__":
+    DOC.write_text(support_table())
+    print(f"wrote {DOC}")
