@@ -97,7 +97,9 @@ def test_value_head_rejects_models_it_cannot_run(policy) -> None:
         FlatEngine(head=ValueHead()).forward(policy, [Sequence(torch.arange(3))])
     dropped = build_critic(shape="tiny-qwen3")
     dropped.dropout.p = 0.1
-    with pytest.raises(NotImplementedError, match="value dropout p=0.1"):
+    with pytest.raises(NotImplementedError, match="value dropout p=0.1"):  # every engine, the flat one too
+        FlatEngine(head=ValueHead()).forward(dropped, [Sequence(torch.arange(3))])
+    with pytest.raises(NotImplementedError, match="dropout p=0.1"):
         DfsEngine(head=ValueHead()).forward(dropped, [Sequence(torch.arange(3))])
 
 

@@ -11,8 +11,6 @@ FlexAttention function with a block mask that skips the blocks no token may see.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -21,16 +19,19 @@ from treerl.attention.dispatch import LayerAttention
 from treerl.attention.kernels import AttentionSpec
 
 
-@dataclass
 class PackedCall:
-    """The ancestor mask of one pack, handed to every layer through the attention kwargs."""
+    """The ancestor mask of one pack, handed to every layer through the attention kwargs.
 
-    positions: torch.Tensor  # [n] absolute position (depth) of each packed token
-    node_of: torch.Tensor  # [n] pack-local preorder index of each token's node
-    subtree_end: torch.Tensor  # [n] last pack-local node index in the subtree of each token's node
-    flex: bool = False  # CUDA: FlexAttention block masks
-    layers_called: set[int] = field(default_factory=set)
-    _masks: dict = field(default_factory=dict)
+    A plain class (see TreeCall): wrappers such as FSDP2 rebuild dataclasses found in kwargs.
+    """
+
+    def __init__(self, positions: torch.Tensor, node_of: torch.Tensor, subtree_end: torch.Tensor, flex: bool = False):
+        self.positions = positions  # [n] absolute position (depth) of each packed token
+        self.node_of = node_of  # [n] pack-local preorder index of each token's node
+        self.subtree_end = subtree_end  # [n] last pack-local node index in the subtree of each token's node
+        self.flex = flex  # CUDA: FlexAttention block masks
+        self.layers_called: set[int] = set()
+        self._masks: dict = {}
 
     def __call__(self, module, query, key, value, layer: LayerAttention) -> torch.Tensor:
         self.layers_called.add(module.layer_idx)

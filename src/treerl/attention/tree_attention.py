@@ -229,14 +229,17 @@ class _TreeAttention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None, None
 
 
-@dataclass
 class TreeCall:
-    """The attention of one unit over the path: handed to every layer through the attention kwargs."""
+    """The attention of one unit over the path: handed to every layer through the attention kwargs.
 
-    path: PathKV
-    unit: UnitKV
-    layers_called: set[int] = field(default_factory=set)
-    forward_done: bool = False  # set by the engine; later calls are gradient checkpointing's recomputation
+    A plain class, not a dataclass: FSDP2 and other wrappers rebuild dataclasses (and dicts) found in
+    a forward's kwargs, and every layer must write into this one unit.
+    """
+
+    def __init__(self, path: PathKV, unit: UnitKV):
+        self.path, self.unit = path, unit
+        self.layers_called: set[int] = set()
+        self.forward_done = False  # set by the engine; later calls are gradient checkpointing's recomputation
 
     def __call__(self, module, query, key, value, layer: LayerAttention) -> torch.Tensor:
         index = module.layer_idx
