@@ -119,18 +119,22 @@ class AgentWorkflow:
 
     async def _play_all(self, prompts: list[Prompt]) -> list[Episode]:
         limit = asyncio.Semaphore(self.max_concurrent_episodes)
+        shared = openai_client(self.proxy.url + "/v1", self.episode_timeout)  # one connection pool for the step
 
         async def bounded(prompt: Prompt, sample: int) -> Episode:
             async with limit:
-                return await self._play(prompt, sample)
+                return await self._play(shared, prompt, sample)
 
-        return list(await asyncio.gather(*(bounded(p, j) for p in prompts for j in range(self.group_size))))
+        try:
+            return list(await asyncio.gather(*(bounded(p, j) for p in prompts for j in range(self.group_size))))
+        finally:
+            await shared.close()
 
-    async def _play(self, prompt: Prompt, sample: int) -> Episode:
+    async def _play(self, shared: Any, prompt: Prompt, sample: int) -> Episode:
         """One episode; whatever the agent does, its calls are collected and its outcome classified."""
         episode_id = f"e{next(self._ids)}"
         self.proxy.recorder.open(episode_id, max_calls=self.max_calls)
-        client = openai_client(self.proxy.episode_url(episode_id), self.episode_timeout)
+        client = shared.with_options(base_url=self.proxy.episode_url(episode_id))  # shares the connection pool
         try:
             value = await asyncio.wait_for(self.agent(client, copy.deepcopy(prompt.answer)), self.episode_timeout)
             reward = check_reward(value)
@@ -141,7 +145,6 @@ class AgentWorkflow:
         except Exception as e:  # the user's agent may raise anything; the episode is dropped and reported
             reward = RewardFailure("agent_raised", f"raised {type(e).__name__}: {e}")
         finally:
-            await client.close()
             log = self.proxy.recorder.close(episode_id)
         return Episode(prompt, sample, log, reward)
 

@@ -1,19 +1,18 @@
 """Built-in agent task: a tiny tau2-like tool world, played by an OpenAI-SDK agent through the proxy.
 
-Each task is a table of records `{"id": i, "code": letter}` for ids 0-9 and a question "code of
+Each task is a table of records `{"id": i, "code": digit}` for ids 0-9 and a question "code of
 7?". The agent (`agent_tools_agent.py` beside this file, also `examples/agent_tools_agent.py`)
 asks the model to call `lookup` (a named tool choice: the model writes the arguments), runs the
-lookup, shows the record as the tool's answer, asks for the answer, and checks it: 0.8 for the
-right code, 0.2 x how much of the expected call `{"id": 7}` the model wrote. Two model calls per
-episode, the second extending the first token for token; every episode shares the tool
-definitions at the top of the prompt and the episodes of one task share the question, so a
-batch compresses well as a prefix tree. A random-init tiny model first learns to write the call,
-then to copy the code from the tool's answer.
+lookup, shows the record as the tool's answer, asks for the code and checks it (0.8 for the right
+code; small credits for the right lookup, well-written arguments and a numeric answer, so that a
+random-init model has something to learn from). Two model calls per episode, the second
+extending the first token for token; every episode shares the tool definitions at the top of the
+prompt and the episodes of one task share the question, so a batch compresses ~9x as a prefix
+tree. The tiny model learns to look up the right id, then to copy the code from the tool's answer.
 """
 
 from __future__ import annotations
 
-import string
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +27,7 @@ class AgentTools:
 
     seed: int = 0
     records: int = 10  # ids 0 .. records - 1
-    max_new_tokens: int = 12  # reply budget of one call (the agent asks for less)
+    max_new_tokens: int = 10  # reply budget of one call (the agent asks for at most this)
     max_turns: int = 4  # model calls per episode at most (the agent makes 2)
     name: str = "agent_tools"
     agent: str = AGENT
@@ -42,9 +41,9 @@ class AgentTools:
         out = []
         for i in range(count):
             rng = rng_for(self.name, self.seed, step, i)
-            table = {str(k): {"id": k, "code": rng.choice(string.ascii_lowercase)} for k in range(self.records)}
+            table = {str(k): {"id": k, "code": rng.randrange(10)} for k in range(self.records)}
             wanted = rng.randrange(self.records)
-            task = {"question": f"code of {wanted}?", "id": wanted, "answer": table[str(wanted)]["code"],
+            task = {"question": f"code of {wanted}?", "id": wanted, "answer": str(table[str(wanted)]["code"]),
                     "records": table}
             out.append(Prompt(f"s{step}/p{i}", [{"role": "user", "content": task["question"]}], answer=task))
         return out

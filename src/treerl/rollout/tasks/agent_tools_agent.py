@@ -2,11 +2,12 @@
 
 Plain Python with the OpenAI SDK; nothing from treerl is imported. treerl calls `episode` with an
 `openai.AsyncOpenAI` client pointed at its recording proxy and one task, a dict such as
-{"question": "code of 7?", "id": 7, "answer": "q", "records": {"7": {"id": 7, "code": "q"}, ...}},
+{"question": "code of 7?", "id": 7, "answer": "3", "records": {"7": {"id": 7, "code": 3}, ...}},
 and trains on every model call the episode makes, with the reward it returns.
 """
 
 import json
+import re
 
 LOOKUP = {"type": "function", "function": {
     "name": "lookup", "description": "the record with this id",
@@ -14,24 +15,25 @@ LOOKUP = {"type": "function", "function": {
 
 
 async def episode(client, task: dict) -> float:
-    """Call lookup, show the model the record, ask for the answer: 0.8 for the right field, 0.2 x how well
-    the call was written (characters of the expected arguments matched, in order, over the longer length)."""
+    """Have the model call lookup, run it, show the record, ask for the code. Reward: 0.8 for the right code
+    (else 0.1 x the share of digits in the answer), 0.1 for looking up the right record, 0.1 x the share of
+    the expected arguments written in place (a random-init model needs the small credits to start learning)."""
     messages = [{"role": "user", "content": task["question"]}]
     first = await client.chat.completions.create(
-        model="policy", messages=messages, tools=[LOOKUP], max_tokens=12,
+        model="policy", messages=messages, tools=[LOOKUP], max_tokens=10,
         tool_choice={"type": "function", "function": {"name": "lookup"}})
     reply = first.choices[0].message
     call = reply.tool_calls[0]
-    try:
-        record = task["records"].get(str(json.loads(call.function.arguments)["id"]))
-    except (ValueError, TypeError, KeyError):
-        record = None
+    number = re.search(r"\d+", call.function.arguments)  # a forgiving tool: the first number is the id
+    record = task["records"].get(number.group()) if number else None
     messages.append(reply.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": call.id,
                      "content": json.dumps(record) if record else "error: no such record"})
     second = await client.chat.completions.create(
-        model="policy", messages=messages, tools=[LOOKUP], tool_choice="none", max_tokens=4)
-    expected = json.dumps({"id": task["id"]})
-    written = call.function.arguments
-    matched = next((i for i, (a, b) in enumerate(zip(written, expected)) if a != b), min(len(written), len(expected)))
-    return 0.2 * matched / max(len(written), len(expected)) + 0.8 * (second.choices[0].message.content == task["answer"])
+        model="policy", messages=messages, tools=[LOOKUP], tool_choice="none", max_tokens=3)
+    answer = second.choices[0].message.content or ""
+    expected, written = json.dumps({"id": task["id"]}), call.function.arguments
+    well_written = sum(a == b for a, b in zip(written, expected)) / max(len(written), len(expected))
+    digits = sum(c.isdigit() for c in answer) / max(len(answer), 1)
+    found = record is not None and record["id"] == task["id"]
+    return 0.1 * found + 0.1 * well_written + (0.8 if answer == task["answer"] else 0.1 * digits)
