@@ -19,8 +19,8 @@ def test_wandb_offline_run_gets_the_metrics_and_the_config(tmp_path, monkeypatch
     logger.log(0, {"rollout/reward_mean": 0.5, "train/loss": float("nan")})
     logger.log(1, {"rollout/reward_mean": 0.7})
     run = logger.wandb
-    assert "rollout/reward_mean" in run.summary and "train/loss" not in run.summary  # NaN is not sent
-    assert run.config["trainer"] == {"lr": 0.1} and run.project == "treerl-test"
+    assert "rollout/reward_mean" in run.summary.keys() and "train/loss" not in run.summary.keys()  # NaN: not sent
+    assert dict(run.config) == {"trainer": {"lr": 0.1}} and run.project == "treerl-test"
     logger.close()
     records = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(records) == 1 and records[0].stat().st_size > 0

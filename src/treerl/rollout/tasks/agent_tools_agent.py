@@ -16,8 +16,9 @@ LOOKUP = {"type": "function", "function": {
 
 async def episode(client, task: dict) -> float:
     """Have the model call lookup, run it, show the record, ask for the code. Reward: 0.8 for the right code
-    (else 0.1 x the share of digits in the answer), 0.1 for looking up the right record, 0.1 x the share of
-    the expected arguments written in place (a random-init model needs the small credits to start learning)."""
+    (else 0.3 for the code of the record shown, else 0.1 x the share of digits), 0.1 for looking up the right
+    record, 0.1 x the share of the expected arguments written in place (small credits let a random-init
+    model start learning)."""
     messages = [{"role": "user", "content": task["question"]}]
     first = await client.chat.completions.create(
         model="policy", messages=messages, tools=[LOOKUP], max_tokens=10,
@@ -34,6 +35,11 @@ async def episode(client, task: dict) -> float:
     answer = second.choices[0].message.content or ""
     expected, written = json.dumps({"id": task["id"]}), call.function.arguments
     well_written = sum(a == b for a, b in zip(written, expected)) / max(len(written), len(expected))
-    digits = sum(c.isdigit() for c in answer) / max(len(answer), 1)
     found = record is not None and record["id"] == task["id"]
-    return 0.1 * found + 0.1 * well_written + (0.8 if answer == task["answer"] else 0.1 * digits)
+    if answer == task["answer"]:
+        credit = 0.8
+    elif record is not None and answer == str(record["code"]):
+        credit = 0.3  # grounded in what the tool said, for the wrong record
+    else:
+        credit = 0.1 * sum(c.isdigit() for c in answer) / max(len(answer), 1)
+    return 0.1 * found + 0.1 * well_written + credit
