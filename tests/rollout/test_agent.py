@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import ast
+import asyncio
 import json
 import math
 from pathlib import Path
@@ -25,8 +25,14 @@ def _prompts(n: int) -> list[Prompt]:
     return [Prompt(f"t{i}", [{"role": "user", "content": str(i)}], {"kind": i}) for i in range(n)]
 
 
-def _workflow(chat, engine, agent, **options) -> AgentWorkflow:
-    return AgentWorkflow(agent, ChatProxy(engine, chat), **options)
+def _play(chat, engine, agent, tasks: int, **options) -> tuple[list, RolloutStats]:
+    """The sequences and counters of `tasks` tasks played by `agent` through a proxy over `engine`."""
+    workflow = AgentWorkflow(agent, ChatProxy(engine, chat), **options)
+    stats = RolloutStats()
+    try:
+        return workflow.run(engine, _prompts(tasks), stats, seed=0), stats
+    finally:
+        workflow.proxy.stop()
 
 
 def test_episodes_run_concurrently_and_each_call_is_a_sequence(chat, scripted):
@@ -42,12 +48,7 @@ def test_episodes_run_concurrently_and_each_call_is_a_sequence(chat, scripted):
         await client.chat.completions.create(model="p", messages=messages)
         return task["kind"] + 0.5
 
-    workflow = _workflow(chat, scripted(lambda p, j: "ok"), agent, group_size=4, episode_timeout=30)
-    stats = RolloutStats()
-    try:
-        sequences = workflow.run(workflow.proxy.engine, _prompts(3), stats, seed=0)
-    finally:
-        workflow.proxy.stop()
+    sequences, stats = _play(chat, scripted(lambda p, j: "ok"), agent, 3, group_size=4, episode_timeout=30)
     assert (stats.prompts, stats.samples, stats.kept, stats.model_calls, len(sequences)) == (3, 12, 12, 24, 24)
     assert sorted(stats.rewards) == sorted([0.5] * 4 + [1.5] * 4 + [2.5] * 4)
     for seq in sequences:
@@ -72,12 +73,7 @@ def test_failing_episodes_are_dropped_and_counted_with_their_reason(chat, script
             await asyncio.sleep(30)
         return {3: math.nan, 4: "high"}.get(kind, 1.0)
 
-    workflow = _workflow(chat, scripted(lambda p, j: "y"), agent, group_size=2, episode_timeout=1.0)
-    stats = RolloutStats()
-    try:
-        sequences = workflow.run(workflow.proxy.engine, _prompts(6), stats, seed=0)
-    finally:
-        workflow.proxy.stop()
+    sequences, stats = _play(chat, scripted(lambda p, j: "y"), agent, 6, group_size=2, episode_timeout=1.0)
     assert dict(stats.dropped) == {"agent_raised": 2, "agent_timeout": 2, "reward_not_finite": 2,
                                    "reward_not_a_number": 2, "agent_no_model_calls": 2}
     assert stats.kept == 2 and len(sequences) == 2 and {s.info["group"] for s in sequences} == {"t0"}

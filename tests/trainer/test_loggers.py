@@ -19,7 +19,7 @@ def test_wandb_offline_run_gets_the_metrics_and_the_config(tmp_path, monkeypatch
     logger.log(0, {"rollout/reward_mean": 0.5, "train/loss": float("nan")})
     logger.log(1, {"rollout/reward_mean": 0.7})
     run = logger.wandb
-    assert "rollout/reward_mean" in run.summary.keys() and "train/loss" not in run.summary.keys()  # NaN: not sent
+    assert "rollout/reward_mean" in run.summary.keys() and "train/loss" not in run.summary.keys()  # noqa: SIM118 (NaN: not sent)
     assert dict(run.config) == {"trainer": {"lr": 0.1}} and run.project == "treerl-test"
     logger.close()
     records = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
