@@ -22,6 +22,8 @@ from treerl.rollout.tokenizer import builtin_tokenizer, load_tokenizer
 
 __all__ = [
     "AgentWorkflow", "ChatFormat", "ChatProxy", "Completion", "CompletionsClient", "DroppedSample", "EmbeddedEngine",
-    "InferenceEngine", "MultiTurnWorkflow", "Rollout", "RolloutBatch", "RolloutConfig", "RolloutStats", "SamplingParams", "ServerError",
-    "SingleTurnWorkflow", "build_engine", "builtin_tokenizer", "load_agent", "load_reward_fn", "load_tokenizer",
+    "InferenceEngine", "MultiTurnWorkflow", "Rollout", "RolloutBatch", "RolloutConfig", "RolloutStats",
+    "SamplingParams",
+    "ServerError", "SingleTurnWorkflow", "build_engine", "builtin_tokenizer", "load_agent", "load_reward_fn",
+    "load_tokenizer",
 ]
