@@ -82,3 +82,40 @@ def test_update_weights_from_disk_changes_samples_and_version(server, tokenizer,
             client.update_weights_from_disk(str(tmp_path / "missing"), version=6)
     finally:  # the other tests expect the server's original weights and version 0
         client.update_weights_from_disk(str(tmp_path / "original"), version=0)
+
+
+def test_vllm_reload_protocol_changes_samples_and_version(server, tokenizer, same_model, tmp_path):
+    """vLLM's dev-mode reload (pause, collective_rpc update_config + reload_weights, update_weight_version, resume),
+    as `treerl serve` answers it: the next samples come from the new weights, tagged with the new version."""
+    other = build_model(shape="tiny-qwen3", vocab_size=len(tokenizer), dtype=torch.float64, seed=SEED + 2)
+    other.save_pretrained(tmp_path / "other")
+    same_model.save_pretrained(tmp_path / "original")
+    client = CompletionsClient(server, server_type="vllm")
+    try:
+        client.update_weights_from_disk(str(tmp_path / "other"), version=9)
+        params = SamplingParams(n=2, max_new_tokens=6, seed=2, stop_token_ids=(tokenizer.eos_token_id,))
+        remote = client.generate(_prompts(tokenizer), params)
+        local = EmbeddedEngine(other).generate(_prompts(tokenizer), params)
+        assert [[c.tokens for c in g] for g in remote] == [[c.tokens for c in g] for g in local]
+        assert all(c.versions == [9] * len(c.tokens) for g in remote for c in g)
+        assert client._get("/weight_info") == {"weight_version": "9"}
+        assert CompletionsClient(server)._get("/get_weight_version") == {"weight_version": "9"}
+        with pytest.raises(ServerError, match="reload_weights"):
+            client.update_weights_from_disk(str(tmp_path / "missing"), version=10)
+    finally:
+        CompletionsClient(server).update_weights_from_disk(str(tmp_path / "original"), version=0)
+
+
+@pytest.mark.parametrize("server_type", ["sglang", "vllm"])
+def test_a_server_reporting_another_version_is_an_error(server, tmp_path, same_model, server_type, monkeypatch):
+    """After a reload the client reads the version back; a server that did not take it is an error, not a silent
+    mismatch between the versions the trainer records and the weights that sampled."""
+    same_model.save_pretrained(tmp_path / "original")
+    client = CompletionsClient(server, server_type=server_type)
+    monkeypatch.setattr(client, "_get", lambda path: {"weight_version": "41"})
+    try:
+        with pytest.raises(ServerError, match="reports weight version '41'"):
+            client.update_weights_from_disk(str(tmp_path / "original"), version=42)
+        assert client.version == 0
+    finally:
+        CompletionsClient(server).update_weights_from_disk(str(tmp_path / "original"), version=0)

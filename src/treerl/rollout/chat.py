@@ -10,9 +10,12 @@ two renderings of a fixed conversation (the same trick as verl's multi-turn roll
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import PreTrainedTokenizerBase
 
-Message = dict[str, str]
+Message = dict[str, Any]  # {"role", "content"} (+ "tool_calls" on an assistant turn, "tool_call_id" on a tool turn)
+Tool = dict[str, Any]  # an OpenAI tool definition: {"type": "function", "function": {"name", "description", "parameters"}}
 
 # A fixed conversation ending in an assistant reply, to read off how the template continues after one.
 _BASE = [{"role": "user", "content": "0"}, {"role": "assistant", "content": "0"}]
@@ -37,26 +40,29 @@ class ChatFormat:
         self._base = self.render(_BASE, add_generation_prompt=False)
         self._glue = self._end_of_turn_glue()
 
-    def render(self, messages: list[Message], add_generation_prompt: bool) -> list[int]:
-        """Token ids of a conversation, as the model's chat template writes it."""
+    def render(self, messages: list[Message], add_generation_prompt: bool, tools: list[Tool] | None = None) -> list[int]:
+        """Token ids of a conversation (with the tools offered, if any), as the model's chat template writes it."""
         return list(
             self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+                messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=True,
+                return_dict=False,
             )
         )
 
-    def prompt(self, messages: list[Message]) -> list[int]:
+    def prompt(self, messages: list[Message], tools: list[Tool] | None = None) -> list[int]:
         """The first turn's context: the conversation so far and the assistant's generation prompt."""
-        return self.render(messages, add_generation_prompt=True)
+        return self.render(messages, add_generation_prompt=True, tools=tools)
 
-    def continuation(self, messages: list[Message], reply_stopped: bool = True) -> list[int]:
+    def continuation(
+        self, messages: list[Message], reply_stopped: bool = True, tools: list[Tool] | None = None
+    ) -> list[int]:
         """Tokens to append after a model reply: end of its turn, `messages` (tool results), next generation prompt.
 
         A reply cut off at `max_new_tokens` has no stop token; one is inserted (not trained on) so the
         conversation stays well formed.
         """
-        before = self._base
-        after = self.render(_BASE + list(messages), add_generation_prompt=True)
+        before = self.render(_BASE, add_generation_prompt=False, tools=tools) if tools else self._base
+        after = self.render(_BASE + list(messages), add_generation_prompt=True, tools=tools)
         if after[: len(before)] != before:
             raise ValueError(
                 "the chat template renders an assistant turn differently once messages follow it, so a "

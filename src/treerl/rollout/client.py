@@ -15,6 +15,14 @@ Which log-prob the server returns matters: the trainer recomputes `log_softmax(l
 
 The policy version of each token is the server's `metadata.weight_version` (SGLang, `treerl serve`)
 when it reports one, else the client's own `version`, which the trainer sets after pushing weights.
+
+Weight sync (`update_weights_from_disk`), each server's documented endpoints, then a version check:
+- `server_type="sglang"` (and `treerl serve`): `POST /update_weights_from_disk` with `model_path` and
+  `weight_version`; then `GET /get_weight_version` must report that version.
+- `server_type="vllm"` (start it with `VLLM_SERVER_DEV_MODE=1`; these are its RL/dev routes):
+  `POST /pause?mode=wait`, `POST /collective_rpc` `update_config` (the model path), `POST /collective_rpc`
+  `reload_weights` (in place, from that path), `POST /update_weight_version`, `POST /resume`; then
+  `GET /weight_info` must report the version. The checkpoint must have the served model's architecture.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ class CompletionsClient:
     prompts_per_request: int = 64  # larger batches are split into several requests, sent concurrently
     max_concurrency: int = 4
     api_key: str | None = None
+    server_type: str = "sglang"  # which weight-reload endpoints it has: "sglang" (also treerl serve) or "vllm"
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """`params.n` completions per prompt, in prompt order."""
@@ -55,11 +64,31 @@ class CompletionsClient:
         return [group for answer in answers for group in answer]
 
     def update_weights_from_disk(self, model_path: str, version: int) -> None:
-        """Ask the server to load new weights from a local checkpoint (SGLang and `treerl serve`)."""
-        answer = self._post("/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version)})
-        if not answer.get("success", False):
-            raise ServerError(f"{self.base_url}: could not load weights from {model_path!r}: {answer.get('message')}")
+        """Have the server load the checkpoint at `model_path` (a path on the server's machine) as `version`."""
+        if self.server_type == "vllm":
+            self._reload_vllm(model_path, version)
+            reported = self._get("/weight_info").get("weight_version")
+        elif self.server_type == "sglang":
+            answer = self._post("/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version)})
+            if not answer.get("success", False):
+                raise ServerError(f"{self.base_url}: could not load weights from {model_path!r}: {answer.get('message')}")
+            reported = self._get("/get_weight_version").get("weight_version")
+        else:
+            raise ValueError(f"server_type must be 'sglang' or 'vllm', got {self.server_type!r}")
+        if str(reported) != str(version):
+            raise ServerError(f"{self.base_url}: after loading {model_path!r} as version {version} the server reports "
+                              f"weight version {reported!r}")
         self.version = version
+
+    def _reload_vllm(self, model_path: str, version: int) -> None:
+        """vLLM's dev-mode routes: pause, point the model config at the checkpoint, reload in place, version, resume."""
+        self._post("/pause?mode=wait", {})
+        try:
+            self._post("/collective_rpc", {"method": "update_config", "args": [{"model_config": {"model": model_path}}]})
+            self._post("/collective_rpc", {"method": "reload_weights"})
+            self._post("/update_weight_version", {"new_version": str(version)})
+        finally:
+            self._post("/resume", {})
 
     def _complete(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """One request for a chunk of prompts."""
@@ -92,14 +121,22 @@ class CompletionsClient:
         return [completions[p * params.n : (p + 1) * params.n] for p in range(len(prompts))]
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._request(path, json.dumps(body).encode())
+
+    def _get(self, path: str) -> dict[str, Any]:
+        return self._request(path, None)
+
+    def _request(self, path: str, data: bytes | None) -> dict[str, Any]:
+        """POST `data` (GET when None) and the JSON answer ({} for an empty body)."""
         url = self.base_url.rstrip("/") + path
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+        request = urllib.request.Request(url, data=data, headers=headers, method="GET" if data is None else "POST")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                return json.loads(response.read())
+                raw = response.read()
+                return json.loads(raw) if raw.strip() else {}
         except urllib.error.HTTPError as e:
             raise ServerError(f"{url}: HTTP {e.code}: {_error_message(e.read())}") from None
         except urllib.error.URLError as e:

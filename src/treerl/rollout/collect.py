@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from treerl.rollout.agent import AgentWorkflow, load_agent
 from treerl.rollout.chat import ChatFormat
 from treerl.rollout.client import CompletionsClient
-from treerl.rollout.config import RolloutConfig
+from treerl.rollout.config import AGENT_TASKS, RolloutConfig
 from treerl.rollout.embedded import EmbeddedEngine
 from treerl.rollout.inference import InferenceEngine, SamplingParams
 from treerl.rollout.multi_turn import MultiTurnWorkflow
+from treerl.rollout.proxy import ChatProxy
 from treerl.rollout.rewards import load_reward_fn
 from treerl.rollout.single_turn import SingleTurnWorkflow
 from treerl.rollout.stats import RolloutStats
@@ -44,7 +46,8 @@ class RolloutBatch:
 def build_engine(config: RolloutConfig, model: PreTrainedModel | None = None) -> InferenceEngine:
     """A client of `config.server_url` if set, else the embedded engine sampling with `model`."""
     if config.server_url:
-        return CompletionsClient(config.server_url, model=config.server_model, timeout=config.request_timeout)
+        return CompletionsClient(config.server_url, model=config.server_model, timeout=config.request_timeout,
+                                 server_type=config.server_type)
     if model is None:
         raise ValueError("rollout: no rollout.server_url, so the embedded engine needs the model")
     return EmbeddedEngine(model)
@@ -67,8 +70,18 @@ class Rollout:
             top_p=config.top_p,
             stop_token_ids=tuple(self.chat.stop_token_ids),
         )
-        if hasattr(self.task, "environment"):
-            self.workflow: SingleTurnWorkflow | MultiTurnWorkflow = MultiTurnWorkflow(
+        self.proxy: ChatProxy | None = None
+        if config.task in AGENT_TASKS:  # an agent's episodes, recorded by the chat proxy this rollout serves
+            self.proxy = ChatProxy(engine, self.chat, tool_parser=config.tool_parser, temperature=config.temperature,
+                                   top_p=config.top_p, max_new_tokens=sampling.max_new_tokens,
+                                   max_context_tokens=config.max_context_tokens)
+            self.workflow: SingleTurnWorkflow | MultiTurnWorkflow | AgentWorkflow = AgentWorkflow(
+                load_agent(config.agent or self.task.agent), self.proxy, group_size=config.group_size,  # type: ignore[union-attr]
+                episode_timeout=config.episode_timeout, max_concurrent_episodes=config.max_concurrent_episodes,
+                max_calls=config.max_turns or getattr(self.task, "max_turns", None),
+            )
+        elif hasattr(self.task, "environment"):
+            self.workflow = MultiTurnWorkflow(
                 self.task, self.chat, sampling, group_size=config.group_size, branch_at=tuple(config.branch_at),
                 branch_factor=config.branch_factor, max_turns=config.max_turns or self.task.max_turns,
                 max_context_tokens=config.max_context_tokens,
@@ -85,3 +98,8 @@ class Rollout:
         sequences = self.workflow.run(self.engine, prompts, stats, seed=seed)
         stats.seconds = time.perf_counter() - started
         return RolloutBatch(sequences, stats)
+
+    def close(self) -> None:
+        """Stop the agent proxy's server, if this rollout runs one."""
+        if self.proxy is not None:
+            self.proxy.stop()

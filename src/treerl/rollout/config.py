@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TASKS = ("arithmetic", "guess_number", "dataset")
+TASKS = ("arithmetic", "guess_number", "dataset", "agent", "agent_tools")
+AGENT_TASKS = ("agent", "agent_tools")
+SERVER_TYPES = ("sglang", "vllm")
 
 
 @dataclass
@@ -12,7 +14,7 @@ class RolloutConfig:
     """Every rollout option. Built-in tasks need nothing else; `dataset` needs `data_path` and `reward_fn`."""
 
     # What to sample.
-    task: str = "arithmetic"  # "arithmetic" (single-turn), "guess_number" (multi-turn, branching), "dataset" (yours)
+    task: str = "arithmetic"  # arithmetic | guess_number (multi-turn) | dataset (yours) | agent (your agent) | agent_tools
     prompts_per_step: int = 16  # prompts (single-turn) or episodes (multi-turn) per training step
     group_size: int = 8  # samples per prompt; for multi-turn tasks the replies sampled at turn 0
     seed: int = 0  # seeds the prompt order and the sampling (same seed + step + weights -> same rollout)
@@ -39,11 +41,19 @@ class RolloutConfig:
     answer_key: str = "answer"  # field holding the reference answer passed to the reward (optional per row)
     system_prompt: str | None = None  # prepended as a system message to string prompts
     reward_fn: str | None = None  # "module:function" or "file.py:function"; fn(prompt, completion, answer)
+    # (task = "agent": data_path holds the tasks, one JSON object each, handed whole to the agent)
     shuffle: bool = True  # visit rows in a seeded random order, reshuffled every epoch
+
+    # Agents (task = "agent": your `async def episode(client, task)`; "agent_tools": the built-in tool world).
+    agent: str | None = None  # "file.py:function" or "module:function"; agent_tools: its built-in agent
+    tool_parser: str = "hermes"  # tool-call format of the model family: hermes (= qwen, qwen2.5, qwen3) | none
+    episode_timeout: float = 600.0  # seconds one episode may take; a slower one is dropped (agent_timeout)
+    max_concurrent_episodes: int = 256  # episodes running at once (each waits on the model most of the time)
 
     # Inference server (None: sample in process with the trainer's model).
     server_url: str | None = None  # OpenAI-compatible server (vLLM, SGLang, treerl serve), e.g. http://127.0.0.1:8000
     server_model: str = "default"  # the model name the server serves
+    server_type: str = "sglang"  # how weights are pushed: sglang (also treerl serve) | vllm (VLLM_SERVER_DEV_MODE=1)
     request_timeout: float = 600.0  # seconds per request
 
     def check(self) -> None:
@@ -65,3 +75,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.branch_at: turns must be >= 1 (turn 0 samples group_size): {self.branch_at}")
         if self.task == "dataset" and (not self.data_path or not self.reward_fn):
             raise ValueError("rollout.task = 'dataset' needs rollout.data_path and rollout.reward_fn (module:function)")
+        if self.task == "agent" and (not self.data_path or not self.agent):
+            raise ValueError("rollout.task = 'agent' needs rollout.agent (my_agent.py:episode) and rollout.data_path "
+                             "(a JSONL of tasks)")
+        if self.server_type not in SERVER_TYPES:
+            raise ValueError(f"rollout.server_type: {self.server_type!r} is not one of {', '.join(SERVER_TYPES)}")
+        for name in ("episode_timeout", "max_concurrent_episodes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"rollout.{name} must be > 0, got {getattr(self, name)}")

@@ -30,18 +30,24 @@ def load_reward_fn(spec: str) -> RewardFn:
 
     The current directory is importable, so `my_rewards:exact_match` finds ./my_rewards.py.
     """
+    fn = import_object(spec, "reward function", "my_rewards:exact_match")
+    check_reward_fn(fn, spec)
+    return fn
+
+
+def import_object(spec: str, what: str, example: str) -> Any:
+    """The object named by `module:attribute` or `path/to/file.py:attribute` (`what` names it in errors)."""
     module_name, sep, attribute = spec.rpartition(":")
     if not sep or not module_name or not attribute:
-        raise ValueError(f"reward function {spec!r}: expected 'module:function', e.g. 'my_rewards:exact_match'")
+        raise ValueError(f"{what} {spec!r}: expected 'module:function', e.g. '{example}'")
     try:
         module = _import(module_name)
     except Exception as e:  # any failure while importing the user's module is reported the same way
-        raise ValueError(f"reward function {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from e
-    fn = getattr(module, attribute, None)
-    if fn is None:
-        raise ValueError(f"reward function {spec!r}: module {module_name!r} has no attribute {attribute!r}")
-    check_reward_fn(fn, spec)
-    return fn
+        raise ValueError(f"{what} {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from e
+    obj = getattr(module, attribute, None)
+    if obj is None:
+        raise ValueError(f"{what} {spec!r}: module {module_name!r} has no attribute {attribute!r}")
+    return obj
 
 
 def check_reward_fn(fn: Any, name: str) -> None:

@@ -11,7 +11,11 @@ answers the subset of vLLM's / SGLang's API that `CompletionsClient` uses, with 
   the policy version. `top_logprobs` holds only the sampled token (no top-k alternatives).
   Generation stops at the tokenizer's eos token unless `ignore_eos`, and at any `stop_token_ids`;
   the stop token is part of `token_ids`. Streaming and `echo` are refused.
-- `POST /update_weights_from_disk` (as SGLang): `{"model_path": ..., "weight_version": ...}`.
+- `POST /update_weights_from_disk` (as SGLang): `{"model_path": ..., "weight_version": ...}`;
+  `GET /get_weight_version`, `GET /get_model_info` (as SGLang).
+- vLLM's dev-mode reload routes (`add_weight_sync_routes`): `POST /pause`, `/resume`, `/collective_rpc`
+  (`update_config` with `{"model_config": {"model": path}}`, then `reload_weights`),
+  `/update_weight_version`, `GET /weight_info`.
 - `GET /health`, `GET /v1/models`.
 
 Requests are served one at a time (a lock around the model); a request's prompts and samples
@@ -132,6 +136,7 @@ def build_app(engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, model_
             return {"success": False, "message": f"{type(e).__name__}: {e}"}
         return {"success": True, "message": f"loaded {request.model_path}", "weight_version": str(engine.version)}
 
+    add_weight_sync_routes(app, engine, lambda path: update_weights_from_disk(UpdateWeightsRequest(model_path=path)))
     return app
 
 
@@ -194,3 +199,74 @@ def run_server(
     import uvicorn
 
     uvicorn.run(build_app(engine, tokenizer, model_name), host=host, port=port, log_level="warning")
+
+
+class CollectiveRpcRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    method: str
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class WeightVersionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    new_version: str
+
+
+def add_weight_sync_routes(app: FastAPI, engine: EmbeddedEngine, load: Any) -> None:
+    """The version routes of SGLang and the weight-reload routes of vLLM (VLLM_SERVER_DEV_MODE=1), so one client
+    is tested against both protocols. `load(path)` loads a checkpoint as the SGLang route does.
+
+    Requests are served one at a time and weights load under the same lock, so a generation never sees half
+    the new weights: `/pause` and `/resume` have nothing to wait for and only acknowledge.
+    """
+    reload_path: dict[str, str | None] = {"model": None}
+
+    @app.get("/get_weight_version")
+    def get_weight_version() -> dict[str, str]:
+        return {"weight_version": str(engine.version)}
+
+    @app.get("/get_model_info")
+    def get_model_info() -> dict[str, Any]:
+        return {"model_path": reload_path["model"], "is_generation": True, "weight_version": str(engine.version)}
+
+    @app.get("/weight_info")
+    def weight_info() -> dict[str, str]:
+        return {"weight_version": str(engine.version)}
+
+    @app.post("/pause")
+    def pause() -> dict[str, str]:
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    def resume() -> dict[str, str]:
+        return {"status": "resumed"}
+
+    @app.post("/update_weight_version")
+    def update_weight_version(request: WeightVersionRequest) -> dict[str, Any]:
+        try:
+            engine.version = int(request.new_version)
+        except ValueError:
+            raise HTTPException(400, f"new_version {request.new_version!r} is not an integer") from None
+        return {"success": True, "new_version": request.new_version}
+
+    @app.post("/collective_rpc")
+    def collective_rpc(request: CollectiveRpcRequest) -> dict[str, Any]:
+        if request.method == "update_config":
+            overrides = request.args[0] if request.args else request.kwargs.get("overrides", {})
+            path = (overrides.get("model_config") or {}).get("model") if isinstance(overrides, dict) else None
+            if not isinstance(path, str):
+                raise HTTPException(400, "update_config: expected {'model_config': {'model': <checkpoint path>}}")
+            reload_path["model"] = path
+            return {"results": [None]}
+        if request.method == "reload_weights":
+            if reload_path["model"] is None:
+                raise HTTPException(400, "reload_weights: no checkpoint path (call update_config first)")
+            answer = load(reload_path["model"])
+            if not answer.get("success"):
+                raise HTTPException(500, f"reload_weights: {answer.get('message')}")
+            return {"results": [None]}
+        raise HTTPException(400, f"treerl serve answers collective_rpc 'update_config' and 'reload_weights' only, "
+                                 f"not {request.method!r}")

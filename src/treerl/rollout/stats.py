@@ -38,6 +38,7 @@ class RolloutStats:
     generated_tokens: int = 0
     truncated_replies: int = 0  # replies cut off at max_new_tokens
     context_limit: int = 0  # trajectories ended because the context would exceed max_context_tokens
+    history_mismatches: int = 0  # agent calls whose history held an assistant turn the proxy never returned
     seconds: float = 0.0
     rewards: list[float] = field(default_factory=list)  # one per kept trajectory
     dropped: Counter[str] = field(default_factory=Counter)  # reason -> count
@@ -86,6 +87,7 @@ class RolloutStats:
             "rollout/generated_tokens": self.generated_tokens,
             "rollout/truncated_replies": self.truncated_replies,
             "rollout/context_limit": self.context_limit,
+            "rollout/history_mismatches": self.history_mismatches,
             "rollout/seconds": self.seconds,
             "rollout/tokens_per_second": self.generated_tokens / self.seconds if self.seconds > 0 else 0.0,
         }

@@ -8,6 +8,10 @@ model over single characters), so the rollout code runs the same calls on it as 
     <bos><system>...<eos><user>...<eos><assistant>...<eos><tool>...<eos><assistant>
 
 one role marker token per message and `<eos>` closing each turn; the model ends its reply with `<eos>`.
+With `tools`, a first `<system>` turn lists each tool's function as JSON, one per line, and an
+assistant message's `tool_calls` follow its content Hermes-style, written in characters:
+`<tool_call>{"name": "lookup", "arguments": {"id": 3}}</tool_call>` (parsed back by
+`treerl.rollout.tool_parsers`' "hermes" parser).
 """
 
 from __future__ import annotations
@@ -24,7 +28,13 @@ CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
 
 BUILTIN_CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages %}{{ '<' + message['role'] + '>' + message['content'] + eos_token }}{% endfor %}"
+    "{% if tools %}{{ '<system>' }}{% for tool in tools %}"
+    "{{ (tool['function'] if tool['function'] is defined else tool) | tojson + '\n' }}{% endfor %}{{ eos_token }}{% endif %}"
+    "{% for message in messages %}{{ '<' + message['role'] + '>' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}{% set f = call['function'] if call['function'] is defined else call %}"
+    "{{ '<tool_call>{\"name\": ' + f['name'] | tojson + ', \"arguments\": ' }}"
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}{{ '}</tool_call>' }}{% endfor %}"
+    "{{ eos_token }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}"
 )
 

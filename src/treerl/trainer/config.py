@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from treerl.algo import AlgoConfig
 from treerl.models import SHAPES
 from treerl.rollout import RolloutConfig
+from treerl.rollout.config import AGENT_TASKS
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 ENGINES = ("dfs", "flat", "packed")
@@ -124,6 +125,9 @@ class TrainerConfig:
     resume: str | None = None  # a checkpoint directory, or "auto": the latest in output_dir/checkpoints (if any)
     log_every: int = 1  # write metrics every this many steps
     tensorboard: bool = True  # also write TensorBoard event files to output_dir/tensorboard
+    wandb: bool = False  # also log to Weights & Biases (pip install 'treerl[wandb]'; WANDB_MODE=offline: local only)
+    wandb_project: str = "treerl"  # the W&B project of the run
+    wandb_name: str | None = None  # the W&B run name; null: W&B picks one
     progress: bool = True  # show a progress bar (step, reward, loss)
 
 
@@ -181,6 +185,9 @@ def check_choices(config: Config) -> None:
         value = get(config, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
+    if config.trainer.mode == "async" and config.rollout.task in AGENT_TASKS:
+        raise ConfigError(f"rollout.task={config.rollout.task} runs agents through the proxy of the synchronous loop; "
+                          "use trainer.mode=sync")
     if config.trainer.mode == "async" and config.rollout.server_url:
         raise ConfigError("trainer.mode=async samples with its own rollout workers; rollout.server_url needs trainer.mode=sync")
     if config.algo.resolved().advantage == "gae" and config.trainer.mode == "async":

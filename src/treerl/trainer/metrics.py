@@ -20,9 +20,11 @@ from treerl.tree import PrefixTree, Sequence
 
 
 class MetricsLogger:
-    """Appends `{"step": s, "time": t, metric: value, ...}` lines to metrics.jsonl; mirrors them to TensorBoard."""
+    """Appends `{"step": s, "time": t, metric: value, ...}` lines to metrics.jsonl; mirrors them to TensorBoard and,
+    with `wandb_project`, to Weights & Biases (`pip install wandb`; WANDB_MODE=offline writes only locally)."""
 
-    def __init__(self, output_dir: str | Path, tensorboard: bool = True, start_step: int = 0):
+    def __init__(self, output_dir: str | Path, tensorboard: bool = True, start_step: int = 0,
+                 wandb_project: str | None = None, wandb_name: str | None = None, run_config: dict | None = None):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
@@ -34,16 +36,25 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.dir / "tensorboard"), purge_step=start_step or None)
+        self.wandb = None
+        if wandb_project is not None:
+            try:
+                import wandb
+            except ImportError:
+                raise ImportError("trainer.wandb=true needs Weights & Biases: pip install 'treerl[wandb]'") from None
+            self.wandb = wandb.init(project=wandb_project, name=wandb_name, dir=str(self.dir), config=run_config)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "time": round(time.time(), 3)}
         row.update({k: _json_number(v) for k, v in sorted(metrics.items())})
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        finite = {key: value for key, value in metrics.items() if math.isfinite(value)}
         if self.writer is not None:
-            for key, value in metrics.items():
-                if math.isfinite(value):
-                    self.writer.add_scalar(key, value, step)
+            for key, value in finite.items():
+                self.writer.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(finite, step=step)
 
     def write_jsonl(self, name: str, rows: list[dict[str, Any]]) -> None:
         """Append rows to another JSONL file of the run (e.g. dropped samples with their text)."""
@@ -54,6 +65,8 @@ class MetricsLogger:
         self.file.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def _json_number(value: float) -> float | None:

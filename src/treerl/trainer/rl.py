@@ -78,14 +78,20 @@ def train(config: Config) -> TrainResult:
         return train_async(config)
     started = time.perf_counter()
     run = Run.start(config, temperature=config.rollout.temperature)
+    rollouts: list[Rollout] = []
     try:
         sampler = build_engine(config.rollout, run.policy)
         sampler.version = run.start_step
         rollout = Rollout(config.rollout, run.tokenizer, sampler)
+        rollouts.append(rollout)
         reference = load_reference(config, run) if config.algo.kl_coef > 0 else None
         evaluation = evaluation_rollout(run, sampler)
+        if evaluation is not None:
+            rollouts.append(evaluation)
         return train_loop(run, evaluation, lambda step: train_step(run, rollout, reference, step), started)
     finally:
+        for each in rollouts:
+            each.close()
         run.finish()
 
 
@@ -178,6 +184,9 @@ def collect(run: Run, rollout: Rollout, step: int) -> RolloutBatch:
     """The global batch of `step`, the same on every rank."""
     if run.env.world_size == 1:
         return rollout.collect(step)
+    if rollout.proxy is not None and not isinstance(rollout.engine, CompletionsClient):
+        raise RuntimeError("agent tasks under torchrun need an inference server (rollout.server_url): their episodes "
+                           "are not reproducible, so the ranks cannot each sample the same batch")
     if isinstance(rollout.engine, CompletionsClient):  # a server's samples need not be reproducible: rank 0 asks
         box = [rollout.collect(step) if run.env.is_main else None]
         dist.broadcast_object_list(box, src=0)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -187,7 +188,10 @@ class Run:
             run._fit_cost_model()
             run.print(f"resumed from {resume} at step {run.start_step}")
         if env.is_main:
-            run.logger = MetricsLogger(config.trainer.output_dir, config.trainer.tensorboard, run.start_step)
+            trainer = config.trainer
+            run.logger = MetricsLogger(trainer.output_dir, trainer.tensorboard, run.start_step,
+                                       wandb_project=trainer.wandb_project if trainer.wandb else None,
+                                       wandb_name=trainer.wandb_name, run_config=yaml.safe_load(to_yaml(config)))
         return run
 
     @property

@@ -5,16 +5,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from treerl.rollout.rewards import RewardFn
+from treerl.rollout.tasks.agent_tools import AgentTools
 from treerl.rollout.tasks.arithmetic import Arithmetic
 from treerl.rollout.tasks.base import AgentTask, Environment, EnvReply, Prompt, SingleTurnTask
-from treerl.rollout.tasks.dataset import DatasetTask
+from treerl.rollout.tasks.dataset import DatasetTask, load_agent_tasks
 from treerl.rollout.tasks.guess_number import GuessEnv, GuessNumber
 
 if TYPE_CHECKING:
     from treerl.rollout.config import RolloutConfig
 
 
-def build_task(config: RolloutConfig, reward_fn: RewardFn | None = None) -> SingleTurnTask | AgentTask:
+def build_task(config: RolloutConfig, reward_fn: RewardFn | None = None) -> SingleTurnTask | AgentTask | AgentTools:
     """The task `config.task` names, with its options from the config."""
     if config.task == "arithmetic":
         return Arithmetic(max_operand=config.max_operand, seed=config.seed)
@@ -27,10 +28,14 @@ def build_task(config: RolloutConfig, reward_fn: RewardFn | None = None) -> Sing
             config.data_path, reward_fn, prompt_key=config.prompt_key, answer_key=config.answer_key,
             system_prompt=config.system_prompt, seed=config.seed, shuffle=config.shuffle,
         )
+    if config.task == "agent_tools":
+        return AgentTools(seed=config.seed)
+    if config.task == "agent":
+        return load_agent_tasks(config.data_path, seed=config.seed, shuffle=config.shuffle)  # type: ignore[arg-type]
     raise ValueError(f"rollout.task: unknown task {config.task!r}")
 
 
 __all__ = [
-    "AgentTask", "Arithmetic", "DatasetTask", "EnvReply", "Environment", "GuessEnv", "GuessNumber", "Prompt",
+    "AgentTask", "AgentTools", "Arithmetic", "DatasetTask", "EnvReply", "Environment", "GuessEnv", "GuessNumber", "Prompt",
     "SingleTurnTask", "build_task",
 ]

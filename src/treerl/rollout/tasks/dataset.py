@@ -12,6 +12,7 @@ row has it, is passed to the reward function as `answer`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,3 +109,22 @@ class DatasetTask:
                 rng_for("dataset", self.seed, epoch).shuffle(order)
             self._orders = {epoch: order, **{e: o for e, o in self._orders.items() if e == epoch - 1}}
         return self._orders[epoch]
+
+
+def load_agent_tasks(path: str | Path, seed: int = 0, shuffle: bool = True, max_new_tokens: int = 512) -> DatasetTask:
+    """The tasks of an agent (`rollout.task=agent`): every row, a JSON object, is passed whole to the episode.
+
+    A row's `prompt` (a string) or `messages` (chat messages), if it has one, is only shown in reports
+    of dropped episodes; the agent decides what to send to the model.
+    """
+    rows = read_rows(path)
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    data = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} row {i}: an agent task must be a JSON object, got {type(row).__name__}")
+        shown = row.get("prompt") if isinstance(row.get("prompt"), str) else json.dumps(row, default=str)[:500]
+        data.append(([{"role": "user", "content": shown}], row))
+    return DatasetTask(data, reward_fn=None, max_new_tokens=max_new_tokens, seed=seed, shuffle=shuffle,  # type: ignore[arg-type]
+                       name="agent")

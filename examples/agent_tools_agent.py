@@ -1,0 +1,1 @@
+../src/treerl/rollout/tasks/agent_tools_agent.py

@@ -1,0 +1,176 @@
+"""Agent workflows as users write them: `async def episode(client, task) -> reward`, with the OpenAI SDK.
+
+    async def episode(client, task: dict) -> float:       # my_agent.py: imports nothing from treerl
+        reply = await client.chat.completions.create(model="policy", messages=[...], tools=[...])
+        ...                                               # run tools, call the model again, branch, retry
+        return reward
+
+`rollout.task=agent rollout.agent=my_agent.py:episode rollout.data_path=tasks.jsonl` runs it:
+each task (a JSONL row, as a dict) is played `group_size` times, every episode with its own
+`openai.AsyncOpenAI` client whose base_url is the recording proxy (`treerl.rollout.proxy`), all
+episodes of a step concurrently on one asyncio loop (at most `max_concurrent_episodes` at once).
+
+Training data: every recorded model call is a sequence, the exact prompt token ids plus the
+sampled completion (loss mask on the completion, behaviour log-probs there), with the episode's
+reward in `info["reward"]`; `group` is the task, `trajectory` the episode (counted once in the
+group baseline), `turn` the call's index. Calls that extend each other token for token (the proxy
+reuses recorded tokens, see `treerl.rollout.proxy`) share their prefix in the tree.
+
+An episode that raises, times out (`episode_timeout`), returns something that is not a finite
+number, or makes no model call is dropped: counted under `rollout/dropped_<reason>` and reported
+with its task and error, like a failing reward function; its calls are not trained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import itertools
+import json
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from treerl.rollout.inference import InferenceEngine
+from treerl.rollout.proxy import ChatProxy, EpisodeLog
+from treerl.rollout.rewards import RewardFailure, check_reward, import_object
+from treerl.rollout.sequences import model_call_sequence
+from treerl.rollout.stats import DroppedSample, RolloutStats
+from treerl.rollout.tasks.base import Prompt
+from treerl.tree import Sequence
+
+AgentFn = Callable[[Any, dict[str, Any]], Awaitable[Any]]
+
+
+def load_agent(spec: str) -> AgentFn:
+    """The `async def episode(client, task)` named by `module:function` or `path/to/file.py:function`."""
+    fn = import_object(spec, "agent", "my_agent.py:episode")
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"agent {spec!r} must be an async function: async def episode(client, task) -> float")
+    try:
+        inspect.signature(fn).bind(None, {})
+    except TypeError:
+        raise ValueError(f"agent {spec!r} has signature {inspect.signature(fn)}; it must accept (client, task)") from None
+    return fn
+
+
+def openai_client(base_url: str, timeout: float) -> Any:
+    """An `openai.AsyncOpenAI` for one episode: no retries (a retried call would be sampled and recorded twice)."""
+    try:
+        import openai
+    except ImportError:
+        raise ImportError("agent tasks need the OpenAI Python client: pip install 'treerl[agents]' "
+                          "(or pip install openai)") from None
+    return openai.AsyncOpenAI(base_url=base_url, api_key="treerl", max_retries=0, timeout=timeout)
+
+
+@dataclass
+class Episode:
+    """One play of a task: its outcome and the calls the proxy recorded."""
+
+    prompt: Prompt
+    sample: int  # which of the task's group_size plays
+    log: EpisodeLog
+    reward: float | RewardFailure
+
+
+@dataclass
+class AgentWorkflow:
+    """Plays `group_size` episodes of every task through the proxy, concurrently."""
+
+    agent: AgentFn
+    proxy: ChatProxy
+    group_size: int = 8
+    episode_timeout: float = 600.0  # seconds for one episode, its model calls included
+    max_concurrent_episodes: int = 256
+    max_calls: int | None = None  # model calls per episode at most (rollout.max_turns)
+
+    def __post_init__(self) -> None:
+        self._ids = itertools.count()
+
+    def run(self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats,
+            seed: int | None = None) -> list[Sequence]:
+        """The training sequences of the episodes of `prompts`; `stats` counts what happened."""
+        if engine is not self.proxy.engine:
+            raise ValueError("the agent workflow samples with its proxy's engine")
+        self.proxy.start()
+        self.proxy.sampler.seed = seed
+        stats.prompts += len(prompts)
+        episodes = run_coroutine(self._play_all(prompts))
+        sequences: list[Sequence] = []
+        for episode in episodes:
+            stats.history_mismatches += episode.log.history_mismatches
+            for call in episode.log.calls:
+                stats.count_reply(call.completion)
+            reward = episode.reward
+            if not isinstance(reward, RewardFailure) and not episode.log.calls:
+                reward = RewardFailure("agent_no_model_calls", "made no model call (nothing to train)")
+            if isinstance(reward, RewardFailure):
+                task = json.dumps(episode.prompt.answer, default=str)[:500]
+                name = f"{episode.prompt.id}/{episode.sample}"
+                stats.drop(DroppedSample(f"agent episode {reward.message}", name, task, ""), reward.kind)
+                continue
+            stats.keep(reward)
+            sequences.extend(self._sequences(episode, reward))
+        stats.sequences += len(sequences)
+        return sequences
+
+    async def _play_all(self, prompts: list[Prompt]) -> list[Episode]:
+        limit = asyncio.Semaphore(self.max_concurrent_episodes)
+        shared = openai_client(self.proxy.url + "/v1", self.episode_timeout)  # one connection pool for the step
+
+        async def bounded(prompt: Prompt, sample: int) -> Episode:
+            async with limit:
+                return await self._play(shared, prompt, sample)
+
+        try:
+            return list(await asyncio.gather(*(bounded(p, j) for p in prompts for j in range(self.group_size))))
+        finally:
+            await shared.close()
+
+    async def _play(self, shared: Any, prompt: Prompt, sample: int) -> Episode:
+        """One episode; whatever the agent does, its calls are collected and its outcome classified."""
+        episode_id = f"e{next(self._ids)}"
+        self.proxy.recorder.open(episode_id, max_calls=self.max_calls)
+        client = shared.with_options(base_url=self.proxy.episode_url(episode_id))  # shares the connection pool
+        try:
+            value = await asyncio.wait_for(self.agent(client, copy.deepcopy(prompt.answer)), self.episode_timeout)
+            reward = check_reward(value)
+            if isinstance(reward, RewardFailure):
+                reward = RewardFailure(f"reward_{reward.kind}", reward.message)
+        except TimeoutError:
+            reward = RewardFailure("agent_timeout", f"timed out after {self.episode_timeout} s (rollout.episode_timeout)")
+        except Exception as e:  # the user's agent may raise anything; the episode is dropped and reported
+            reward = RewardFailure("agent_raised", f"raised {type(e).__name__}: {e}")
+        finally:
+            log = self.proxy.recorder.close(episode_id)
+        return Episode(prompt, sample, log, reward)
+
+    def _sequences(self, episode: Episode, reward: float) -> list[Sequence]:
+        """One training sequence per recorded call, each carrying the episode's reward."""
+        name = f"{episode.prompt.id}/{episode.sample}"
+        calls = episode.log.calls
+        return [
+            model_call_sequence(
+                call.prompt, call.completion,
+                info={"reward": reward, "group": episode.prompt.id, "trajectory": name, "turn": call.index,
+                      "turns": len(calls), "parent": call.parent, "finish_reason": call.completion.finish_reason},
+                name=f"{name}/call{call.index}",
+            )
+            for call in calls
+        ]
+
+
+def run_coroutine(coroutine: Awaitable[Any]) -> Any:
+    """Run to completion on a fresh event loop (in a helper thread if this thread already runs one)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)  # type: ignore[arg-type]
+    box: list[Any] = []
+    thread = threading.Thread(target=lambda: box.append(asyncio.run(coroutine)))  # type: ignore[arg-type]
+    thread.start()
+    thread.join()
+    return box[0]

@@ -1,0 +1,163 @@
+"""Agent workflows: user agent files loaded by path, episodes run concurrently, failing episodes dropped with reasons."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from treerl.rollout import Rollout, RolloutConfig
+from treerl.rollout.agent import AgentWorkflow, load_agent
+from treerl.rollout.proxy import ChatProxy
+from treerl.rollout.stats import RolloutStats
+from treerl.rollout.tasks import AgentTools
+from treerl.rollout.tasks.base import Prompt
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "agent_tools_agent.py"
+
+
+def _prompts(n: int) -> list[Prompt]:
+    return [Prompt(f"t{i}", [{"role": "user", "content": str(i)}], {"kind": i}) for i in range(n)]
+
+
+def _play(chat, engine, agent, tasks: int, **options) -> tuple[list, RolloutStats]:
+    """The sequences and counters of `tasks` tasks played by `agent` through a proxy over `engine`."""
+    workflow = AgentWorkflow(agent, ChatProxy(engine, chat), **options)
+    stats = RolloutStats()
+    try:
+        return workflow.run(engine, _prompts(tasks), stats, seed=0), stats
+    finally:
+        workflow.proxy.stop()
+
+
+def test_episodes_run_concurrently_and_each_call_is_a_sequence(chat, scripted):
+    """All 3 x 4 episodes are in flight at once (a barrier after the first reply opens only when all 12 reach it;
+    run one by one they would time out); each call is one sequence with the episode's reward, group, trajectory."""
+    barrier = asyncio.Barrier(12)
+
+    async def agent(client, task):
+        messages = [{"role": "user", "content": f"task {task['kind']}"}]
+        reply = await client.chat.completions.create(model="p", messages=messages)
+        await barrier.wait()
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+        await client.chat.completions.create(model="p", messages=messages)
+        return task["kind"] + 0.5
+
+    sequences, stats = _play(chat, scripted(lambda p, j: "ok"), agent, 3, group_size=4, episode_timeout=30)
+    assert (stats.prompts, stats.samples, stats.kept, stats.model_calls, len(sequences)) == (3, 12, 12, 24, 24)
+    assert sorted(stats.rewards) == sorted([0.5] * 4 + [1.5] * 4 + [2.5] * 4)
+    for seq in sequences:
+        assert seq.info["reward"] == int(seq.info["group"][1:]) + 0.5
+        assert seq.info["turns"] == 2 and seq.info["turn"] in (0, 1)
+        assert seq.fields["loss_mask"].sum() == 3  # "ok" + <eos>
+    second = [s for s in sequences if s.info["turn"] == 1]
+    assert all(s.info["parent"] == 0 for s in second)
+
+
+def test_failing_episodes_are_dropped_and_counted_with_their_reason(chat, scripted):
+    """An agent that raises, times out, returns NaN or a string, or never calls the model loses that episode
+    (counted under rollout/dropped_<reason>, reported with its task); the others are trained."""
+
+    async def agent(client, task):
+        kind = task["kind"]
+        if kind != 5:
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+        if kind == 1:
+            raise KeyError("tool exploded")
+        if kind == 2:
+            await asyncio.sleep(30)
+        return {3: math.nan, 4: "high"}.get(kind, 1.0)
+
+    sequences, stats = _play(chat, scripted(lambda p, j: "y"), agent, 6, group_size=2, episode_timeout=1.0)
+    assert dict(stats.dropped) == {"agent_raised": 2, "agent_timeout": 2, "reward_not_finite": 2,
+                                   "reward_not_a_number": 2, "agent_no_model_calls": 2}
+    assert stats.kept == 2 and len(sequences) == 2 and {s.info["group"] for s in sequences} == {"t0"}
+    reasons = " ".join(s.reason for s in stats.dropped_samples)
+    assert "KeyError: 'tool exploded'" in reasons and "rollout.episode_timeout" in reasons
+    assert stats.metrics()["rollout/dropped_agent_raised"] == 2
+
+
+def test_agent_loading_errors_name_the_problem(tmp_path):
+    path = tmp_path / "bad_agent.py"
+    path.write_text("def sync(client, task):\n    return 1\n\nasync def one(client):\n    return 1\n")
+    with pytest.raises(ValueError, match="must be an async function"):
+        load_agent(f"{path}:sync")
+    with pytest.raises(ValueError, match=r"must accept \(client, task\)"):
+        load_agent(f"{path}:one")
+    with pytest.raises(ValueError, match="has no attribute 'missing'"):
+        load_agent(f"{path}:missing")
+    with pytest.raises(ValueError, match="cannot import"):
+        load_agent(f"{tmp_path / 'nope.py'}:episode")
+
+
+def test_agent_task_reads_a_jsonl_of_tasks_and_runs_the_user_file(tokenizer, scripted, tmp_path):
+    """rollout.task=agent: every JSONL row is handed whole to the user's episode, group_size times."""
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "target": "ok"}) + "\n" for i in range(3)))
+    agent = tmp_path / "my_agent.py"
+    agent.write_text(
+        "async def episode(client, task):\n"
+        "    reply = await client.chat.completions.create(model='m', messages=[{'role': 'user', 'content': task['prompt']}])\n"
+        "    return float(reply.choices[0].message.content == task['target'])\n")
+    config = RolloutConfig(task="agent", agent=f"{agent}:episode", data_path=str(data), prompts_per_step=2,
+                           group_size=3)
+    rollout = Rollout(config, tokenizer, scripted(lambda p, j: "ok" if j == 0 else "no"))
+    try:
+        batch = rollout.collect(0)
+    finally:
+        rollout.close()
+    assert batch.stats.kept == 6 and len(batch.sequences) == 6
+    assert {s.info["group"].rsplit("/", 1)[0] for s in batch.sequences} == {"s0/p0", "s0/p1"}
+    with pytest.raises(ValueError, match="needs rollout.agent"):
+        RolloutConfig(task="agent", data_path=str(data)).check()
+
+
+def test_agent_tools_world_and_its_agent(tokenizer, scripted):
+    """The built-in world: deterministic tasks; its agent scores a perfect policy 1 and a garbled call less than
+    0.2 (no record, so no answer); every episode makes two calls, the second extending the first."""
+    world = AgentTools(seed=3)
+    tasks = [p.answer for p in world.prompts(5, 4)]
+    assert tasks == [p.answer for p in world.prompts(5, 4)]
+    assert all(str(t["records"][str(t["id"])]["code"]) == t["answer"] and t["question"] == f"code of {t['id']}?"
+               for t in tasks)
+    answer = {t["question"]: t for t in tasks}
+
+    def perfect(prompt: str, j: int) -> str:
+        if prompt.endswith("?<eos><assistant>"):
+            question = prompt.rsplit("<user>", 1)[1].split("<eos>")[0]
+            wanted = answer[question]["id"]
+            return json.dumps({"id": wanted}) if wanted % 2 == 0 else '{"id": x}'
+        return prompt.rsplit('"code": ', 1)[1][0] if '"code": ' in prompt else "z"
+
+    config = RolloutConfig(task="agent_tools", prompts_per_step=4, group_size=2, seed=3)
+    rollout = Rollout(config, tokenizer, scripted(perfect))
+    try:
+        batch = rollout.collect(5)
+    finally:
+        rollout.close()
+    even = sum(t["id"] % 2 == 0 for t in tasks)
+    assert 0 < even < 4
+    rewards = sorted(batch.stats.rewards, reverse=True)
+    assert rewards[: 2 * even] == [pytest.approx(1.0)] * (2 * even) and all(r < 0.2 for r in rewards[2 * even :])
+    assert len(batch.sequences) == 16 and all(s.info["turns"] == 2 for s in batch.sequences)
+
+
+def test_the_example_agent_is_plain_python_with_no_treerl_import():
+    """examples/agent_tools_agent.py (the built-in task's agent) imports the standard library only, and the
+    README shows it unchanged."""
+    source = EXAMPLE.read_text()
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+    assert imported <= {"json", "openai", "re", "asyncio", "random"}, imported
+    readme = (ROOT / "README.md").read_text()
+    assert source.strip() in readme
+    assert load_agent(f"{EXAMPLE}:episode").__name__ == "episode"
