@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from treerl.errors import DataError
 from treerl.rollout.tasks import Arithmetic, DatasetTask, GuessNumber
 from treerl.rollout.tasks.arithmetic import reward as arithmetic_reward
 from treerl.rollout.tasks.dataset import read_rows
@@ -112,7 +113,7 @@ def test_bad_data_is_a_clear_error(tmp_path, content, message):
 
 
 def test_missing_data_path_and_unknown_format(tmp_path):
-    with pytest.raises(FileNotFoundError, match="only reads local data"):
+    with pytest.raises(DataError, match="only reads local data"):
         read_rows(tmp_path / "missing.jsonl")
     (tmp_path / "d.txt").write_text("x")
     with pytest.raises(ValueError, match="unknown data format"):

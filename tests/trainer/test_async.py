@@ -118,7 +118,7 @@ def test_zero_staleness_trains_what_the_synchronous_loop_trains(tiny_config, tmp
 def test_two_workers_bound_staleness_and_survive_a_crash_and_a_hang(tiny_config):
     """Weights change every version; a worker is SIGKILLed holding work, another SIGSTOPped (a hang)."""
     config = tiny_config(*ASYNC, "trainer.rollout_workers=2", "trainer.max_staleness=1", "model.dtype=float64",
-                         "trainer.worker_timeout=2")
+                         "trainer.worker_timeout=2", "rollout.reward_timeout=1")
     model, _ = load_policy(config.model, torch.device("cpu"))
     checker, _ = load_policy(config.model, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)

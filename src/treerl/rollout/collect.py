@@ -25,7 +25,7 @@ from treerl.rollout.config import RolloutConfig
 from treerl.rollout.embedded import EmbeddedEngine
 from treerl.rollout.inference import InferenceEngine, SamplingParams
 from treerl.rollout.multi_turn import MultiTurnWorkflow
-from treerl.rollout.rewards import load_reward_fn
+from treerl.rollout.rewards import UserCode, load_reward_fn
 from treerl.rollout.single_turn import SingleTurnWorkflow
 from treerl.rollout.stats import RolloutStats
 from treerl.rollout.tasks import AgentTask, SingleTurnTask, build_task
@@ -67,14 +67,15 @@ class Rollout:
             top_p=config.top_p,
             stop_token_ids=tuple(self.chat.stop_token_ids),
         )
+        self.user_code = UserCode(timeout=config.reward_timeout)  # rewards and environments, with a time limit
         if hasattr(self.task, "environment"):
             self.workflow: SingleTurnWorkflow | MultiTurnWorkflow = MultiTurnWorkflow(
                 self.task, self.chat, sampling, group_size=config.group_size, branch_at=tuple(config.branch_at),
                 branch_factor=config.branch_factor, max_turns=config.max_turns or self.task.max_turns,
-                max_context_tokens=config.max_context_tokens,
+                max_context_tokens=config.max_context_tokens, user_code=self.user_code,
             )
         else:
-            self.workflow = SingleTurnWorkflow(self.task, self.chat, sampling)
+            self.workflow = SingleTurnWorkflow(self.task, self.chat, sampling, self.user_code)
 
     def collect(self, step: int) -> RolloutBatch:
         """The training sequences of step `step` and their counters."""

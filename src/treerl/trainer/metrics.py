@@ -37,7 +37,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "time": round(time.time(), 3)}
-        row.update({k: _json_number(v) for k, v in sorted(metrics.items())})
+        row.update({k: json_number(v) for k, v in sorted(metrics.items())})
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.writer is not None:
@@ -56,9 +56,9 @@ class MetricsLogger:
             self.writer.close()
 
 
-def _json_number(value: float) -> float | None:
-    """JSON has no NaN/inf: they are written as null."""
-    return value if math.isfinite(value) else None
+def json_number(value: Any) -> Any:
+    """JSON has no NaN/inf: they are written as null (anything but a float passes unchanged)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 class Mean:
