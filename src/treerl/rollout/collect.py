@@ -14,13 +14,14 @@ seed are derived from them, so resuming at step k repeats step k exactly, with n
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treerl.rollout.chat import ChatFormat
-from treerl.rollout.client import CompletionsClient
+from treerl.rollout.client import API_KEY_ENV, CompletionsClient
 from treerl.rollout.config import RolloutConfig
 from treerl.rollout.embedded import EmbeddedEngine
 from treerl.rollout.inference import InferenceEngine, SamplingParams
@@ -42,9 +43,11 @@ class RolloutBatch:
 
 
 def build_engine(config: RolloutConfig, model: PreTrainedModel | None = None) -> InferenceEngine:
-    """A client of `config.server_url` if set, else the embedded engine sampling with `model`."""
+    """A client of `config.server_url` if set (its API key from the environment variable TREERL_API_KEY, never from
+    the config, which checkpoints store), else the embedded engine sampling with `model`."""
     if config.server_url:
-        return CompletionsClient(config.server_url, model=config.server_model, timeout=config.request_timeout)
+        return CompletionsClient(config.server_url, model=config.server_model, timeout=config.request_timeout,
+                                 api_key=os.environ.get(API_KEY_ENV))
     if model is None:
         raise ValueError("rollout: no rollout.server_url, so the embedded engine needs the model")
     return EmbeddedEngine(model)
