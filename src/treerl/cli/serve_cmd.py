@@ -42,7 +42,7 @@ def serve(
     """
     import torch
 
-    from treerl.models import build_model
+    from treerl.models import build_model, check_model_dir
     from treerl.rollout.embedded import EmbeddedEngine
     from treerl.rollout.server import Guard, run_server
     from treerl.rollout.tokenizer import load_tokenizer
@@ -56,6 +56,8 @@ def serve(
                         ("--request-timeout", request_timeout)):
         if not value > 0:
             raise UserError(f"{name}={value} must be > 0")
+    if model_path is not None:
+        check_model_dir(model_path, "--model-path")
     tokenizer = load_tokenizer(tokenizer_path or model_path, trust_remote_code=trust_remote_code)
     model = build_model(
         path=model_path, shape=shape, vocab_size=None if model_path else len(tokenizer),

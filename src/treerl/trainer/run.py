@@ -203,7 +203,6 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     engine: Engine
-    logger: MetricsLogger | None  # rank 0 only
     start_step: int = 0
     run_id: str = ""  # written into each checkpoint's manifest; a resumed run keeps its checkpoint's
     loop_state: dict[str, Any] = field(default_factory=dict)  # saved and restored with each checkpoint
@@ -215,6 +214,7 @@ class Run:
     threads_before: int = 0  # torch's thread count before the run set its own
     _saved: int = -1  # steps done at the last checkpoint
     _bar: Any = None
+    _logger: MetricsLogger | None = None
 
     @classmethod
     def start(cls, config: Config, temperature: float = 1.0) -> Run:
@@ -233,7 +233,7 @@ class Run:
             strategy = "ddp" if env.world_size > 1 else "none"
         dp, optimizer, scheduler = make_trainable(model, strategy, config.trainer)
         run = cls(config, env, tokenizer, dp, optimizer, scheduler, build_train_engine(config.engine, temperature),
-                  logger=None, run_id=start.run_id, loop_state={"skipped_steps": 0, "nonfinite_skipped": 0,
+                  run_id=start.run_id, loop_state={"skipped_steps": 0, "nonfinite_skipped": 0,
                                                                 "cost_samples": []},
                   threads_before=threads_before)
         if config.algo.resolved().advantage == "gae":
@@ -248,8 +248,6 @@ class Run:
                 apply_hyperparameters(run.trainables()[CRITIC_DIR], critic_lr, config.trainer)
             run._fit_cost_model()
             run.print(f"resumed from {start.path} at step {run.start_step}")
-        if env.is_main:
-            run.logger = MetricsLogger(config.trainer.output_dir, config.trainer.tensorboard, run.start_step)
         run.stop.install()
         return run
 
@@ -257,6 +255,15 @@ class Run:
     def policy(self) -> PreTrainedModel:
         """The transformers model itself (what engines and the sampler call)."""
         return self.dp.model
+
+    @property
+    def logger(self) -> MetricsLogger | None:
+        """metrics.jsonl and TensorBoard (rank 0; None elsewhere), opened at the first metric, so a run that fails
+        while it sets up (a bad data row, a reward that does not import) writes nothing into output_dir."""
+        if self._logger is None and self.env.is_main:
+            trainer = self.config.trainer
+            self._logger = MetricsLogger(trainer.output_dir, trainer.tensorboard, self.start_step)
+        return self._logger
 
     def trainables(self) -> dict[str, Trainable]:
         """What a checkpoint holds: the policy ("") and, with PPO, the critic."""
@@ -391,6 +398,7 @@ class Run:
         self.print(f"{line}; {summary['seconds']:.0f} s; metrics in {output / 'metrics.jsonl'}")
         if self.env.is_main:
             summary = {key: json_number(value) for key, value in summary.items()}
+            output.mkdir(parents=True, exist_ok=True)
             (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
     def print(self, message: str) -> None:
@@ -402,8 +410,8 @@ class Run:
         """Close the outputs, put back the signal handlers and torch's thread count."""
         self.stop.restore()
         torch.set_num_threads(self.threads_before)
-        if self.logger is not None:
-            self.logger.close()
+        if self._logger is not None:
+            self._logger.close()
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
 

@@ -52,8 +52,10 @@ def read_jsonl(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
         tokens = row.pop("tokens", None)
         if tokens is None:
             tokens = row.pop("input_ids", None)
-        if not isinstance(tokens, list):
+        if tokens is None:
             raise DataError(f"{path}:{line_no}: field 'tokens' (a list of token ids) is missing")
+        if not isinstance(tokens, list):
+            raise DataError(f"{path}:{line_no}: field 'tokens' must be a list of token ids, not {json.dumps(tokens)}")
         bad = next((i for i, t in enumerate(tokens) if type(t) is not int or t < 0), None)  # a bool is not an id
         if bad is not None:
             raise DataError(f"{path}:{line_no}: field 'tokens' holds {json.dumps(tokens[bad])} at position {bad}; "
