@@ -171,6 +171,13 @@ def flaky(prompt, completion, answer):
 
 def broken(prompt, completion, answer):
     raise RuntimeError("reward server down")
+
+def exits(prompt, completion, answer):
+    raise SystemExit(f"exit called on {completion!r}")
+
+def hangs(prompt, completion, answer):
+    import time
+    time.sleep(3600)
 '''
 
 
@@ -205,6 +212,19 @@ def test_a_step_whose_samples_all_fail_is_skipped_not_fatal(tiny_config, tmp_pat
     assert result.skipped_steps == 2 and math.isnan(result.train_reward_last)
     rows = [r for r in metrics_rows(tmp_path / "run") if "trainer/skipped_steps" in r]
     assert [r["trainer/skipped_steps"] for r in rows] == [1, 2]
+
+
+@pytest.mark.parametrize("reward, reason, text", [("exits", "reward_raised", "raised SystemExit: exit called on"),
+                                                  ("hangs", "reward_timeout", "did not return within 0.2 s")])
+def test_a_reward_that_exits_or_hangs_drops_its_sample_and_the_run_goes_on(tiny_config, tmp_path, user_task, reward,
+                                                                           reason, text):
+    """Synchronous training: sys.exit() in a reward, or a reward past rollout.reward_timeout, is a dropped sample."""
+    result = train(tiny_config(*user_task, f"rollout.reward_fn=my_rewards_for_trainer_test:{reward}", "trainer.steps=1",
+                               "rollout.reward_timeout=0.2", "trainer.save_final=false"))
+    assert result.steps == 1 and result.skipped_steps == 1 and result.dropped_samples == 2 * 4
+    (row,) = [r for r in metrics_rows(tmp_path / "run") if "rollout/dropped" in r]
+    assert row[f"rollout/dropped_{reason}"] == 8
+    assert text in (tmp_path / "run" / "dropped.jsonl").read_text()
 
 
 def test_bad_setups_are_clear_errors(tiny_config, tmp_path):
