@@ -75,6 +75,9 @@ def build_model(
                                            trust_remote_code=trust_remote_code)
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # missing, truncated or mismatched weights
         raise ModelPathError(f"model path {str(path)!r}: cannot load its weights ({_first_line(e)})") from None
+    if bad := first_nonfinite(model.state_dict()):
+        raise ModelPathError(f"model path {str(path)!r}: weight {bad} holds NaN or inf; training from it would only "
+                             "produce NaN")
     return model.to(device)
 
 
@@ -119,6 +122,14 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         if isinstance(e, ModelPathError):
             raise
         raise ModelPathError(f"{path}: unreadable safetensors weights ({_first_line(e)})") from None
+
+
+def first_nonfinite(weights: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or inf, or None."""
+    for name, tensor in weights.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
 
 
 def tied_names(model: torch.nn.Module) -> set[str]:

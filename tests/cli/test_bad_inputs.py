@@ -132,9 +132,19 @@ MODEL = [
          r"tokenizer path '.*' has no tokenizer files"),
     Case("missing critic", train("algo.loss=ppo", "critic.path=/no/such/critic"),
          r"critic.path='/no/such/critic' does not exist"),
+    Case("a NaN weight", model_dir(lambda m, t: nan_weight(m)),
+         r"model path '.*model': weight model.norm.weight holds NaN or inf"),
     Case("vocabulary smaller than the tokenizer", lambda tmp, a: train(f"model.path={small_vocabulary(tmp)}")(tmp, a),
          r"the tokenizer has \d+ tokens but the model's vocabulary only 50"),
 ]
+
+
+def nan_weight(model: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model / "model.safetensors")
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
 
 
 def small_vocabulary(tmp: Path) -> Path:

@@ -10,8 +10,10 @@ import torch
 import torch.multiprocessing as mp
 from support import free_port
 
-from treerl.trainer import load_config, train
+from treerl.errors import TrainingStopped
+from treerl.trainer import SFT_DEFAULTS, load_config, sft, train
 from treerl.trainer.checkpoint import checkpoint_dir, read_weights
+from treerl.trainer.sft_data import example_path
 
 pytestmark = pytest.mark.slow  # two processes importing torch + transformers: ~15 s on 2 cores
 
@@ -38,9 +40,20 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     for strategy in STRATEGIES:
         result = train(_config(os.path.join(out_dir, strategy), f"trainer.data_parallel={strategy}"))
         assert result.steps == 2
+        resumed = train(_config(os.path.join(out_dir, f"{strategy}-resumed"), f"trainer.data_parallel={strategy}",
+                                "trainer.steps=3", f"trainer.resume={checkpoint_dir(os.path.join(out_dir, strategy), 2)}"))
+        # rank 0 verified the checkpoint and every rank loaded it, the fitted cost model's samples too
+        assert resumed.steps == 3
         train(_config(os.path.join(out_dir, f"ppo-{strategy}"), f"trainer.data_parallel={strategy}", *PPO))
     for dtype in LOW_PRECISION:  # FSDP2 reduces float32 / bfloat16 gradients with a plain SUM on gloo
         train(_config(os.path.join(out_dir, f"fsdp2-{dtype}"), "trainer.data_parallel=fsdp2", f"model.dtype={dtype}"))
+    for strategy in STRATEGIES:  # a NaN loss stops every rank after the same step (none waits for the others)
+        with pytest.raises(TrainingStopped, match="non-finite policy loss .* at step 1"):
+            sft(load_config(None, ["trainer.lr=1e30", "trainer.steps=3", "trainer.warmup_steps=0",
+                                   "sft.eval_conversations=0", "trainer.progress=false", "trainer.tensorboard=false",
+                                   f"trainer.data_parallel={strategy}",
+                                   f"trainer.output_dir={os.path.join(out_dir, f'nan-{strategy}')}"],
+                            base=("sft.data_path=" + str(example_path()), *SFT_DEFAULTS)))
     torch.distributed.destroy_process_group()
 
 
@@ -95,6 +108,12 @@ def test_ppo_with_a_critic_on_two_ranks_ends_with_the_single_process_policy_and_
                             checkpoint_dir(runs / "ppo-single", 2) / part)
     before, after = (read_weights(checkpoint_dir(runs / "ppo-single", step) / "critic") for step in (1, 2))
     assert not torch.equal(before["score.weight"], after["score.weight"])  # the critic trained
+
+
+def test_a_nan_loss_stops_every_rank_and_nothing_is_saved(runs):
+    for strategy in STRATEGIES:  # the workers asserted the stop itself; the spawn returning means none hung
+        assert (runs / f"nan-{strategy}" / "metrics.jsonl").exists()
+        assert not (runs / f"nan-{strategy}" / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

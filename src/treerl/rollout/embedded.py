@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from treerl.errors import TrainingStopped
 from treerl.rollout.inference import Completion, SamplingParams, check_prompts
 
 
@@ -124,5 +125,11 @@ def sample(
         outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # mass before this token already reaches top_p
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    try:
+        token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    except RuntimeError:
+        if bool(torch.isfinite(logits).all()):
+            raise
+        raise TrainingStopped("the policy's logits are NaN or inf while sampling: its weights are no longer finite "
+                              "(e.g. after too large a trainer.lr); nothing more is sampled or written") from None
     return token, logprobs.gather(-1, token[:, None]).squeeze(1)

@@ -45,7 +45,7 @@ from starlette.concurrency import run_in_threadpool
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treerl.errors import UserError
-from treerl.models import read_weights, tied_names
+from treerl.models import first_nonfinite, read_weights, tied_names
 from treerl.rollout.embedded import EmbeddedEngine, GenerationCancelled
 from treerl.rollout.inference import Completion, SamplingParams
 
@@ -232,13 +232,13 @@ def checked_weights(model: PreTrainedModel, path: str) -> dict[str, torch.Tensor
     if missing or unexpected:
         raise UserError(f"{path}: the weights do not fit the served model (missing {sorted(missing)[:3]}, "
                         f"unexpected {sorted(unexpected)[:3]})")
+    if bad := first_nonfinite(weights):
+        raise UserError(f"{path}: {bad} holds NaN or inf")
     out = {}
     for name, tensor in weights.items():
         if tensor.shape != state[name].shape:
             raise UserError(f"{path}: {name} has shape {tuple(tensor.shape)}, the served model's is "
                             f"{tuple(state[name].shape)}")
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise UserError(f"{path}: {name} holds NaN or inf")
         out[name] = tensor.to(device=state[name].device, dtype=state[name].dtype)
     return out
 

@@ -54,7 +54,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from treerl.errors import CheckpointError, TrainingStopped
-from treerl.models import read_weights, tied_names
+from treerl.models import first_nonfinite, read_weights, tied_names
 
 log = logging.getLogger("treerl.trainer")
 
@@ -238,14 +238,6 @@ def save_checkpoint(
 def full_weights(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """The full (unsharded) weights on CPU; a collective under FSDP2, so every rank calls it."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def first_nonfinite(weights: dict[str, torch.Tensor]) -> str | None:
-    """The name of the first floating-point tensor holding a NaN or inf, or None."""
-    for name, tensor in weights.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            return name
-    return None
 
 
 def write_pretrained(

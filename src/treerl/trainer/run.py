@@ -225,6 +225,18 @@ class Run:
             logging.getLogger("treerl").setLevel(logging.ERROR)
         device = device_for(config.model, env)
         threads_before = set_threads(config.trainer, device)
+        try:
+            run = cls._build(config, env, device, temperature)
+        except BaseException:
+            torch.set_num_threads(threads_before)
+            raise
+        run.threads_before = threads_before
+        run.stop.install()
+        return run
+
+    @classmethod
+    def _build(cls, config: Config, env: DistEnv, device: torch.device, temperature: float) -> Run:
+        """Claim output_dir, build the policy (and critic) with their optimizers, load the checkpoint to resume."""
         start = on_main(env, lambda: choose_start(config))  # before anything is built or written
         seed_everything(config.trainer.seed)
         model, tokenizer = load_policy(config.model, device)
@@ -233,9 +245,7 @@ class Run:
             strategy = "ddp" if env.world_size > 1 else "none"
         dp, optimizer, scheduler = make_trainable(model, strategy, config.trainer)
         run = cls(config, env, tokenizer, dp, optimizer, scheduler, build_train_engine(config.engine, temperature),
-                  run_id=start.run_id, loop_state={"skipped_steps": 0, "nonfinite_skipped": 0,
-                                                                "cost_samples": []},
-                  threads_before=threads_before)
+                  run_id=start.run_id, loop_state={"skipped_steps": 0, "nonfinite_skipped": 0, "cost_samples": []})
         if config.algo.resolved().advantage == "gae":
             run.critic = build_run_critic(config, strategy, len(tokenizer), device)
         if start.path is not None:
@@ -248,7 +258,6 @@ class Run:
                 apply_hyperparameters(run.trainables()[CRITIC_DIR], critic_lr, config.trainer)
             run._fit_cost_model()
             run.print(f"resumed from {start.path} at step {run.start_step}")
-        run.stop.install()
         return run
 
     @property
@@ -432,7 +441,8 @@ class Run:
         gathered: list[list] = [[] for _ in range(self.env.world_size)]
         dist.all_gather_object(gathered, measured)
         samples = deque(self.loop_state["cost_samples"], maxlen=COST_WINDOW)
-        samples.extend(sample for rank_samples in gathered for sample in rank_samples)
+        samples.extend((features.tolist(), float(seconds))  # plain lists: a checkpoint holds no numpy objects
+                       for rank_samples in gathered for features, seconds in rank_samples)
         self.loop_state["cost_samples"] = list(samples)
         self._fit_cost_model()
 
