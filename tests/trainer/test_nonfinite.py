@@ -10,7 +10,7 @@ from treerl.cli.main import app
 from treerl.errors import ModelPathError, TrainingStopped
 from treerl.models import build_model, first_nonfinite, read_weights
 from treerl.rollout import builtin_tokenizer
-from treerl.trainer import SFT_DEFAULTS, sft, train
+from treerl.trainer import SFT_DEFAULTS, sft
 from treerl.trainer.checkpoint import checkpoint_dir, step_dirs, verify_checkpoint
 from treerl.trainer.rl import policy_loss
 from treerl.trainer.run import Run

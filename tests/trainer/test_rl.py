@@ -11,9 +11,9 @@ import pytest
 import torch
 from support import treerl_serve
 
+from treerl.errors import CheckpointError, UserError
 from treerl.rollout import CompletionsClient, Rollout, SamplingParams, build_engine
 from treerl.testing import relative_error
-from treerl.errors import CheckpointError, UserError
 from treerl.trainer import ConfigError, train
 from treerl.trainer.checkpoint import checkpoint_dir, latest_checkpoint, read_weights
 from treerl.trainer.rl import policy_loss, prepare, update_critic

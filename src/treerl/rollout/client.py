@@ -28,7 +28,6 @@ from typing import Any
 
 from treerl.rollout.inference import Completion, SamplingParams, check_prompts
 
-
 API_KEY_ENV = "TREERL_API_KEY"  # the server's key, for `treerl serve --api-key` and the trainer's client alike
 
 

@@ -382,7 +382,7 @@ def read_state(file: Path) -> dict[str, Any]:
     """A trainer_state.pt, read without running code from it (weights_only: tensors and plain values only)."""
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, not a torch file, or an object weights_only refuses
+    except Exception as e:  # noqa: BLE001 (truncated, not a torch file, or an object weights_only refuses)
         raise CheckpointError(f"{file}: not a readable trainer state ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
     if not isinstance(state, dict) or not {"step", "optimizer", "scheduler"} <= set(state):

@@ -140,7 +140,7 @@ def on_main(env: DistEnv, fn: Callable[[], T]) -> T:
     if env.is_main:
         try:
             box[0] = ("value", fn())
-        except Exception as e:  # every rank must raise it, or the others would wait forever
+        except Exception as e:  # noqa: BLE001 (every rank must raise it, or the others would wait forever)
             box[0] = ("error", e)
     dist.broadcast_object_list(box, src=0)
     kind, value = box[0]

@@ -42,7 +42,7 @@ def read_rows(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
             data = datasets.load_from_disk(str(path))
         else:
             data = datasets.load_dataset(DATASETS_FORMATS[path.suffix], data_files=str(path), split="train")
-    except Exception as e:  # datasets and its readers (pyarrow, pandas) raise many types for a bad file
+    except Exception as e:  # noqa: BLE001 (datasets and its readers (pyarrow, pandas) raise many types)
         text = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise DataError(f"{path}: cannot read it as a dataset ({type(e).__name__}: {text})") from None
     if isinstance(data, datasets.DatasetDict):
