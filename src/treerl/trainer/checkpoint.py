@@ -262,10 +262,10 @@ def write_pretrained(
 def write_pretrained_atomically(
     path: Path, model: PreTrainedModel, weights: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase
 ) -> None:
-    """`write_pretrained` into a temporary sibling, synced, then renamed to `path` (a reader never sees half)."""
+    """`write_pretrained` into a temporary sibling, then renamed to `path`: a reader (an inference server loading
+    the new weights) never sees half of it. Not fsynced nor hashed: a crash loses nothing a checkpoint holds."""
     tmp = path.with_name(f"{_TEMPORARY[0]}{path.name}-{os.getpid()}")
     write_pretrained(tmp, model, weights, tokenizer)
-    _seal(tmp)
     _publish(tmp, path)
 
 
