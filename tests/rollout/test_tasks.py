@@ -100,7 +100,7 @@ def test_every_row_once_per_epoch_and_stateless_order(tmp_path):
     "content, message",
     [
         ('{"prompt": "a"}\nnot json\n', r"d.jsonl:2: not valid JSON"),
-        ('{"text": "a"}\n', r"row 0: no field 'prompt' \(fields: text\)"),
+        ('{"text": "a"}\n', r"d.jsonl:1: no field 'prompt' \(fields: text\)"),
         ('{"prompt": 5}\n', "must be a string or a list of"),
         ('[1, 2]\n', "expected a JSON object"),
         ("\n", "no rows"),

@@ -79,9 +79,9 @@ def test_plain_format_and_file_errors(tmp_path):
                                          plain)
     assert plain.tokenizer.decode(conversation.sequences[0].tokens.tolist()) == "User: hi\nAssistant: yo<eos>"
     assert conversation.id == "row0"
-    with pytest.raises(ValueError, match=r"data.jsonl row 0 path 0: a path without an assistant message"):
+    with pytest.raises(ValueError, match=r"data.jsonl:1 path 0: a path without an assistant message"):
         load_conversations(_write(tmp_path, [{"messages": [_m("user", "hi")]}]), plain)
-    with pytest.raises(ValueError, match=r"data.jsonl row 0: expected an object with 'messages'"):
+    with pytest.raises(ValueError, match=r"data.jsonl:1: expected an object with 'messages'"):
         load_conversations(_write(tmp_path, [{"turns": []}]), plain)
     with pytest.raises(DataError, match="sft.data_path"):
         load_conversations(tmp_path / "missing.jsonl", plain)

@@ -44,7 +44,7 @@ from transformers import PreTrainedTokenizerBase
 from treerl.errors import DataError
 from treerl.rollout.chat import ChatFormat, Message
 from treerl.rollout.tasks.base import rng_for
-from treerl.rollout.tasks.dataset import read_rows
+from treerl.rollout.tasks.dataset import located_rows
 from treerl.rollout.tokenizer import PLAIN_CHAT_TEMPLATE
 from treerl.tree import Sequence
 from treerl.tree.io import MAX_LINE_BYTES
@@ -130,13 +130,12 @@ class Conversation:
 def load_conversations(path: str | Path, chat: ChatFormat, max_line_bytes: int = MAX_LINE_BYTES) -> list[Conversation]:
     """Read and render every conversation up front, so a bad row fails before training starts.
 
-    The rows come from a JSONL file (or any local format `treerl.rollout.tasks.dataset.read_rows` reads).
+    The rows come from a JSONL file (or any local format `treerl.rollout.tasks.dataset.located_rows` reads).
     """
     if not Path(path).exists():
         raise DataError(f"sft.data_path={str(path)!r} does not exist")
     conversations = []
-    for i, row in enumerate(read_rows(path, max_line_bytes, "sft.max_line_bytes")):
-        where = f"{path} row {i}"
+    for i, (where, row) in enumerate(located_rows(path, max_line_bytes, "sft.max_line_bytes")):
         if "messages" not in row:
             raise DataError(f"{where}: expected an object with 'messages'")
         cid = str(row.get("id") or f"row{i}")

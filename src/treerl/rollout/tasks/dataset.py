@@ -28,11 +28,17 @@ DATASETS_FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json"}
 def read_rows(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
               limit_option: str = "rollout.max_line_bytes") -> list[dict[str, Any]]:
     """The rows of a local JSONL file (streamed, each line at most `max_line_bytes`) or `datasets` dataset, as dicts."""
+    return [row for _, row in located_rows(path, max_line_bytes, limit_option)]
+
+
+def located_rows(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
+                 limit_option: str = "rollout.max_line_bytes") -> list[tuple[str, dict[str, Any]]]:
+    """`read_rows` with where each row is, for messages: "file.jsonl:LINE", or "file row INDEX" (0-based)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"data path {str(path)!r} does not exist (treerl only reads local data)")
     if path.suffix == ".jsonl":
-        return [row for _, row in json_lines(path, max_line_bytes, limit_option)]
+        return [(f"{path}:{line}", row) for line, row in json_lines(path, max_line_bytes, limit_option)]
     if not path.is_dir() and path.suffix not in DATASETS_FORMATS:
         raise DataError(f"{path}: unknown data format; use .jsonl, .json, .parquet, .csv or a save_to_disk directory")
     import datasets
@@ -49,7 +55,7 @@ def read_rows(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
         if "train" not in data:
             raise DataError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(data)})")
         data = data["train"]
-    return [dict(row) for row in data]
+    return [(f"{path} row {i}", dict(row)) for i, row in enumerate(data)]
 
 
 def row_messages(row: dict[str, Any], where: str, prompt_key: str, system_prompt: str | None) -> list[Message]:
@@ -86,13 +92,10 @@ class DatasetTask:
     ) -> DatasetTask:
         """Read and check every row up front, so a bad row fails before training starts."""
         check_reward_fn(reward_fn, getattr(reward_fn, "__name__", "reward_fn"))
-        rows = read_rows(path, max_line_bytes)
+        rows = located_rows(path, max_line_bytes)
         if not rows:
             raise DataError(f"{path}: no rows")
-        data = [
-            (row_messages(row, f"{path} row {i}", prompt_key, system_prompt), row.get(answer_key))
-            for i, row in enumerate(rows)
-        ]
+        data = [(row_messages(row, where, prompt_key, system_prompt), row.get(answer_key)) for where, row in rows]
         return cls(data, reward_fn, **kwargs)
 
     def prompts(self, step: int, count: int) -> list[Prompt]:
