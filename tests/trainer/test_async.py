@@ -297,16 +297,22 @@ def test_rewards_that_exit_or_hang_are_dropped_samples_in_async_mode(tiny_config
         assert ("SystemExit: the reward function called exit()" if name == "interrupts" else "did not return") in dropped
 
 
-def test_a_stopped_worker_is_flagged_even_before_it_is_ready(tiny_config, caplog):
-    """SIGSTOP as soon as the worker's code runs (it is still building its model): it is killed and restarted
-    after worker_timeout, not after the 600 s a worker may take to start; the other worker samples meanwhile."""
+@pytest.mark.parametrize("when, reason", [
+    ("spawned", "has been stopped (SIGSTOP or a debugger) for 2 s"),  # still importing: /proc says it is stopped
+    ("pulsing", "showed no sign of life for 2 s"),  # its code runs (no /proc here: the pulse tells)
+])
+def test_a_stopped_worker_is_flagged_even_before_it_is_ready(tiny_config, caplog, monkeypatch, when, reason):
+    """SIGSTOP while the worker starts: it is killed and restarted after worker_timeout, not after the 600 s a
+    worker may take to build its model; the other worker samples meanwhile."""
+    if when == "pulsing":
+        monkeypatch.setattr(pool_module, "process_stopped", lambda pid: False)
     config = tiny_config(*ASYNC, "trainer.rollout_workers=2", "trainer.worker_timeout=2", "rollout.reward_timeout=1")
     model, _ = load_policy(config.model, torch.device("cpu"))
     weights = SharedWeights.of(model, version=0)
     pool = RolloutPool(config, build_task(config.rollout), weights, version=0)
     try:
         deadline = time.monotonic() + 120
-        while pool.pulses[0] == 0 and time.monotonic() < deadline:
+        while when == "pulsing" and pool.pulses[0] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         os.kill(pool.workers[0].process.pid, signal.SIGSTOP)
         stopped = time.monotonic()
@@ -323,5 +329,5 @@ def test_a_stopped_worker_is_flagged_even_before_it_is_ready(tiny_config, caplog
     finally:
         pool.close()
     assert pool.counters.restarts == 1 and flagged < 60
-    assert "rollout worker 0" in caplog.text and "showed no sign of life for 2 s" in caplog.text
+    assert "rollout worker 0" in caplog.text and reason in caplog.text
     pool.counters.check()

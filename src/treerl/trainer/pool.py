@@ -23,10 +23,11 @@ what would only be dropped. eta = 0 admits exactly the B groups of step v, sampl
 weights of v, and waits for all of them: the synchronous loop.
 
 Faults. A worker is restarted in its slot (killed first if it still runs) when its process exited;
-when it showed no sign of life for `trainer.worker_timeout` seconds (a thread in it pulses a shared
-clock from the moment its code runs: a stopped (SIGSTOP) or frozen process, idle or busy, starting
-or not); when it holds work and made no model forward or reward call for that long (hung); or when
-it has not built its model after STARTUP_SECONDS. Results it had sent are kept, and its unfinished
+when it has been stopped (SIGSTOP, a debugger: its state in /proc) for `trainer.worker_timeout`
+seconds, whatever it was doing, its imports included; when it showed no sign of life for that long
+(a thread in it pulses a shared clock once its code runs: a frozen process, idle or busy); when it
+holds work and made no model forward or reward call for that long (hung); or when it has not built
+its model after STARTUP_SECONDS. Results it had sent are kept, and its unfinished
 groups are counted lost and re-queued ahead of new prompts. Work goes to workers that are ready
 when there are any, so a worker slow to start does not sit on groups another could sample.
 A Python error inside a worker is not retried: the run stops with the worker's traceback.
@@ -124,6 +125,7 @@ class WorkerHandle:
     outstanding: dict[int, Job] = field(default_factory=dict)  # job id -> job, sent and not back
     ready: bool = False  # its model is built (it said "ready")
     started: float = 0.0  # time.monotonic() when it was spawned
+    stopped_since: float | None = None  # when it was first seen stopped (SIGSTOP), if it still is
     reader: threading.Thread | None = None  # moves its messages into the pool's inbox
 
 
@@ -292,8 +294,12 @@ class RolloutPool:
         timeout = self.config.trainer.worker_timeout
         for worker in self.workers:
             now, pulse = time.monotonic(), self.pulses[worker.slot]
+            stopped = process_stopped(worker.process.pid)  # type: ignore[arg-type]
+            worker.stopped_since = (worker.stopped_since or now) if stopped else None
             if not worker.process.is_alive():
                 reason = f"exited with code {worker.process.exitcode}"
+            elif worker.stopped_since is not None and now - worker.stopped_since > timeout:
+                reason = f"has been stopped (SIGSTOP or a debugger) for {timeout:g} s (killed)"
             elif pulse and now - pulse > timeout:
                 reason = f"showed no sign of life for {timeout:g} s (stopped or frozen; killed)"
             elif worker.ready and worker.outstanding and now - self.heartbeats[worker.slot] > timeout:
@@ -352,6 +358,15 @@ class RolloutPool:
             except (EOFError, OSError):
                 return
             self.inbox.put((worker, message))
+
+
+def process_stopped(pid: int) -> bool:
+    """The process is stopped (state T or t in /proc/PID/stat: SIGSTOP, SIGTSTP, a debugger); False without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def trajectory_rewards(sequences: list[Sequence]) -> list[float]:
