@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config, Qwen3Config
 
-from treerl.errors import ModelPathError
+from treerl.errors import ModelPathError, UserError
 
 ARCHITECTURES = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}
 
@@ -37,7 +37,7 @@ SHAPES: dict[str, tuple[str, dict]] = {
 def model_config(shape: str, vocab_size: int | None = None, max_positions: int = 32768):
     """The transformers config of a named shape (see SHAPES), random weights to be initialised from it."""
     if shape not in SHAPES:
-        raise ValueError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
+        raise UserError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
     arch, overrides = SHAPES[shape]
     kwargs = dict(vocab_size=512, max_position_embeddings=max_positions, tie_word_embeddings=False)
     kwargs.update(overrides)
