@@ -69,6 +69,13 @@ def free_port() -> int:
 @contextlib.contextmanager
 def treerl_serve(*args: str) -> Iterator[str]:
     """`python -m treerl.cli.main serve ARGS` on a free loopback port; yields its URL; killed on exit."""
+    with treerl_serve_process(*args) as (_, url):
+        yield url
+
+
+@contextlib.contextmanager
+def treerl_serve_process(*args: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`treerl_serve`, yielding the server process too."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     src = os.path.join(os.path.dirname(__file__), "..", "src")
@@ -88,7 +95,7 @@ def treerl_serve(*args: str) -> Iterator[str]:
                 if time.monotonic() > deadline:
                     raise TimeoutError("treerl serve did not become ready in 60 s") from None
                 time.sleep(0.2)
-        yield url
+        yield process, url
     finally:
         process.terminate()
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from treerl.errors import ModelPathError
 from treerl.models import SHAPES, build_model
 
 
@@ -18,7 +19,7 @@ def test_local_checkpoint_round_trip(tmp_path):
 
 
 def test_missing_path_and_unknown_shape_are_clear():
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(ModelPathError, match="does not exist"):
         build_model(path="/nonexistent/checkpoint")
     with pytest.raises(ValueError, match="unknown model shape 'qwen9'"):
         build_model(shape="qwen9")

@@ -6,10 +6,15 @@ tests and the CPU demo, real-size ones for GPU benchmarks) start from random wei
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config, Qwen3Config
+
+from treerl.errors import ModelPathError, UserError
 
 ARCHITECTURES = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}
 
@@ -32,7 +37,7 @@ SHAPES: dict[str, tuple[str, dict]] = {
 def model_config(shape: str, vocab_size: int | None = None, max_positions: int = 32768):
     """The transformers config of a named shape (see SHAPES), random weights to be initialised from it."""
     if shape not in SHAPES:
-        raise ValueError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
+        raise UserError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
     arch, overrides = SHAPES[shape]
     kwargs = dict(vocab_size=512, max_position_embeddings=max_positions, tie_word_embeddings=False)
     kwargs.update(overrides)
@@ -51,25 +56,90 @@ def build_model(
     attn_implementation: str = "sdpa",
     auto_class: type = AutoModelForCausalLM,
     overrides: dict | None = None,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """Load a model from a local `path`, or build shape `shape`; weights not in the checkpoint are seeded.
 
     `auto_class` and config `overrides` build other heads on the same body (the critic:
-    AutoModelForTokenClassification with num_labels=1).
+    AutoModelForTokenClassification with num_labels=1). Python code shipped with a checkpoint
+    (`auto_map`) runs only with `trust_remote_code=True`.
     """
-    if path and not Path(path).exists():
-        raise FileNotFoundError(f"model.path {path!r} does not exist (treerl never downloads weights)")
-    config = load_config(path) if path else model_config(shape, vocab_size=vocab_size)
+    config = load_config(path, trust_remote_code) if path else model_config(shape, vocab_size=vocab_size)
     config.update(overrides or {})
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
-    if path:
-        model = auto_class.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
-    else:
-        model = auto_class.from_config(config, dtype=dtype)
+    if not path:
+        return auto_class.from_config(config, dtype=dtype).to(device)
+    try:
+        model = auto_class.from_pretrained(path, config=config, dtype=dtype, local_files_only=True,
+                                           trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # missing, truncated or mismatched weights
+        raise ModelPathError(f"model path {str(path)!r}: cannot load its weights ({_first_line(e)})") from None
+    if bad := first_nonfinite(model.state_dict()):
+        raise ModelPathError(f"model path {str(path)!r}: weight {bad} holds NaN or inf; training from it would only "
+                             "produce NaN")
     return model.to(device)
 
 
-def load_config(path: str) -> object:
-    """The config of a local checkpoint, without its weights."""
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+def load_config(path: str, trust_remote_code: bool = False) -> object:
+    """The config of a local checkpoint, without its weights; a clear error for a directory that is not one."""
+    check_model_dir(path)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):
+            raise ModelPathError(f"model path {str(path)!r} needs its own Python code to load (auto_map in its "
+                                 "config.json); set model.trust_remote_code=true only if you trust that code") from None
+        raise ModelPathError(f"model path {str(path)!r}: unreadable config.json ({_first_line(e)})") from None
+
+
+def check_model_dir(path: str | Path, key: str = "model path") -> None:
+    """A local transformers checkpoint directory (with a config.json), or a ModelPathError naming `key` and what
+    the directory lacks."""
+    if not Path(path).exists():
+        raise ModelPathError(f"{key}={str(path)!r} does not exist (treerl only loads local checkpoints)")
+    if not (Path(path) / "config.json").is_file():
+        raise ModelPathError(f"{key}={str(path)!r} is not a transformers checkpoint directory: it has no config.json "
+                             "(expected config.json, *.safetensors weights and tokenizer files, as save_pretrained "
+                             "writes them)")
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a save_pretrained directory (model.safetensors, or the shards its index lists); safetensors
+    only, so no code runs from the files."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    try:
+        if (path / "model.safetensors").exists():
+            return load_file(path / "model.safetensors")
+        if not index.exists():
+            raise ModelPathError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        weights: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            weights.update(load_file(path / shard))
+        return weights
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
+        if isinstance(e, ModelPathError):
+            raise
+        raise ModelPathError(f"{path}: unreadable safetensors weights ({_first_line(e)})") from None
+
+
+def first_nonfinite(weights: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or inf, or None."""
+    for name, tensor in weights.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
+
+
+def tied_names(model: torch.nn.Module) -> set[str]:
+    """Names of parameters registered under several names (tied embeddings): saved once, loaded through the other."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return {name for names in by_id.values() if len(names) > 1 for name in names}
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"

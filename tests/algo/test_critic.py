@@ -14,6 +14,7 @@ from treerl.algo.config import AGGREGATIONS
 from treerl.engine import DfsEngine, FlatEngine
 from treerl.engine.base import SequenceView, split_loss
 from treerl.engine.head import ValueHead
+from treerl.errors import ModelPathError
 from treerl.models import build_model
 from treerl.tree import Sequence
 
@@ -110,5 +111,5 @@ def test_critic_loads_a_causal_lm_body_from_a_local_path(tmp_path) -> None:
     body, loaded = lm.base_model.state_dict(), critic.base_model.state_dict()
     assert body.keys() == loaded.keys() and all(torch.equal(body[k], loaded[k]) for k in body)
     assert critic.score.out_features == 1 and critic.dropout.p == 0.0
-    with pytest.raises(FileNotFoundError, match="never downloads"):
+    with pytest.raises(ModelPathError, match="does not exist"):
         build_critic(str(tmp_path / "missing"))

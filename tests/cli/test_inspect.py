@@ -28,5 +28,5 @@ def test_inspect_names_a_bad_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"tokens": [1, 2]}) + "\n" + json.dumps({"ids": [3]}) + "\n")
     result = CliRunner().invoke(app, ["inspect", str(path)])
-    assert result.exit_code != 0
-    assert "bad.jsonl:2: field 'tokens'" in str(result.exception)
+    assert result.exit_code == 2
+    assert "bad.jsonl:2: field 'tokens'" in result.output

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from treerl.rollout import load_reward_fn
-from treerl.rollout.rewards import RewardFailure, call_reward
+from treerl.rollout.rewards import RewardFailure, UserCode, call_reward
 
 
 def test_load_by_module_path():
@@ -80,3 +84,39 @@ def _raise():
 )
 def test_call_reward(fn, expected):
     assert call_reward(fn) == expected
+
+
+def _exits():
+    raise SystemExit("the reward called exit()")
+
+
+def _interrupts():
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("fn, message", [
+    (_exits, "raised SystemExit: the reward called exit()"),
+    (_interrupts, "raised KeyboardInterrupt: "),
+])
+def test_exit_and_interrupt_from_a_reward_are_dropped_samples(fn, message):
+    assert call_reward(fn) == RewardFailure("raised", message)
+
+
+def test_a_reward_past_its_time_limit_is_dropped_and_the_next_call_runs():
+    user_code = UserCode(timeout=0.2)
+    release = threading.Event()
+    started = time.monotonic()
+    failure = call_reward(lambda: release.wait(60) and 1.0, user_code)
+    assert failure == RewardFailure("timeout", "did not return within 0.2 s (rollout.reward_timeout)")
+    assert time.monotonic() - started < 5 and user_code.abandoned == 1
+    assert call_reward(lambda: 0.5, user_code) == 0.5  # a fresh thread: the hung call does not block it
+    release.set()
+
+
+def test_a_real_ctrl_c_still_stops_a_run_waiting_on_a_reward():
+    """Python delivers SIGINT to the main thread, which only waits: the KeyboardInterrupt is not the reward's."""
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        call_reward(lambda: time.sleep(10) or 1.0)
+    timer.join()

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from treerl.errors import DataError
 from treerl.rollout.tasks import Arithmetic, DatasetTask, GuessNumber
 from treerl.rollout.tasks.arithmetic import reward as arithmetic_reward
 from treerl.rollout.tasks.dataset import read_rows
@@ -99,7 +100,7 @@ def test_every_row_once_per_epoch_and_stateless_order(tmp_path):
     "content, message",
     [
         ('{"prompt": "a"}\nnot json\n', r"d.jsonl:2: not valid JSON"),
-        ('{"text": "a"}\n', r"row 0: no field 'prompt' \(fields: text\)"),
+        ('{"text": "a"}\n', r"d.jsonl:1: no field 'prompt' \(fields: text\)"),
         ('{"prompt": 5}\n', "must be a string or a list of"),
         ('[1, 2]\n', "expected a JSON object"),
         ("\n", "no rows"),
@@ -112,7 +113,7 @@ def test_bad_data_is_a_clear_error(tmp_path, content, message):
 
 
 def test_missing_data_path_and_unknown_format(tmp_path):
-    with pytest.raises(FileNotFoundError, match="only reads local data"):
+    with pytest.raises(DataError, match="only reads local data"):
         read_rows(tmp_path / "missing.jsonl")
     (tmp_path / "d.txt").write_text("x")
     with pytest.raises(ValueError, match="unknown data format"):

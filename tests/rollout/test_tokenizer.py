@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import PreTrainedTokenizerFast
 
+from treerl.errors import ModelPathError
 from treerl.rollout.tokenizer import CHARACTERS, PLAIN_CHAT_TEMPLATE, builtin_tokenizer, load_tokenizer
 
 
@@ -45,5 +46,5 @@ def test_checkpoint_without_chat_template_gets_the_plain_format(tmp_path):
 
 
 def test_missing_path_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="never downloads"):
+    with pytest.raises(ModelPathError, match="never downloads"):
         load_tokenizer(tmp_path / "nope")

@@ -118,7 +118,7 @@ def test_zero_staleness_trains_what_the_synchronous_loop_trains(tiny_config, tmp
 def test_two_workers_bound_staleness_and_survive_a_crash_and_a_hang(tiny_config):
     """Weights change every version; a worker is SIGKILLed holding work, another SIGSTOPped (a hang)."""
     config = tiny_config(*ASYNC, "trainer.rollout_workers=2", "trainer.max_staleness=1", "model.dtype=float64",
-                         "trainer.worker_timeout=2")
+                         "trainer.worker_timeout=2", "rollout.reward_timeout=1")
     model, _ = load_policy(config.model, torch.device("cpu"))
     checker, _ = load_policy(config.model, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
@@ -251,6 +251,10 @@ def exits(prompt, completion, answer):
 
 def interrupts(prompt, completion, answer):
     raise SystemExit("the reward function called exit()")
+
+def hangs(prompt, completion, answer):
+    import time
+    time.sleep(3600)
 '''
 
 
@@ -275,5 +279,55 @@ def test_groups_whose_samples_all_failed_are_counted_and_their_steps_skipped(tin
 def test_a_worker_that_keeps_dying_stops_the_run_with_the_reason(tiny_config, rewards):
     with pytest.raises(RuntimeError, match=r"restarted 2 times \(trainer.max_worker_restarts=1\).*exited with code 3"):
         train(tiny_config(*rewards("exits"), "trainer.steps=2", "trainer.max_worker_restarts=1"))
-    with pytest.raises(RuntimeError, match=r"(?s)rollout worker 0 .* failed:.*SystemExit: the reward function"):
-        train(tiny_config(*rewards("interrupts"), "trainer.steps=2"))
+    with pytest.raises(RuntimeError, match=r"restarted 2 times .*made no progress for 2 s"):  # no reward time limit
+        train(tiny_config(*rewards("hangs"), "trainer.steps=2", "trainer.max_worker_restarts=1",
+                          "trainer.worker_timeout=2", "rollout.reward_timeout=null", name="hangs"))
+
+
+@pytest.mark.slow
+def test_rewards_that_exit_or_hang_are_dropped_samples_in_async_mode(tiny_config, rewards, tmp_path):
+    """sys.exit() in a reward, or a reward past rollout.reward_timeout: the sample is dropped with its reason."""
+    for name, reason in (("interrupts", "reward_raised"), ("hangs", "reward_timeout")):
+        result = train(tiny_config(*rewards(name), "trainer.steps=2", "trainer.save_final=false",
+                                   "rollout.reward_timeout=0.2", name=name))
+        assert result.dropped_samples == 2 * 2 * 2 and result.counters["restarts"] == 0
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert sum(r.get(f"rollout/dropped_{reason}", 0) for r in rows) == 8
+        dropped = (tmp_path / name / "dropped.jsonl").read_text()
+        assert ("SystemExit: the reward function called exit()" if name == "interrupts" else "did not return") in dropped
+
+
+@pytest.mark.parametrize("when, reason", [
+    ("spawned", "has been stopped (SIGSTOP or a debugger) for 2 s"),  # still importing: /proc says it is stopped
+    ("pulsing", "showed no sign of life for 2 s"),  # its code runs (no /proc here: the pulse tells)
+])
+def test_a_stopped_worker_is_flagged_even_before_it_is_ready(tiny_config, caplog, monkeypatch, when, reason):
+    """SIGSTOP while the worker starts: it is killed and restarted after worker_timeout, not after the 600 s a
+    worker may take to build its model; the other worker samples meanwhile."""
+    if when == "pulsing":
+        monkeypatch.setattr(pool_module, "process_stopped", lambda pid: False)
+    config = tiny_config(*ASYNC, "trainer.rollout_workers=2", "trainer.worker_timeout=2", "rollout.reward_timeout=1")
+    model, _ = load_policy(config.model, torch.device("cpu"))
+    weights = SharedWeights.of(model, version=0)
+    pool = RolloutPool(config, build_task(config.rollout), weights, version=0)
+    try:
+        deadline = time.monotonic() + 120
+        while when == "pulsing" and pool.pulses[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(pool.workers[0].process.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        version = 0
+        while pool.counters.restarts == 0 and time.monotonic() < deadline:
+            assert len(pool.next_batch(version).groups) == 2
+            version += 1
+            weights.publish(model, version)
+        flagged = time.monotonic() - stopped
+        for _ in range(2):  # the restarted worker and the other one go on
+            pool.next_batch(version)
+            version += 1
+            weights.publish(model, version)
+    finally:
+        pool.close()
+    assert pool.counters.restarts == 1 and flagged < 60
+    assert "rollout worker 0" in caplog.text and reason in caplog.text
+    pool.counters.check()

@@ -11,6 +11,7 @@ import pytest
 import torch
 from support import treerl_serve
 
+from treerl.errors import CheckpointError, UserError
 from treerl.rollout import CompletionsClient, Rollout, SamplingParams, build_engine
 from treerl.testing import relative_error
 from treerl.trainer import ConfigError, train
@@ -58,8 +59,8 @@ def test_resume_auto_takes_the_latest_checkpoint_or_starts_fresh(tiny_config, tm
     train(longer)
     steps = [r["step"] for r in metrics_rows(tmp_path / "run") if "train/loss" in r]
     assert steps == [0, 1, 2]  # the resumed run appended step 2 only
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
-        train(tiny_config("trainer.resume=/no/such/checkpoint"))
+    with pytest.raises(CheckpointError, match="resume='/no/such/checkpoint': checkpoint /no/such/checkpoint: does not"):
+        train(tiny_config("trainer.resume=/no/such/checkpoint", name="other"))
 
 
 def _gradients(config) -> tuple[dict[str, torch.Tensor], float, dict]:
@@ -84,7 +85,7 @@ def test_a_training_step_with_a_tree_engine_equals_flat(tiny_config, task, engin
     common = ["model.dtype=float64", f"rollout.task={task}", "algo.kl_coef=0.0", "algo.loss=grpo",
               "trainer.recompute_logprobs=true", "rollout.prompts_per_step=3"]
     dfs, dfs_loss, dfs_metrics = _gradients(tiny_config(*common, f"engine.name={engine}", "engine.chunk_tokens=7"))
-    flat, flat_loss, flat_metrics = _gradients(tiny_config(*common, "engine.name=flat"))
+    flat, flat_loss, flat_metrics = _gradients(tiny_config(*common, "engine.name=flat", name="flat"))
     assert dfs_loss == pytest.approx(flat_loss, rel=1e-6, abs=1e-9)
     assert set(dfs) == set(flat) and len(flat) > 10
     for name in flat:
@@ -118,7 +119,7 @@ def test_ppo_with_a_critic_on_the_tree_equals_flat(tiny_config, task):
     """Values, GAE advantages and returns, the policy's and the critic's gradients: DfsEngine == FlatEngine."""
     common = ["model.dtype=float64", f"rollout.task={task}", "algo.loss=ppo", "rollout.prompts_per_step=3"]
     dfs_policy, dfs_critic, dfs = _critic_gradients(tiny_config(*common, "engine.chunk_tokens=7"))
-    flat_policy, flat_critic, flat = _critic_gradients(tiny_config(*common, "engine.name=flat"))
+    flat_policy, flat_critic, flat = _critic_gradients(tiny_config(*common, "engine.name=flat", name="flat"))
     assert dfs["values"].abs().sum() > 0 and dfs["returns"].abs().sum() > 0
     for key in ("values", "advantages", "returns"):
         assert relative_error(dfs[key], flat[key]) <= 1e-6, key
@@ -143,8 +144,9 @@ def test_ppo_with_a_critic_resumes_exactly(tiny_config, tmp_path):
     assert all(torch.equal(critic_a[k], critic_b[k]) for k in critic_a)
     start = read_weights(checkpoint_dir(tmp_path / "straight", 2) / "critic")
     assert not torch.equal(start["score.weight"], critic_a["score.weight"])  # the critic did train
-    with pytest.raises(FileNotFoundError, match="has no critic/"):  # a checkpoint of a run without a critic
-        train(tiny_config("trainer.steps=1", name="grpo"))
+    train(tiny_config("trainer.steps=1", name="grpo"))
+    with pytest.raises(CheckpointError, match=r"algo.loss: 'dr_grpo' in the checkpoint, 'ppo' now; algo.advantage: "
+                                              r"'group_mean' in the checkpoint, 'gae' now"):
         train(tiny_config(*common, f"trainer.resume={checkpoint_dir(tmp_path / 'grpo', 1)}", name="bad"))
 
 
@@ -169,6 +171,13 @@ def flaky(prompt, completion, answer):
 
 def broken(prompt, completion, answer):
     raise RuntimeError("reward server down")
+
+def exits(prompt, completion, answer):
+    raise SystemExit(f"exit called on {completion!r}")
+
+def hangs(prompt, completion, answer):
+    import time
+    time.sleep(3600)
 '''
 
 
@@ -205,8 +214,21 @@ def test_a_step_whose_samples_all_fail_is_skipped_not_fatal(tiny_config, tmp_pat
     assert [r["trainer/skipped_steps"] for r in rows] == [1, 2]
 
 
+@pytest.mark.parametrize("reward, reason, text", [("exits", "reward_raised", "raised SystemExit: exit called on"),
+                                                  ("hangs", "reward_timeout", "did not return within 0.2 s")])
+def test_a_reward_that_exits_or_hangs_drops_its_sample_and_the_run_goes_on(tiny_config, tmp_path, user_task, reward,
+                                                                           reason, text):
+    """Synchronous training: sys.exit() in a reward, or a reward past rollout.reward_timeout, is a dropped sample."""
+    result = train(tiny_config(*user_task, f"rollout.reward_fn=my_rewards_for_trainer_test:{reward}", "trainer.steps=1",
+                               "rollout.reward_timeout=0.2", "trainer.save_final=false"))
+    assert result.steps == 1 and result.skipped_steps == 1 and result.dropped_samples == 2 * 4
+    (row,) = [r for r in metrics_rows(tmp_path / "run") if "rollout/dropped" in r]
+    assert row[f"rollout/dropped_{reason}"] == 8
+    assert text in (tmp_path / "run" / "dropped.jsonl").read_text()
+
+
 def test_bad_setups_are_clear_errors(tiny_config, tmp_path):
-    with pytest.raises(ConfigError, match="model.path='/no/such/model' does not exist"):
+    with pytest.raises(UserError, match="model.path='/no/such/model' does not exist"):
         train(tiny_config("model.path=/no/such/model"))
     with pytest.raises(ValueError, match="reward function 'no_such_module:f': cannot import"):
         train(tiny_config("rollout.task=dataset", f"rollout.data_path={tmp_path}", "rollout.reward_fn=no_such_module:f"))
@@ -219,7 +241,7 @@ def test_a_checkpoint_is_a_local_model_path_for_a_users_data(tiny_config, tmp_pa
     train(tiny_config("trainer.steps=1", name="first"))
     checkpoint = checkpoint_dir(tmp_path / "first", 1)
     config = tiny_config(f"model.path={checkpoint}", *user_task, "rollout.reward_fn=my_rewards_for_trainer_test:flaky",
-                         "trainer.steps=1", name="second")
+                         "trainer.steps=1", "trainer.overwrite=true", name="second")
     run = Run.start(config)
     saved = read_weights(checkpoint)
     assert all(torch.equal(run.policy.state_dict()[k], v) for k, v in saved.items())

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from treerl.errors import DataError
 from treerl.rollout import load_tokenizer
 from treerl.trainer import SFT_DEFAULTS, ConfigError, sft
 from treerl.trainer.sft_data import SFTData, chat_format, example_path, load_conversations, paths
@@ -78,11 +79,11 @@ def test_plain_format_and_file_errors(tmp_path):
                                          plain)
     assert plain.tokenizer.decode(conversation.sequences[0].tokens.tolist()) == "User: hi\nAssistant: yo<eos>"
     assert conversation.id == "row0"
-    with pytest.raises(ValueError, match=r"data.jsonl row 0 path 0: a path without an assistant message"):
+    with pytest.raises(ValueError, match=r"data.jsonl:1 path 0: a path without an assistant message"):
         load_conversations(_write(tmp_path, [{"messages": [_m("user", "hi")]}]), plain)
-    with pytest.raises(ValueError, match=r"data.jsonl row 0: expected an object with 'messages'"):
+    with pytest.raises(ValueError, match=r"data.jsonl:1: expected an object with 'messages'"):
         load_conversations(_write(tmp_path, [{"turns": []}]), plain)
-    with pytest.raises(FileNotFoundError, match="sft.data_path"):
+    with pytest.raises(DataError, match="sft.data_path"):
         load_conversations(tmp_path / "missing.jsonl", plain)
 
 

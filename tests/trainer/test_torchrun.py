@@ -10,12 +10,15 @@ import torch
 import torch.multiprocessing as mp
 from support import free_port
 
-from treerl.trainer import load_config, train
+from treerl.errors import TrainingStopped
+from treerl.trainer import SFT_DEFAULTS, load_config, sft, train
 from treerl.trainer.checkpoint import checkpoint_dir, read_weights
+from treerl.trainer.sft_data import example_path
 
 pytestmark = pytest.mark.slow  # two processes importing torch + transformers: ~15 s on 2 cores
 
 STRATEGIES = ("ddp", "fsdp2")
+LOW_PRECISION = {"float32": 1e-5, "bfloat16": 2e-2}  # dtype -> relative tolerance of the final weights
 PPO = ["algo.loss=ppo", "algo.kl_coef=0.0",  # with a critic: its values, GAE and its updates under data parallelism
        "trainer.save_every=1", "trainer.keep_checkpoints=0"]
 SETTINGS = [
@@ -37,7 +40,20 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     for strategy in STRATEGIES:
         result = train(_config(os.path.join(out_dir, strategy), f"trainer.data_parallel={strategy}"))
         assert result.steps == 2
+        resumed = train(_config(os.path.join(out_dir, f"{strategy}-resumed"), f"trainer.data_parallel={strategy}",
+                                "trainer.steps=3", f"trainer.resume={checkpoint_dir(os.path.join(out_dir, strategy), 2)}"))
+        # rank 0 verified the checkpoint and every rank loaded it, the fitted cost model's samples too
+        assert resumed.steps == 3
         train(_config(os.path.join(out_dir, f"ppo-{strategy}"), f"trainer.data_parallel={strategy}", *PPO))
+    for dtype in LOW_PRECISION:  # FSDP2 reduces float32 / bfloat16 gradients with a plain SUM on gloo
+        train(_config(os.path.join(out_dir, f"fsdp2-{dtype}"), "trainer.data_parallel=fsdp2", f"model.dtype={dtype}"))
+    for strategy in STRATEGIES:  # a NaN loss stops every rank after the same step (none waits for the others)
+        with pytest.raises(TrainingStopped, match="non-finite policy loss .* at step 1"):
+            sft(load_config(None, ["trainer.lr=1e30", "trainer.steps=3", "trainer.warmup_steps=0",
+                                   "sft.eval_conversations=0", "trainer.progress=false", "trainer.tensorboard=false",
+                                   f"trainer.data_parallel={strategy}",
+                                   f"trainer.output_dir={os.path.join(out_dir, f'nan-{strategy}')}"],
+                            base=("sft.data_path=" + str(example_path()), *SFT_DEFAULTS)))
     torch.distributed.destroy_process_group()
 
 
@@ -49,19 +65,40 @@ def runs(tmp_path_factory):
         assert name not in os.environ  # the single-process run below really is one process
     train(_config(str(out / "single")))
     train(_config(str(out / "ppo-single"), *PPO))
+    for dtype in LOW_PRECISION:
+        train(_config(str(out / f"single-{dtype}"), f"model.dtype={dtype}"))
     return out
 
 
-def assert_same_weights(got_dir, want_dir) -> None:
+def assert_same_weights(got_dir, want_dir, rtol: float = 1e-6) -> None:
     want, got = read_weights(want_dir), read_weights(got_dir)
     assert set(got) == set(want)
     for name in want:
-        assert torch.linalg.norm(got[name] - want[name]) <= 1e-6 * torch.linalg.norm(want[name]), name
+        difference = torch.linalg.norm((got[name] - want[name]).double())
+        assert difference <= rtol * torch.linalg.norm(want[name].double()), name
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_ranks_end_with_the_single_process_parameters(runs, strategy):
     assert_same_weights(checkpoint_dir(runs / strategy, 2), checkpoint_dir(runs / "single", 2))
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_fsdp2_on_gloo_trains_float32_and_bfloat16_like_one_process(runs, dtype):
+    """`torchrun ... trainer.data_parallel=fsdp2` in float32 / bfloat16 on CPU (gloo has no PREMUL_SUM)."""
+    got, want = checkpoint_dir(runs / f"fsdp2-{dtype}", 2), checkpoint_dir(runs / f"single-{dtype}", 2)
+    assert read_weights(got)["lm_head.weight"].dtype == getattr(torch, dtype)
+    assert_same_weights(got, want, LOW_PRECISION[dtype])
+    start = read_weights(checkpoint_dir(runs / f"single-{dtype}", 2))  # and the weights did move in 2 steps
+    assert not torch.equal(start["lm_head.weight"], build_initial(dtype)["lm_head.weight"])
+
+
+def build_initial(dtype: str) -> dict[str, torch.Tensor]:
+    """The random-init weights every run starts from (tiny-qwen3, seed 0, the demo tokenizer's vocabulary)."""
+    from treerl.trainer.run import load_policy
+
+    model, _ = load_policy(_config("unused", f"model.dtype={dtype}").model, torch.device("cpu"))
+    return model.state_dict()
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -71,6 +108,12 @@ def test_ppo_with_a_critic_on_two_ranks_ends_with_the_single_process_policy_and_
                             checkpoint_dir(runs / "ppo-single", 2) / part)
     before, after = (read_weights(checkpoint_dir(runs / "ppo-single", step) / "critic") for step in (1, 2))
     assert not torch.equal(before["score.weight"], after["score.weight"])  # the critic trained
+
+
+def test_a_nan_loss_stops_every_rank_and_nothing_is_saved(runs):
+    for strategy in STRATEGIES:  # the workers asserted the stop itself; the spawn returning means none hung
+        assert (runs / f"nan-{strategy}" / "metrics.jsonl").exists()
+        assert not (runs / f"nan-{strategy}" / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

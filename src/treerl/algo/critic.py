@@ -28,11 +28,13 @@ def build_critic(
     device: str | torch.device = "cpu",
     seed: int = 0,
     attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """A value model: the body of a local causal LM checkpoint (or shape `shape`, random) plus a fresh value layer."""
     return build_model(
         path, shape, vocab_size, dtype, device, seed, attn_implementation,
         auto_class=AutoModelForTokenClassification, overrides=dict(num_labels=1, classifier_dropout=0.0),
+        trust_remote_code=trust_remote_code,
     )
 
 

@@ -11,16 +11,17 @@ from rich.console import Console
 from rich.table import Table
 
 from treerl.tree import PrefixTree, validate_sequences
-from treerl.tree.io import read_jsonl
+from treerl.tree.io import MAX_LINE_BYTES, read_jsonl
 
 
 def inspect(
     path: Path = typer.Argument(..., exists=True, dir_okay=False, help="JSONL file, one {'tokens': [...]} per line"),
     chunk_tokens: int = typer.Option(2048, help="chunk size of the DFS engine's plan"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    max_line_bytes: int = typer.Option(MAX_LINE_BYTES, help="longest line accepted (a longer one is an error)"),
 ) -> None:
     """Print the prefix-tree stats of a batch of token sequences."""
-    sequences = read_jsonl(path)
+    sequences = read_jsonl(path, max_line_bytes, "--max-line-bytes")
     validate_sequences(sequences)
     tree = PrefixTree.build(sequences)
     stats = asdict(tree.stats())

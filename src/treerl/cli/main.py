@@ -1,10 +1,21 @@
-"""The `treerl` command."""
+"""The `treerl` command.
+
+Every command runs through `reported`: a user's mistake (`treerl.errors.UserError`: a config key, a
+data row, a reward import, a model or checkpoint path) is one line, `error: ...`, and exit code 2; a
+run that stopped itself (a NaN/inf, `TrainingStopped`) is one line and exit code 3; anything else is
+a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import typer
 
 from treerl.cli import bench_cmd, inspect_cmd, serve_cmd, train_cmd
+from treerl.errors import TrainingStopped, UserError
 
 app = typer.Typer(
     help="treerl: RL post-training that never computes a shared prefix twice.",
@@ -14,16 +25,35 @@ app = typer.Typer(
 )
 
 
+def reported(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`command` with user errors as one line and exit code 2 (TrainingStopped: exit code 3)."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except UserError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        except TrainingStopped as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(TrainingStopped.exit_code) from None
+        except EOFError as e:  # click would print only "Aborted."
+            raise RuntimeError(f"unexpected end of input: {e}") from e
+
+    return run
+
+
 @app.callback()
 def main() -> None:
     """treerl: RL post-training that never computes a shared prefix twice."""
 
 
-app.command("bench")(bench_cmd.bench)
-app.command("inspect")(inspect_cmd.inspect)
-app.command("serve")(serve_cmd.serve)
-app.command("train")(train_cmd.train)
-app.command("sft")(train_cmd.sft)
+app.command("bench")(reported(bench_cmd.bench))
+app.command("inspect")(reported(inspect_cmd.inspect))
+app.command("serve")(reported(serve_cmd.serve))
+app.command("train")(reported(train_cmd.train))
+app.command("sft")(reported(train_cmd.sft))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 import typer
+
+from treerl.errors import UserError
+from treerl.rollout.client import API_KEY_ENV
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -13,27 +18,63 @@ def serve(
     tokenizer_path: str = typer.Option(
         None, "--tokenizer", help="local tokenizer (default: --model-path's, or the built-in character tokenizer)"
     ),
-    host: str = typer.Option("127.0.0.1", help="address to listen on"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on (other than loopback: --api-key is required)"),
     port: int = typer.Option(8000, help="port to listen on"),
+    api_key: str = typer.Option(
+        None, "--api-key", envvar=API_KEY_ENV, show_default=False,
+        help=f"clients must send 'Authorization: Bearer KEY' (or set {API_KEY_ENV}); without it, on loopback only, "
+             "anyone on this machine may call every endpoint, /update_weights_from_disk included",
+    ),
+    max_n: int = typer.Option(64, help="most samples per prompt ('n') a request may ask for"),
+    max_tokens: int = typer.Option(4096, help="most tokens per sample ('max_tokens') a request may ask for"),
+    max_prompts: int = typer.Option(256, help="most prompts in one request"),
+    request_timeout: float = typer.Option(600.0, help="seconds a generation may run before it is stopped (504)"),
     dtype: str = typer.Option("float32", help=f"model dtype: {', '.join(DTYPES)}"),
     device: str = typer.Option("cpu", help="torch device"),
     seed: int = typer.Option(0, help="seed of the random-init weights"),
     served_model_name: str = typer.Option("default", help="the model name clients send"),
+    trust_remote_code: bool = typer.Option(False, help="run Python code shipped with --model-path (auto_map)"),
 ) -> None:
-    """Serve the embedded sampling engine with vLLM's /v1/completions API (tokens + behaviour log-probs)."""
+    """Serve the embedded sampling engine with vLLM's /v1/completions API (tokens + behaviour log-probs).
+
+    On loopback (the default host) no API key is needed unless --api-key / TREERL_API_KEY sets one; on any
+    other address one is required. SIGTERM or Ctrl-C stops generations in progress and exits.
+    """
     import torch
 
-    from treerl.models import build_model
+    from treerl.models import build_model, check_model_dir
     from treerl.rollout.embedded import EmbeddedEngine
-    from treerl.rollout.server import run_server
+    from treerl.rollout.server import Guard, run_server
     from treerl.rollout.tokenizer import load_tokenizer
 
     if dtype not in DTYPES:
         raise typer.BadParameter(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    tokenizer = load_tokenizer(tokenizer_path or model_path)
+    if not api_key and not is_loopback(host):
+        raise UserError(f"--host {host} is reachable from other machines: set --api-key (or {API_KEY_ENV}) so that "
+                        "only your clients can sample and load weights")
+    for name, value in (("--max-n", max_n), ("--max-tokens", max_tokens), ("--max-prompts", max_prompts),
+                        ("--request-timeout", request_timeout)):
+        if not value > 0:
+            raise UserError(f"{name}={value} must be > 0")
+    if model_path is not None:
+        check_model_dir(model_path, "--model-path")
+    tokenizer = load_tokenizer(tokenizer_path or model_path, trust_remote_code=trust_remote_code)
     model = build_model(
         path=model_path, shape=shape, vocab_size=None if model_path else len(tokenizer),
-        dtype=getattr(torch, dtype), device=device, seed=seed,
+        dtype=getattr(torch, dtype), device=device, seed=seed, trust_remote_code=trust_remote_code,
     )
-    typer.echo(f"treerl serve: {model_path or shape} on http://{host}:{port}/v1 as {served_model_name!r}")
-    run_server(EmbeddedEngine(model), tokenizer, host=host, port=port, model_name=served_model_name)
+    guard = Guard(api_key=api_key or None, max_n=max_n, max_tokens=max_tokens, max_prompts=max_prompts,
+                  request_timeout=request_timeout)
+    access = "API key required" if guard.api_key else "no API key (loopback only)"
+    typer.echo(f"treerl serve: {model_path or shape} on http://{host}:{port}/v1 as {served_model_name!r}; {access}")
+    run_server(EmbeddedEngine(model), tokenizer, host=host, port=port, model_name=served_model_name, guard=guard)
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can connect to `host` (localhost, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Callable
 
 import typer
@@ -19,28 +20,24 @@ def _split(args: list[str] | None) -> tuple[str | None, list[str]]:
 
 
 def _load(args: list[str] | None, base: tuple[str, ...] = ()):
-    from treerl.trainer.config import ConfigError, load_config
+    from treerl.trainer.config import load_config
 
     path, overrides = _split(args)
-    try:
-        return load_config(path, overrides, base=base)
-    except ConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+    return load_config(path, overrides, base=base)
 
 
 def _run(config, print_config: bool, loop: Callable) -> None:
-    from treerl.trainer.config import ConfigError, to_yaml
+    """Run `loop(config)`; a run a signal stopped (after its checkpoint) exits with 128 + the signal's number."""
+    from treerl.trainer.config import to_yaml
 
     if print_config:
         typer.echo(to_yaml(config), nl=False)
         return
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        loop(config)
-    except (ConfigError, FileNotFoundError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        result = loop(config)
+        if result.stopped_by:
+            raise typer.Exit(128 + signal.Signals[result.stopped_by].value)
     finally:
         import torch.distributed as dist
 

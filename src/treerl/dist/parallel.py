@@ -15,9 +15,10 @@ gathered for the whole step (`reshard_after_forward=False` on the layers,
 `set_reshard_after_backward(False)`) instead of all-gathering each layer for every node. On exit
 one zero-weighted one-token forward/backward through the wrapper fires the wrapper's own
 gradient reduction exactly once over the accumulated gradients: DDP all-reduces its buckets,
-FSDP2 reduce-scatters each group and reshards. Gradients are SUMMED over ranks (a DDP comm hook,
-FSDP2's divide factor 1): with each rank's loss divided by the global denominator (e.g. the loss
-tokens of the whole global batch), the summed gradient is exactly the single-process one.
+FSDP2 reduce-scatters each group and reshards. Gradients are SUMMED over ranks (a DDP comm hook;
+FSDP2's divide factor 1 with a plain SUM, which gloo supports in every dtype): with each rank's loss
+divided by the global denominator (e.g. the loss tokens of the whole global batch), the summed
+gradient is exactly the single-process one.
 Memory under FSDP2 is therefore ZeRO-2-like during a step (full parameters, sharded gradients
 and optimizer state) and fully sharded between steps.
 """
@@ -121,6 +122,9 @@ class DataParallel:
         self._fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         for module in self._fsdp_modules:
             module.set_gradient_divide_factor(1.0)  # sum, not mean, over ranks
+            # ... as a plain SUM: for float32/bfloat16 FSDP2 would otherwise scale inside the collective with
+            # ReduceOp.PREMUL_SUM, which only NCCL has (gloo: "Cannot use ReduceOp.PREMUL_SUM with Gloo")
+            module.set_force_sum_reduction_for_comms(True)
         # FSDP2 picks its root at the first forward; the engines never call the root's forward.
         with torch.no_grad():
             self._one_token_forward()

@@ -37,6 +37,7 @@ from treerl.rollout.inference import InferenceEngine
 from treerl.rollout.proxy import ChatProxy, EpisodeLog
 from treerl.rollout.rewards import RewardFailure, check_reward, import_object
 from treerl.rollout.sequences import model_call_sequence
+from treerl.errors import UserError
 from treerl.rollout.stats import DroppedSample, RolloutStats
 from treerl.rollout.tasks.base import Prompt
 from treerl.tree import Sequence
@@ -48,11 +49,11 @@ def load_agent(spec: str) -> AgentFn:
     """The `async def episode(client, task)` named by `module:function` or `path/to/file.py:function`."""
     fn = import_object(spec, "agent", "my_agent.py:episode")
     if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"agent {spec!r} must be an async function: async def episode(client, task) -> float")
+        raise UserError(f"agent {spec!r} must be an async function: async def episode(client, task) -> float")
     try:
         inspect.signature(fn).bind(None, {})
     except TypeError:
-        raise ValueError(f"agent {spec!r} has signature {inspect.signature(fn)}; it must accept (client, task)") from None
+        raise UserError(f"agent {spec!r} has signature {inspect.signature(fn)}; it must accept (client, task)") from None
     return fn
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from treerl.errors import UserError
+
 Message = dict[str, Any]  # {"role", "content"} (+ "tool_calls" on an assistant turn, "tool_call_id" on a tool turn)
 Tool = dict[str, Any]  # an OpenAI tool definition: {"type": "function", "function": {"name", "description", "parameters"}}
 
@@ -28,13 +30,13 @@ class ChatFormat:
         if tokenizer.chat_template is None:
             raise ValueError("the tokenizer has no chat template; load it with treerl.rollout.load_tokenizer")
         if tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer has no eos token: cannot tell where a reply ends")
+            raise UserError("the tokenizer has no eos token: cannot tell where a reply ends (model.tokenizer_path)")
         self.tokenizer = tokenizer
         extra = []
         for token in stop_tokens:
             token_id = tokenizer.convert_tokens_to_ids(token)
             if token_id is None or token_id == tokenizer.unk_token_id:
-                raise ValueError(f"stop token {token!r} is not a single token of the tokenizer")
+                raise UserError(f"rollout.stop_tokens: {token!r} is not a single token of the tokenizer")
             extra.append(token_id)
         self.stop_token_ids: list[int] = list(dict.fromkeys([tokenizer.eos_token_id, *extra]))
         self._base = self.render(_BASE, add_generation_prompt=False)

@@ -36,6 +36,8 @@ from typing import Any
 
 from treerl.rollout.inference import Completion, SamplingParams, check_prompts
 
+API_KEY_ENV = "TREERL_API_KEY"  # the server's key, for `treerl serve --api-key` and the trainer's client alike
+
 
 class ServerError(RuntimeError):
     """The server could not be reached, refused the request, or answered in an unexpected shape."""

@@ -14,6 +14,7 @@ seed are derived from them, so resuming at step k repeats step k exactly, with n
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -21,13 +22,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treerl.rollout.agent import AgentWorkflow, load_agent
 from treerl.rollout.chat import ChatFormat
-from treerl.rollout.client import CompletionsClient
+from treerl.rollout.client import API_KEY_ENV, CompletionsClient
 from treerl.rollout.config import AGENT_TASKS, RolloutConfig
 from treerl.rollout.embedded import EmbeddedEngine
 from treerl.rollout.inference import InferenceEngine, SamplingParams
 from treerl.rollout.multi_turn import MultiTurnWorkflow
 from treerl.rollout.proxy import ChatProxy
-from treerl.rollout.rewards import load_reward_fn
+from treerl.rollout.rewards import UserCode, load_reward_fn
 from treerl.rollout.single_turn import SingleTurnWorkflow
 from treerl.rollout.stats import RolloutStats
 from treerl.rollout.tasks import AgentTask, SingleTurnTask, build_task
@@ -44,10 +45,11 @@ class RolloutBatch:
 
 
 def build_engine(config: RolloutConfig, model: PreTrainedModel | None = None) -> InferenceEngine:
-    """A client of `config.server_url` if set, else the embedded engine sampling with `model`."""
+    """A client of `config.server_url` if set (its API key from the environment variable TREERL_API_KEY, never from
+    the config, which checkpoints store), else the embedded engine sampling with `model`."""
     if config.server_url:
         return CompletionsClient(config.server_url, model=config.server_model, timeout=config.request_timeout,
-                                 server_type=config.server_type)
+                                 server_type=config.server_type, api_key=os.environ.get(API_KEY_ENV))
     if model is None:
         raise ValueError("rollout: no rollout.server_url, so the embedded engine needs the model")
     return EmbeddedEngine(model)
@@ -70,6 +72,7 @@ class Rollout:
             top_p=config.top_p,
             stop_token_ids=tuple(self.chat.stop_token_ids),
         )
+        self.user_code = UserCode(timeout=config.reward_timeout)  # rewards and environments, with a time limit
         self.proxy: ChatProxy | None = None
         if config.task in AGENT_TASKS:  # an agent's episodes, recorded by the chat proxy this rollout serves
             self.proxy = ChatProxy(engine, self.chat, tool_parser=config.tool_parser, temperature=config.temperature,
@@ -84,10 +87,10 @@ class Rollout:
             self.workflow = MultiTurnWorkflow(
                 self.task, self.chat, sampling, group_size=config.group_size, branch_at=tuple(config.branch_at),
                 branch_factor=config.branch_factor, max_turns=config.max_turns or self.task.max_turns,
-                max_context_tokens=config.max_context_tokens,
+                max_context_tokens=config.max_context_tokens, user_code=self.user_code,
             )
         else:
-            self.workflow = SingleTurnWorkflow(self.task, self.chat, sampling)
+            self.workflow = SingleTurnWorkflow(self.task, self.chat, sampling, self.user_code)
 
     def collect(self, step: int) -> RolloutBatch:
         """The training sequences of step `step` and their counters."""

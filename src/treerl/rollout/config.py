@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from treerl.tree.io import MAX_LINE_BYTES
+
 TASKS = ("arithmetic", "guess_number", "dataset", "agent", "agent_tools")
 AGENT_TASKS = ("agent", "agent_tools")
 SERVER_TYPES = ("sglang", "vllm")
@@ -42,6 +44,8 @@ class RolloutConfig:
     system_prompt: str | None = None  # prepended as a system message to string prompts
     reward_fn: str | None = None  # "module:function" or "file.py:function"; fn(prompt, completion, answer)
     # (task = "agent": data_path holds the tasks, one JSON object each, handed whole to the agent)
+    reward_timeout: float | None = 60.0  # seconds one reward (or environment) call may take, else its sample is dropped; null: no limit
+    max_line_bytes: int = MAX_LINE_BYTES  # longest line of a JSONL data_path; a longer one is an error naming it
     shuffle: bool = True  # visit rows in a seeded random order, reshuffled every epoch
 
     # Agents (task = "agent": your `async def episode(client, task)`; "agent_tools": the built-in tool world).

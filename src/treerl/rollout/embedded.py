@@ -7,12 +7,18 @@ are left-padded into one batch; finished rows are dropped from the cache as they
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from treerl.errors import TrainingStopped
 from treerl.rollout.inference import Completion, SamplingParams, check_prompts
+
+
+class GenerationCancelled(RuntimeError):
+    """`generate` stopped early because its `cancelled()` said so (a client left, a deadline, a shutdown)."""
 
 
 @dataclass
@@ -23,8 +29,12 @@ class EmbeddedEngine:
     version: int = 0  # policy version of the current weights; the trainer sets it after each update
     max_rows: int = 256  # sampled rows decoded at once (prompts x n); more prompts are split into chunks
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """`params.n` completions per prompt; log-probs are log_softmax(logits / T) of each sampled token."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 cancelled: Callable[[], bool] | None = None) -> list[list[Completion]]:
+        """`params.n` completions per prompt; log-probs are log_softmax(logits / T) of each sampled token.
+
+        `cancelled()` is asked before every decoding step; when it says True, GenerationCancelled is raised
+        (what a server uses to free the model for the next request)."""
         check_prompts(prompts, self.model.get_input_embeddings().num_embeddings)
         device = self.model.get_input_embeddings().weight.device
         generator = torch.Generator(device=device)
@@ -35,14 +45,15 @@ class EmbeddedEngine:
         try:
             results: list[list[Completion]] = []
             for lo in range(0, len(prompts), per_chunk):
-                results.extend(self._generate(prompts[lo : lo + per_chunk], params, generator))
+                results.extend(self._generate(prompts[lo : lo + per_chunk], params, generator, cancelled))
             return results
         finally:
             self.model.train(was_training)
 
     @torch.inference_mode()
     def _generate(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
+        cancelled: Callable[[], bool] | None = None,
     ) -> list[list[Completion]]:
         """Prefill the distinct prompts, repeat their cache n-fold, decode until every row stops."""
         model, n = self.model, params.n
@@ -71,6 +82,8 @@ class EmbeddedEngine:
         finish: list[str] = ["length"] * (len(prompts) * n)
 
         for step in range(params.max_new_tokens):
+            if cancelled is not None and cancelled():
+                raise GenerationCancelled(f"generation cancelled after {step} of {params.max_new_tokens} tokens")
             token, logprob = sample(logits, params.temperature, params.top_p, generator)
             stopped = torch.isin(token, stop)
             for row, t, lp, s in zip(active.tolist(), token.tolist(), logprob.tolist(), stopped.tolist()):
@@ -112,5 +125,11 @@ def sample(
         outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # mass before this token already reaches top_p
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    try:
+        token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    except RuntimeError:
+        if bool(torch.isfinite(logits).all()):
+            raise
+        raise TrainingStopped("the policy's logits are NaN or inf while sampling: its weights are no longer finite "
+                              "(e.g. after too large a trainer.lr); nothing more is sampled or written") from None
     return token, logprobs.gather(-1, token[:, None]).squeeze(1)

@@ -18,7 +18,8 @@ turn rewards along the path); the turn's own reward is in `turn_reward`. Other i
 (the episode), `trajectory` (the path), `turn`, `turns` (calls in the trajectory),
 `finish_reason` of the reply, `truncated` (the trajectory hit max_turns or max_context_tokens
 before the environment was done). An environment that raises, or returns a NaN/inf reward,
-drops that trajectory (counted and reported); its sibling branches go on.
+drops that trajectory (counted and reported); its sibling branches go on. So does a step that takes
+longer than the workflow's `user_code` timeout (`rollout.reward_timeout`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from treerl.rollout.chat import ChatFormat
 from treerl.rollout.inference import Completion, InferenceEngine, SamplingParams
-from treerl.rollout.rewards import RewardFailure, check_reward
+from treerl.rollout.rewards import RewardFailure, UserCode, check_reward
 from treerl.rollout.sequences import model_call_sequence
 from treerl.rollout.stats import DroppedSample, RolloutStats
 from treerl.rollout.tasks.base import AgentTask, Environment, Prompt
@@ -74,6 +75,7 @@ class MultiTurnWorkflow:
     branch_factor: int = 2
     max_turns: int = 4
     max_context_tokens: int = 4096
+    user_code: UserCode = field(default_factory=UserCode)  # runs the environment's steps (time limit per call)
 
     def run(
         self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
@@ -112,11 +114,8 @@ class MultiTurnWorkflow:
         """Show the reply to the environment: the trajectory "continues", has "ended", or was "dropped"."""
         stats.count_reply(completion)
         text = self.chat.reply_text(completion.tokens)
-        try:
-            reply = trajectory.env.step(text)
-            reward = check_reward(reply.reward)
-        except Exception as e:  # an environment may raise anything; the trajectory is dropped and reported
-            reward = RewardFailure("raised", f"raised {type(e).__name__}: {e}")
+        reply = self.user_code.call(lambda: trajectory.env.step(text))  # a failure if it raised or timed out
+        reward = reply if isinstance(reply, RewardFailure) else check_reward(getattr(reply, "reward", None))
         if isinstance(reward, RewardFailure):
             sample = DroppedSample(f"environment {reward.message}", trajectory.id, trajectory.prompt.text, text)
             stats.drop(sample, f"reward_{reward.kind}")

@@ -3,9 +3,10 @@
 A reward function is called with keyword arguments `fn(prompt=..., completion=..., answer=...)`:
 the prompt's text (its last user message), the model's reply as text (without its final stop token), and
 the reference answer of the data row (None when there is none); it returns a number. A function
-that raises, or returns NaN/inf or something that is not a number, does not stop training: the
-sample is dropped, counted under its reason and reported with its prompt and completion
-(`RolloutStats.dropped`, `RolloutStats.dropped_samples`, and a warning in the log).
+that raises (anything, `SystemExit` included), takes longer than `rollout.reward_timeout`, or
+returns NaN/inf or something that is not a number, does not stop training: the sample is dropped,
+counted under its reason and reported with its prompt and completion (`RolloutStats.dropped`,
+`RolloutStats.dropped_samples`, and a warning in the log).
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ import importlib.util
 import inspect
 import math
 import os
+import queue
 import sys
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from treerl.errors import UserError
 
 RewardFn = Callable[..., float]
 REWARD_ARGUMENTS = {"prompt": "", "completion": "", "answer": None}
@@ -39,21 +44,23 @@ def import_object(spec: str, what: str, example: str) -> Any:
     """The object named by `module:attribute` or `path/to/file.py:attribute` (`what` names it in errors)."""
     module_name, sep, attribute = spec.rpartition(":")
     if not sep or not module_name or not attribute:
-        raise ValueError(f"{what} {spec!r}: expected 'module:function', e.g. '{example}'")
+        raise UserError(f"{what} {spec!r}: expected 'module:function', e.g. '{example}'")
     try:
         module = _import(module_name)
-    except Exception as e:  # any failure while importing the user's module is reported the same way
-        raise ValueError(f"{what} {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from e
+    except BaseException as e:  # any failure while importing the user's module (sys.exit too) is reported alike
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise UserError(f"{what} {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from None
     obj = getattr(module, attribute, None)
     if obj is None:
-        raise ValueError(f"{what} {spec!r}: module {module_name!r} has no attribute {attribute!r}")
+        raise UserError(f"{what} {spec!r}: module {module_name!r} has no attribute {attribute!r}")
     return obj
 
 
 def check_reward_fn(fn: Any, name: str) -> None:
     """A reward function must be callable as fn(prompt=..., completion=..., answer=...)."""
     if not callable(fn):
-        raise ValueError(f"reward function {name!r} is a {type(fn).__name__}, not a function")
+        raise UserError(f"reward function {name!r} is a {type(fn).__name__}, not a function")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -61,7 +68,7 @@ def check_reward_fn(fn: Any, name: str) -> None:
     try:
         signature.bind(**REWARD_ARGUMENTS)
     except TypeError:
-        raise ValueError(
+        raise UserError(
             f"reward function {name!r} has signature {signature}; it must accept keyword arguments "
             "(prompt, completion, answer), e.g. def reward(prompt, completion, answer) -> float"
         ) from None
@@ -69,18 +76,70 @@ def check_reward_fn(fn: Any, name: str) -> None:
 
 @dataclass(frozen=True)
 class RewardFailure:
-    """Why a reward could not be used: `kind` is "raised", "not_a_number" or "not_finite"."""
+    """Why a reward could not be used: `kind` is "raised", "timeout", "not_a_number" or "not_finite"."""
 
     kind: str
     message: str
 
 
-def call_reward(fn: Callable[[], Any]) -> float | RewardFailure:
-    """The reward `fn()` returns as a float, or why it cannot be used (it raised, or is not a finite number)."""
-    try:
-        value = fn()
-    except Exception as e:  # a user's reward code may raise anything; the sample is dropped and reported
-        return RewardFailure("raised", f"raised {type(e).__name__}: {e}")
+@dataclass
+class UserCode:
+    """Calls user code (a reward function, an environment's step) in a worker thread, with a time limit per call.
+
+    Whatever the code raises, `SystemExit` and `KeyboardInterrupt` included, comes back as a
+    RewardFailure ("raised"), as does a call still running after `timeout` seconds ("timeout"). A real
+    Ctrl-C is not affected: Python delivers signals to the main thread, never to this one. A call that
+    timed out cannot be killed (no Python thread can be): it is left to finish in its daemon thread, counted
+    in `abandoned`, and later calls get a fresh thread.
+    """
+
+    timeout: float | None = None  # seconds; None: wait as long as the call takes
+    on_call: Callable[[], None] | None = None  # run before each call (an async rollout worker's heartbeat)
+    abandoned: int = 0  # calls that timed out and may still be running
+    _thread: _CallerThread | None = field(default=None, init=False, repr=False)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """`fn()`'s value, or a RewardFailure saying why there is none."""
+        if self.on_call is not None:
+            self.on_call()
+        if self._thread is None:
+            self._thread = _CallerThread()
+        done, outcome = threading.Event(), []
+        self._thread.calls.put((fn, done, outcome))
+        if not done.wait(self.timeout):
+            self._thread = None  # still busy with fn: abandoned
+            self.abandoned += 1
+            return RewardFailure("timeout", f"did not return within {self.timeout:g} s (rollout.reward_timeout)")
+        kind, value = outcome[0]
+        if kind == "raised":
+            return RewardFailure("raised", f"raised {type(value).__name__}: {value}")
+        return value
+
+
+class _CallerThread(threading.Thread):
+    """A daemon thread that runs the calls put into its queue, one at a time."""
+
+    def __init__(self) -> None:
+        super().__init__(name="treerl-user-code", daemon=True)
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            fn, done, outcome = self.calls.get()
+            try:
+                outcome.append(("value", fn()))
+            except BaseException as e:  # noqa: BLE001 (user code: sys.exit() or a stray KeyboardInterrupt too)
+                outcome.append(("raised", e))
+            done.set()
+
+
+def call_reward(fn: Callable[[], Any], user_code: UserCode | None = None) -> float | RewardFailure:
+    """The reward `fn()` returns as a float, or why it cannot be used (it raised, timed out, or is not a finite
+    number); `user_code` runs it (with its timeout), by default without a time limit."""
+    value = (user_code or UserCode()).call(fn)
+    if isinstance(value, RewardFailure):
+        return value
     return check_reward(value)
 
 

@@ -20,22 +20,40 @@ answers the subset of vLLM's / SGLang's API that `CompletionsClient` uses, with 
 
 Requests are served one at a time (a lock around the model); a request's prompts and samples
 are batched together by the engine.
+
+Limits (`Guard`): with an API key every endpoint but /health needs `Authorization: Bearer <key>`
+(401 otherwise). `n`, `max_tokens` and the number of prompts have upper bounds, checked before
+anything is allocated (400 naming the option that raises them). A generation stops, and frees the
+model, when its client disconnects, when it runs past `request_timeout`, or when the server shuts
+down (SIGTERM / Ctrl-C): the engine looks between two decoding steps. A weight update reads and
+checks every tensor (safetensors only: names, shapes, finite values) before one is copied in: it
+succeeds whole or changes nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
+import secrets
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
+import torch
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from starlette.concurrency import run_in_threadpool
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from treerl.rollout.embedded import EmbeddedEngine
+from treerl.errors import UserError
+from treerl.models import first_nonfinite, read_weights, tied_names
+from treerl.rollout.embedded import EmbeddedEngine, GenerationCancelled
 from treerl.rollout.inference import Completion, SamplingParams
+
+POLL_SECONDS = 0.2  # how often a request looks whether its client is still there
 
 
 class CompletionRequest(BaseModel):
@@ -67,10 +85,46 @@ class UpdateWeightsRequest(BaseModel):
     weight_version: str | None = None
 
 
-def build_app(engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, model_name: str = "default") -> FastAPI:
+@dataclass
+class Guard:
+    """Who may call the server and how much one request may ask for."""
+
+    api_key: str | None = None  # None: no authentication (loopback only; `treerl serve` enforces that)
+    max_n: int = 64  # samples per prompt
+    max_tokens: int = 4096  # tokens generated per sample
+    max_prompts: int = 256  # prompts per request
+    request_timeout: float = 600.0  # seconds a generation may run before it is stopped (504)
+    shutting_down: threading.Event = field(default_factory=threading.Event)  # set on SIGTERM / Ctrl-C
+
+    def authorize(self, request: Request) -> None:
+        """A FastAPI dependency: the request's bearer token must be the key (compared in constant time)."""
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise HTTPException(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'")
+
+    def check(self, request: CompletionRequest, prompts: list[list[int]], max_positions: int | None) -> None:
+        """400 for a request over a limit, before anything is allocated."""
+        for value, limit, name, option in ((request.n, self.max_n, "n", "--max-n"),
+                                           (request.max_tokens, self.max_tokens, "max_tokens", "--max-tokens"),
+                                           (len(prompts), self.max_prompts, "prompts", "--max-prompts")):
+            if value > limit:
+                raise HTTPException(400, f"{name}={value} is more than this server allows ({limit}; treerl serve "
+                                         f"{option} raises it)")
+        longest = max(len(p) for p in prompts)
+        if max_positions is not None and longest + request.max_tokens > max_positions:
+            raise HTTPException(400, f"a prompt of {longest} tokens plus max_tokens={request.max_tokens} is more than "
+                                     f"the model's {max_positions} positions")
+
+
+def build_app(engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, model_name: str = "default",
+              guard: Guard | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (its model) and `tokenizer` under the name `model_name`."""
+    guard = guard or Guard()
     app = FastAPI(title="treerl serve")
     lock = threading.Lock()
+    authorized = [Depends(guard.authorize)]
 
     @app.exception_handler(HTTPException)
     def openai_error(_, exc: HTTPException) -> JSONResponse:
@@ -84,15 +138,27 @@ def build_app(engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, model_
     def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=authorized)
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "treerl"}]}
 
-    @app.post("/v1/completions")
-    def completions(request: CompletionRequest) -> dict[str, Any]:
+    def generate(prompts: list[list[int]], params: SamplingParams,
+                 cancel: threading.Event) -> tuple[list[list[Completion]], int]:
+        """In a worker thread: wait for the model (giving up if cancelled), generate, free it."""
+        while not lock.acquire(timeout=POLL_SECONDS):
+            if cancel.is_set():
+                raise GenerationCancelled("cancelled while waiting for the model")
+        try:
+            return engine.generate(prompts, params, cancelled=cancel.is_set), engine.version
+        finally:
+            lock.release()
+
+    @app.post("/v1/completions", dependencies=authorized)
+    async def completions(request: CompletionRequest, raw: Request) -> dict[str, Any]:
         if request.stream or request.echo:
             raise HTTPException(400, "treerl serve does not support 'stream' or 'echo'")
         prompts = _prompt_ids(request.prompt, tokenizer)
+        guard.check(request, prompts, getattr(engine.model.config, "max_position_embeddings", None))
         stop = set(request.stop_token_ids or [])
         if not request.ignore_eos and tokenizer.eos_token_id is not None:
             stop.add(tokenizer.eos_token_id)
@@ -101,9 +167,28 @@ def build_app(engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, model_
                 n=request.n, max_new_tokens=request.max_tokens, temperature=request.temperature,
                 top_p=request.top_p, stop_token_ids=tuple(sorted(stop)), seed=request.seed,
             )
-            with lock:
-                groups = engine.generate(prompts, params)
-                version = engine.version
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+        cancel = threading.Event()
+        work = asyncio.ensure_future(run_in_threadpool(generate, prompts, params, cancel))
+        deadline = time.monotonic() + guard.request_timeout
+        why = None
+        while not work.done():
+            await asyncio.wait({work}, timeout=POLL_SECONDS)
+            if work.done():
+                break
+            if guard.shutting_down.is_set():
+                why = (503, "the server is shutting down")
+            elif time.monotonic() > deadline:
+                why = (504, f"generation took longer than {guard.request_timeout:g} s (treerl serve --request-timeout)")
+            elif await raw.is_disconnected():
+                why = (499, "the client disconnected")
+            if why is not None:
+                cancel.set()
+        try:
+            groups, version = await work
+        except GenerationCancelled:
+            raise HTTPException(*(why or (503, "generation cancelled"))) from None
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
         choices = [
@@ -124,20 +209,52 @@ def build_app(engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, model_
             "metadata": {"weight_version": str(version)},
         }
 
-    @app.post("/update_weights_from_disk")
+    @app.post("/update_weights_from_disk", dependencies=authorized)
     def update_weights_from_disk(request: UpdateWeightsRequest) -> dict[str, Any]:
-        model = engine.model
         try:
-            loaded = AutoModelForCausalLM.from_pretrained(request.model_path, dtype=model.dtype, local_files_only=True)
-            with lock:
-                model.load_state_dict(loaded.state_dict())
-                engine.version = int(request.weight_version) if request.weight_version else engine.version + 1
-        except (OSError, ValueError, RuntimeError) as e:
+            version = int(request.weight_version) if request.weight_version is not None else None
+            weights = checked_weights(engine.model, request.model_path)
+        except (UserError, ValueError) as e:
             return {"success": False, "message": f"{type(e).__name__}: {e}"}
+        with lock:
+            swap_weights(engine.model, weights)
+            engine.version = version if version is not None else engine.version + 1
         return {"success": True, "message": f"loaded {request.model_path}", "weight_version": str(engine.version)}
 
-    add_weight_sync_routes(app, engine, lambda path: update_weights_from_disk(UpdateWeightsRequest(model_path=path)))
+    add_weight_sync_routes(app, engine, lambda path: update_weights_from_disk(UpdateWeightsRequest(model_path=path)),
+                           dependencies=authorized)
     return app
+
+
+def checked_weights(model: PreTrainedModel, path: str) -> dict[str, torch.Tensor]:
+    """The safetensors weights at `path`, every name, shape and value checked against `model`, cast to its dtype and
+    device: what `swap_weights` can copy in without failing halfway. A UserError says what does not fit."""
+    if not Path(path).is_dir():
+        raise UserError(f"{path!r} is not a directory")
+    weights = read_weights(path)
+    state = model.state_dict()
+    missing = set(state) - set(weights) - tied_names(model)
+    unexpected = set(weights) - set(state)
+    if missing or unexpected:
+        raise UserError(f"{path}: the weights do not fit the served model (missing {sorted(missing)[:3]}, "
+                        f"unexpected {sorted(unexpected)[:3]})")
+    if bad := first_nonfinite(weights):
+        raise UserError(f"{path}: {bad} holds NaN or inf")
+    out = {}
+    for name, tensor in weights.items():
+        if tensor.shape != state[name].shape:
+            raise UserError(f"{path}: {name} has shape {tuple(tensor.shape)}, the served model's is "
+                            f"{tuple(state[name].shape)}")
+        out[name] = tensor.to(device=state[name].device, dtype=state[name].dtype)
+    return out
+
+
+@torch.no_grad()
+def swap_weights(model: PreTrainedModel, weights: dict[str, torch.Tensor]) -> None:
+    """Copy checked weights (see `checked_weights`) into the model's own tensors."""
+    state = model.state_dict()
+    for name, tensor in weights.items():
+        state[name].copy_(tensor)
 
 
 def _prompt_ids(
@@ -192,13 +309,20 @@ def _choice(
     }
 
 
-def run_server(
-    engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, host: str, port: int, model_name: str = "default"
-) -> None:
-    """Serve until interrupted."""
+def run_server(engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, host: str, port: int,
+               model_name: str = "default", guard: Guard | None = None) -> None:
+    """Serve until SIGTERM or Ctrl-C; then generations in progress are cancelled and the server exits promptly."""
     import uvicorn
 
-    uvicorn.run(build_app(engine, tokenizer, model_name), host=host, port=port, log_level="warning")
+    guard = guard or Guard()
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            guard.shutting_down.set()  # running generations stop at their next token
+            super().handle_exit(sig, frame)
+
+    app = build_app(engine, tokenizer, model_name, guard)
+    Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)).run()
 
 
 class CollectiveRpcRequest(BaseModel):
@@ -215,7 +339,7 @@ class WeightVersionRequest(BaseModel):
     new_version: str
 
 
-def add_weight_sync_routes(app: FastAPI, engine: EmbeddedEngine, load: Any) -> None:
+def add_weight_sync_routes(app: FastAPI, engine: EmbeddedEngine, load: Any, dependencies: list | None = None) -> None:
     """The version routes of SGLang and the weight-reload routes of vLLM (VLLM_SERVER_DEV_MODE=1), so one client
     is tested against both protocols. `load(path)` loads a checkpoint as the SGLang route does.
 
@@ -224,27 +348,27 @@ def add_weight_sync_routes(app: FastAPI, engine: EmbeddedEngine, load: Any) -> N
     """
     reload_path: dict[str, str | None] = {"model": None}
 
-    @app.get("/get_weight_version")
+    @app.get("/get_weight_version", dependencies=dependencies)
     def get_weight_version() -> dict[str, str]:
         return {"weight_version": str(engine.version)}
 
-    @app.get("/get_model_info")
+    @app.get("/get_model_info", dependencies=dependencies)
     def get_model_info() -> dict[str, Any]:
         return {"model_path": reload_path["model"], "is_generation": True, "weight_version": str(engine.version)}
 
-    @app.get("/weight_info")
+    @app.get("/weight_info", dependencies=dependencies)
     def weight_info() -> dict[str, str]:
         return {"weight_version": str(engine.version)}
 
-    @app.post("/pause")
+    @app.post("/pause", dependencies=dependencies)
     def pause() -> dict[str, str]:
         return {"status": "paused"}
 
-    @app.post("/resume")
+    @app.post("/resume", dependencies=dependencies)
     def resume() -> dict[str, str]:
         return {"status": "resumed"}
 
-    @app.post("/update_weight_version")
+    @app.post("/update_weight_version", dependencies=dependencies)
     def update_weight_version(request: WeightVersionRequest) -> dict[str, Any]:
         try:
             engine.version = int(request.new_version)
@@ -252,7 +376,7 @@ def add_weight_sync_routes(app: FastAPI, engine: EmbeddedEngine, load: Any) -> N
             raise HTTPException(400, f"new_version {request.new_version!r} is not an integer") from None
         return {"success": True, "new_version": request.new_version}
 
-    @app.post("/collective_rpc")
+    @app.post("/collective_rpc", dependencies=dependencies)
     def collective_rpc(request: CollectiveRpcRequest) -> dict[str, Any]:
         if request.method == "update_config":
             overrides = request.args[0] if request.args else request.kwargs.get("overrides", {})

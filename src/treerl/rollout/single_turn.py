@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from treerl.rollout.chat import ChatFormat
 from treerl.rollout.inference import InferenceEngine, SamplingParams
-from treerl.rollout.rewards import RewardFailure, call_reward
+from treerl.rollout.rewards import RewardFailure, UserCode, call_reward
 from treerl.rollout.sequences import model_call_sequence
 from treerl.rollout.stats import DroppedSample, RolloutStats
 from treerl.rollout.tasks.base import Prompt, SingleTurnTask
@@ -24,6 +24,7 @@ class SingleTurnWorkflow:
     task: SingleTurnTask
     chat: ChatFormat
     sampling: SamplingParams  # n = group size; the seed is set per run
+    user_code: UserCode = field(default_factory=UserCode)  # runs the reward function (time limit per call)
 
     def run(
         self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
@@ -38,7 +39,8 @@ class SingleTurnWorkflow:
                 stats.count_reply(completion)
                 text = self.chat.reply_text(completion.tokens)
                 reward = call_reward(
-                    lambda: self.task.reward_fn(prompt=prompt.text, completion=text, answer=prompt.answer)
+                    lambda: self.task.reward_fn(prompt=prompt.text, completion=text, answer=prompt.answer),
+                    self.user_code,
                 )
                 if isinstance(reward, RewardFailure):
                     sample = DroppedSample(f"reward function {reward.message}", prompt.id, prompt.text, text)

@@ -22,6 +22,8 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from treerl.errors import ModelPathError
+
 ROLES = ("system", "user", "assistant", "tool")
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>") + tuple(f"<{role}>" for role in ROLES)
 CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
@@ -66,13 +68,24 @@ def builtin_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerBase:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def load_tokenizer(path: str | Path | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer of the local checkpoint at `path` (never downloaded), or the built-in one when `path` is None."""
     if path is None:
         return builtin_tokenizer()
     if not Path(path).exists():
-        raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist (treerl never downloads tokenizers)")
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        raise ModelPathError(f"tokenizer path {str(path)!r} does not exist (treerl never downloads tokenizers)")
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelPathError(f"tokenizer path {str(path)!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])} "
+                             "...): not a transformers checkpoint directory? (model.tokenizer_path can name another)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ModelPathError(f"tokenizer path {str(path)!r}: cannot load it ({type(e).__name__}: {text})") from None
     if tokenizer.chat_template is None:
         tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
     if tokenizer.pad_token_id is None:

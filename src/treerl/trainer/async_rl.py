@@ -27,8 +27,6 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-import torch
-
 from treerl.algo import AlgoConfig
 from treerl.rollout import EmbeddedEngine, Rollout
 from treerl.trainer.config import Config, ConfigError
@@ -59,15 +57,12 @@ def train_async(config: Config) -> AsyncTrainResult:
     started = time.perf_counter()
     if config.trainer.decoupled_loss:
         config = replace(config, algo=decoupled(config.algo))
-    run = Run.start(config, temperature=config.rollout.temperature)
-    threads = torch.get_num_threads()
+    run = Run.start(config, temperature=config.rollout.temperature)  # its thread count leaves the workers theirs
     pool = None
     try:
         if run.env.world_size > 1:
             raise ConfigError("trainer.mode=async runs the trainer in one process (its rollout workers are its "
                               "children); data parallel training is synchronous only")
-        if run.policy.device.type == "cpu":  # leave the workers their cores
-            torch.set_num_threads(max(1, threads - config.trainer.rollout_workers * config.trainer.worker_threads))
         sampler = EmbeddedEngine(run.policy, version=run.start_step)  # evaluation only
         task = Rollout(config.rollout, run.tokenizer, sampler).task
         weights = SharedWeights.of(run.policy, version=run.start_step)
@@ -97,6 +92,5 @@ def train_async(config: Config) -> AsyncTrainResult:
     finally:
         if pool is not None:
             pool.close()
-        torch.set_num_threads(threads)
         run.finish()
 

@@ -1,32 +1,48 @@
-"""Checkpoints that resume exactly: weights (safetensors), optimizer, schedule, RNG states, data position, step.
+"""Checkpoints that are whole or absent, verified before use, read without unpickling code, and resume exactly.
 
 Layout of `output_dir/checkpoints/step_000123/` (123 = steps completed):
 
-    config.json, model.safetensors   the policy, loadable by transformers and by `model.path=...`
-    tokenizer files                  so the directory is a complete checkpoint
-    trainer_state.pt                 optimizer, LR schedule, RNG states, step, loop state (written last)
-    config.yaml                      the run's resolved config
+    config.json, generation_config.json,   the policy: a transformers checkpoint, loadable as `model.path=...`
+    model.safetensors, tokenizer files     (the config carries the tokenizer's eos id, so generate stops there)
+    trainer_state.pt                       optimizer, LR schedule, RNG states, step, loop state
+    config.yaml                            the run's resolved config
+    critic/                                PPO's critic the same way (model files + trainer_state.pt)
+    manifest.json                          step, run id, and every file's size and sha256
+
+Whole or absent: everything is written into `checkpoints/.tmp-step_000123-<pid>`, every file and
+directory is fsynced, and only then is the directory renamed to `step_000123` (one atomic rename), so
+a process killed at any moment leaves the earlier checkpoints and, at most, a `.tmp-*` directory that
+is never read (and is removed by the next run in that output_dir). Old checkpoints are renamed away
+before they are deleted, for the same reason.
+
+Verified: a checkpoint is used only if its manifest is there and every file it lists has the recorded
+size and sha256; `resume=auto` skips one that is not, with a warning naming it and why.
+
+No code from a file: `trainer_state.pt` holds only tensors, numbers, strings, lists, tuples and dicts,
+and is read with `torch.load(weights_only=True)`; weights are safetensors.
 
 The data position is the step itself: a step's rollout prompts and sampling seed, and an SFT
 step's conversations, are functions of (config, step), so nothing else needs saving. Under FSDP2
 the full (unsharded) weights and optimizer state are gathered; every rank calls `save_checkpoint`
-and rank 0 writes. A checkpoint is written to a temporary directory and renamed when complete,
-so `resume=auto` never picks a half-written one.
+and rank 0 writes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,73 +53,184 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from treerl.errors import CheckpointError, TrainingStopped
+from treerl.models import first_nonfinite, read_weights, tied_names
+
+log = logging.getLogger("treerl.trainer")
+
 STATE_FILE = "trainer_state.pt"
+MANIFEST = "manifest.json"
+CONFIG_FILE = "config.yaml"
+CRITIC_DIR = "critic"  # the critic's part of a checkpoint
+FORMAT = 2  # manifest format; 1 was the unverified layout before manifests
 _NAME = re.compile(r"^step_(\d+)$")
+_TEMPORARY = (".tmp-", ".trash-")  # prefixes of directories being written or deleted
 
 
+@dataclass
+class Trainable:
+    """A model with its optimizer and LR schedule: what one part of a checkpoint saves and restores."""
+
+    model: PreTrainedModel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+# ---------------------------------------------------------------------------------------------- finding
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / "checkpoints" / f"step_{step:06d}"
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the most steps under output_dir/checkpoints, or None."""
+def step_dirs(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """Every `checkpoints/step_N` directory under output_dir (complete or not), oldest first."""
     root = Path(output_dir) / "checkpoints"
-    found = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := _NAME.match(p.name)) and (p / STATE_FILE).exists()]
-    return max(found)[1] if found else None
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir())
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; a CheckpointError naming the checkpoint and what is wrong otherwise."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: {'not a directory' if path.exists() else 'does not exist'}")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files, step = manifest["files"], int(manifest["step"])
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: no {MANIFEST} (an incomplete checkpoint, or not a treerl "
+                              "checkpoint directory)") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST} ({type(e).__name__}: {e})") from None
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path}: {name} is missing")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"checkpoint {path}: {name} has {size} bytes, the manifest says {expected['bytes']}")
+        if _sha256(file) != expected["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: {name} is corrupt (its sha256 differs from the manifest's)")
+    if STATE_FILE not in files:
+        raise CheckpointError(f"checkpoint {path}: the manifest lists no {STATE_FILE}")
+    manifest["step"] = step
+    return manifest
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under output_dir/checkpoints (newer broken ones are skipped with a warning)."""
+    for _, path in reversed(step_dirs(output_dir)):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            log.warning("skipping %s; resuming from an older checkpoint if there is one", e)
+            continue
+        return path
+    return None
 
 
 def find_resume_path(resume: str | None, output_dir: str | Path) -> Path | None:
-    """`trainer.resume`: None (fresh start), "auto" (latest in output_dir, or fresh), or a checkpoint directory."""
+    """`trainer.resume`: None (fresh start), "auto" (the newest complete checkpoint in output_dir, or none),
+    or a checkpoint directory (verified)."""
     if resume is None:
         return None
     if resume == "auto":
         return latest_checkpoint(output_dir)
-    path = Path(resume)
-    if not (path / STATE_FILE).exists():
-        raise FileNotFoundError(f"trainer.resume={resume!r}: not a complete checkpoint (no {STATE_FILE} in it)")
-    return path
+    try:
+        verify_checkpoint(resume)
+    except CheckpointError as e:
+        raise CheckpointError(f"trainer.resume={resume!r}: {e}") from None
+    return Path(resume)
 
 
+def checkpoint_config(path: str | Path) -> dict[str, Any]:
+    """The resolved config a checkpoint was written with, as nested dicts (empty if it has none)."""
+    import yaml
+
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        return {}
+    return yaml.safe_load(file.read_text()) or {}
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's manifest as written, unverified (empty if there is none or it is unreadable)."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+# ---------------------------------------------------------------------------------------------- RNG
 def rng_states() -> dict[str, Any]:
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every generator's state as tensors and plain values (readable with weights_only=True)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    states: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, position, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+# ---------------------------------------------------------------------------------------------- saving
 def save_checkpoint(
     path: Path,
-    model: PreTrainedModel,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    parts: dict[str, Trainable],
     tokenizer: PreTrainedTokenizerBase,
     step: int,
     loop_state: dict[str, Any],
     config_yaml: str,
+    run_id: str,
     is_main: bool,
 ) -> None:
-    """Gather the full state (a collective under FSDP2: every rank calls this) and write it on rank 0."""
-    weights = full_weights(model)
-    optimizer_state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """Gather every part's full state (a collective under FSDP2: every rank calls this), check its weights are
+    finite, and write the whole checkpoint atomically on rank 0. `parts`: "" (the policy) and optionally "critic"."""
+    gathered = {}
+    for name, part in parts.items():
+        weights = full_weights(part.model)
+        optimizer = get_optimizer_state_dict(part.model, part.optimizer,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        gathered[name] = (part.model, weights, optimizer, part.scheduler.state_dict())
+    problem = None
     if is_main:
-        tmp = path.with_name(path.name + ".tmp")
-        write_pretrained(tmp, model, weights, tokenizer)
-        (tmp / "config.yaml").write_text(config_yaml)
-        state = {
-            "step": step, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-            "rng": rng_states(), "loop": loop_state,
-        }
-        torch.save(state, tmp / STATE_FILE)
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
+        problem = next((f"{name or 'policy'} weight {bad}" for name, (_, weights, _, _) in gathered.items()
+                        if (bad := first_nonfinite(weights))), None)
+    problem = _from_main(problem)
+    if problem is not None:
+        raise TrainingStopped(f"not writing checkpoint {path}: the {problem} is NaN or inf (after {step} steps); "
+                              "the newest checkpoint on disk is the last good one")
+    if is_main:
+        root = path.parent
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f"{_TEMPORARY[0]}{path.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for name, (model, weights, optimizer, scheduler) in gathered.items():
+            write_pretrained(tmp / name, model, weights, tokenizer)
+            state = {"step": step, "optimizer": optimizer, "scheduler": scheduler}
+            if not name:
+                state |= {"rng": rng_states(), "loop": loop_state}
+            torch.save(state, tmp / name / STATE_FILE)
+        (tmp / CONFIG_FILE).write_text(config_yaml)
+        manifest = {"format": FORMAT, "step": step, "run_id": run_id, "parts": sorted(gathered),
+                    "files": _seal(tmp)}
+        _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        _fsync_dir(tmp)
+        _publish(tmp, path)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
@@ -116,64 +243,158 @@ def full_weights(model: PreTrainedModel) -> dict[str, torch.Tensor]:
 def write_pretrained(
     path: Path, model: PreTrainedModel, weights: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase
 ) -> None:
-    """A fresh transformers checkpoint directory (safetensors weights, config, tokenizer) at `path`."""
+    """A fresh transformers checkpoint directory (safetensors weights, config, tokenizer) at `path`.
+
+    The config and generation config get the tokenizer's eos/bos/pad ids where they have none, so that
+    `generate` on the checkpoint stops at the end of a reply.
+    """
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar through the training progress bar
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
+    for config in (model.config, getattr(model, "generation_config", None)):
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            if config is not None and getattr(config, key, None) is None and getattr(tokenizer, key) is not None:
+                setattr(config, key, getattr(tokenizer, key))
     model.save_pretrained(path, state_dict=weights, safe_serialization=True)
     tokenizer.save_pretrained(path)
 
 
-def load_checkpoint(
-    path: Path,
-    model: PreTrainedModel,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> tuple[int, dict[str, Any]]:
-    """Restore weights, optimizer, schedule and RNG from `path` (every rank reads it); returns (step, loop state)."""
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    incompatible = set_model_state_dict(model, read_weights(path), options=options)
-    missing = set(incompatible.missing_keys) - tied_names(model)
-    if missing or incompatible.unexpected_keys:
-        raise ValueError(
-            f"checkpoint {path} does not fit the model: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(incompatible.unexpected_keys)[:5]}"
-        )
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_states(state["rng"])
-    return state["step"], state["loop"]
+def write_pretrained_atomically(
+    path: Path, model: PreTrainedModel, weights: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """`write_pretrained` into a temporary sibling, then renamed to `path`: a reader (an inference server loading
+    the new weights) never sees half of it. Not fsynced nor hashed: a crash loses nothing a checkpoint holds."""
+    tmp = path.with_name(f"{_TEMPORARY[0]}{path.name}-{os.getpid()}")
+    write_pretrained(tmp, model, weights, tokenizer)
+    _publish(tmp, path)
 
 
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a save_pretrained directory: model.safetensors, or the shards its index lists."""
-    single = path / "model.safetensors"
-    if single.exists():
-        return load_file(single)
-    index = path / "model.safetensors.index.json"
-    if not index.exists():
-        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    weights: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        weights.update(load_file(path / shard))
-    return weights
+def _seal(root: Path) -> dict[str, dict[str, Any]]:
+    """fsync every file and directory under `root`; each file's size and sha256, by relative path."""
+    files = {}
+    for folder, _, names in os.walk(root):
+        for name in sorted(names):
+            file = Path(folder) / name
+            files[file.relative_to(root).as_posix()] = {"bytes": file.stat().st_size, "sha256": _sha256(file, sync=True)}
+        _fsync_dir(Path(folder))
+    return files
 
 
-def tied_names(model: torch.nn.Module) -> set[str]:
-    """Names of parameters registered under several names (tied embeddings): saved once, loaded through the other."""
-    by_id: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    return {name for names in by_id.values() if len(names) > 1 for name in names}
+def _sha256(file: Path, sync: bool = False) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+        if sync:
+            os.fsync(f.fileno())
+    return digest.hexdigest()
 
 
-def prune_checkpoints(output_dir: str | Path, keep: int) -> None:
-    """Delete all but the `keep` most recent complete checkpoints (keep = 0: keep all)."""
+def _write_synced(file: Path, text: str) -> None:
+    with open(file, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rename a complete directory to its final name; a directory already there is renamed away, then deleted."""
+    trash = path.with_name(f"{_TEMPORARY[1]}{path.name}-{os.getpid()}")
+    if path.exists():
+        os.replace(path, trash)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_leftovers(output_dir: str | Path) -> list[Path]:
+    """Delete the `.tmp-*` / `.trash-*` directories a killed run left in output_dir/checkpoints; returns them."""
+    root = Path(output_dir) / "checkpoints"
+    found = [p for p in root.iterdir() if p.name.startswith(_TEMPORARY)] if root.is_dir() else []
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return found
+
+
+def prune_checkpoints(output_dir: str | Path, keep: int, run_id: str) -> None:
+    """Delete all but the `keep` newest checkpoints written by run `run_id` (keep = 0: keep all); a checkpoint of
+    another run is never touched. Each is renamed away first, so a kill never leaves half of one."""
     if keep <= 0:
         return
-    root = Path(output_dir) / "checkpoints"
-    found = sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := _NAME.match(p.name)))
-    for _, path in found[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
+    mine = [path for _, path in step_dirs(output_dir) if read_manifest(path).get("run_id") == run_id]
+    for path in mine[:-keep]:
+        trash = path.with_name(f"{_TEMPORARY[1]}{path.name}-{os.getpid()}")
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def load_checkpoint(path: Path, parts: dict[str, Trainable]) -> tuple[int, dict[str, Any]]:
+    """Restore every part's weights, optimizer and schedule, and the RNG states, from a verified checkpoint
+    (every rank reads it); returns (step, loop state)."""
+    loop: dict[str, Any] = {}
+    step = 0
+    for name, part in parts.items():
+        folder = path / name
+        if not (folder / STATE_FILE).is_file():
+            raise CheckpointError(f"checkpoint {path} has no {name}/ (it was not written by a run with a {name})")
+        load_weights(folder, part.model)
+        state = read_state(folder / STATE_FILE)
+        try:
+            set_optimizer_state_dict(part.model, part.optimizer, state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+            part.scheduler.load_state_dict(state["scheduler"])
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint {folder}: its optimizer state does not fit this run's model "
+                                  f"({type(e).__name__}: {e})") from None
+        if not name:
+            step, loop = int(state["step"]), state["loop"]
+            set_rng_states(state["rng"])
+    return step, loop
+
+
+def load_weights(folder: Path, model: PreTrainedModel) -> None:
+    """A checkpoint part's safetensors weights into `model` (sharded or not); every name and shape must fit."""
+    weights = read_weights(folder)
+    expected = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    for name, tensor in weights.items():
+        if name in expected and tuple(expected[name].shape) != tuple(tensor.shape):
+            raise CheckpointError(f"checkpoint {folder} does not fit the model: {name} has shape "
+                                  f"{tuple(tensor.shape)}, the model's is {tuple(expected[name].shape)}")
+    incompatible = set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+    missing = set(incompatible.missing_keys) - tied_names(model)
+    if missing or incompatible.unexpected_keys:
+        raise CheckpointError(
+            f"checkpoint {folder} does not fit the model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(incompatible.unexpected_keys)[:5]}"
+        )
+
+
+def read_state(file: Path) -> dict[str, Any]:
+    """A trainer_state.pt, read without running code from it (weights_only: tensors and plain values only)."""
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 (truncated, not a torch file, or an object weights_only refuses)
+        raise CheckpointError(f"{file}: not a readable trainer state ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if not isinstance(state, dict) or not {"step", "optimizer", "scheduler"} <= set(state):
+        raise CheckpointError(f"{file}: not a treerl trainer state (expected step, optimizer and scheduler)")
+    return state
+
+
+def _from_main(value: Any) -> Any:
+    """Rank 0's `value` on every rank (identity in one process)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+

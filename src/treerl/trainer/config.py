@@ -12,6 +12,7 @@ next to it here (and in docs/config.md).
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from importlib import resources
 from pathlib import Path
@@ -21,9 +22,11 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from treerl.algo import AlgoConfig
+from treerl.errors import UserError
 from treerl.models import SHAPES
 from treerl.rollout import RolloutConfig
 from treerl.rollout.config import AGENT_TASKS
+from treerl.tree.io import MAX_LINE_BYTES
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 ENGINES = ("dfs", "flat", "packed")
@@ -33,9 +36,10 @@ LR_SCHEDULES = ("constant", "cosine")
 CHAT_FORMATS = ("template", "plain")
 MODES = ("sync", "async")
 ON_UPDATE = ("finish", "interrupt")
+NONFINITE = ("stop", "skip")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config that cannot run: unknown key, wrong type, bad value, missing file. Names the key."""
 
 
@@ -50,6 +54,7 @@ class ModelConfig:
     device: str = "auto"  # auto: this rank's GPU when CUDA is available, else cpu
     seed: int = 0  # random initialisation of a shape (the same seed gives the same weights)
     attn_implementation: str = "sdpa"  # transformers attention for the flat engine and sampling (sdpa | eager | ...)
+    trust_remote_code: bool = False  # run Python code shipped with model.path (auto_map); only for code you trust
 
 
 @dataclass
@@ -88,6 +93,7 @@ class TrainerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
     adam_eps: float = 1e-8  # AdamW epsilon
     max_grad_norm: float | None = 1.0  # clip the global gradient norm to this; null: no clipping
+    nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: stop (exit code 3) | skip (no optimizer step, counted)
     warmup_steps: int = 10  # linear warmup from 0 over this many training steps
     lr_schedule: str = "constant"  # after warmup: constant | cosine (down to min_lr_ratio * lr at the last step)
     min_lr_ratio: float = 0.0  # cosine: final learning rate / lr
@@ -109,6 +115,9 @@ class TrainerConfig:
     worker_timeout: float = 300.0  # async: a worker holding work with no model forward for this many seconds is restarted
     max_worker_restarts: int = 10  # async: stop the run after this many worker restarts (crashes or hangs)
 
+    # CPU threads.
+    threads: int | None = None  # torch threads of the trainer (per rank); null: the cores / local ranks, less async workers'
+
     # Data parallel (under torchrun; a plain `python`/`treerl` run is one rank).
     data_parallel: str = "auto"  # auto (ddp when there are several ranks) | none | ddp | fsdp2
     fit_cost_model: bool = True  # refit treerl.dist's cost model from measured engine times to balance ranks
@@ -122,7 +131,8 @@ class TrainerConfig:
     save_every: int = 0  # checkpoint every this many steps; 0: only at the end
     keep_checkpoints: int = 2  # most recent checkpoints kept; 0: keep all
     save_final: bool = True  # checkpoint after the last step
-    resume: str | None = None  # a checkpoint directory, or "auto": the latest in output_dir/checkpoints (if any)
+    resume: str | None = None  # a checkpoint directory, or "auto": the newest complete one in output_dir/checkpoints (if any)
+    overwrite: bool = False  # start afresh in an output_dir that holds a run (its checkpoints and metrics are deleted)
     log_every: int = 1  # write metrics every this many steps
     tensorboard: bool = True  # also write TensorBoard event files to output_dir/tensorboard
     wandb: bool = False  # also log to Weights & Biases (pip install 'treerl[wandb]'; WANDB_MODE=offline: local only)
@@ -140,6 +150,7 @@ class SFTConfig:
     chat_format: str = "template"  # template: the tokenizer's chat template (plain if it has none) | plain
     shuffle: bool = True  # visit conversations in a seeded random order, reshuffled every epoch
     eval_conversations: int = 32  # conversations whose loss is printed at the start and the end; 0: none
+    max_line_bytes: int = MAX_LINE_BYTES  # longest line of a JSONL data_path; a longer one is an error naming it
 
 
 def _demo_algo() -> AlgoConfig:
@@ -162,6 +173,7 @@ class Config:
 
     def check(self) -> None:
         """Every value check of every section, before anything is built."""
+        check_finite(self)
         try:
             self.algo.check()
             self.algo.resolved()
@@ -178,6 +190,7 @@ def check_choices(config: Config) -> None:
         "model.dtype": DTYPES, "engine.name": ENGINES, "engine.recompute": RECOMPUTE,
         "trainer.data_parallel": DATA_PARALLEL, "trainer.lr_schedule": LR_SCHEDULES,
         "sft.chat_format": CHAT_FORMATS, "trainer.mode": MODES, "trainer.on_update": ON_UPDATE,
+        "trainer.nonfinite": NONFINITE,
     }
     if config.model.path is None:
         choices["model.shape"] = tuple(SHAPES)
@@ -197,6 +210,22 @@ def check_choices(config: Config) -> None:
         )
     if config.critic.path is not None and not Path(config.critic.path).exists():
         raise ConfigError(f"critic.path={config.critic.path!r} does not exist (treerl only loads local checkpoints)")
+    timeout = config.rollout.reward_timeout
+    if config.trainer.mode == "async" and timeout is not None and not timeout < config.trainer.worker_timeout:
+        raise ConfigError(f"rollout.reward_timeout={timeout} must be < trainer.worker_timeout="
+                          f"{config.trainer.worker_timeout} (a worker waiting on a reward would be taken for hung)")
+
+
+def check_finite(section: Any, prefix: str = "") -> None:
+    """No NaN or inf anywhere: a learning rate or coefficient of inf would train NaN weights."""
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if is_dataclass(value):
+            check_finite(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}{f.name}={value} must be a finite number")
+        elif isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v) for v in value):
+            raise ConfigError(f"{prefix}{f.name}={value} must hold finite numbers")
 
 
 def check_ranges(config: Config) -> None:
@@ -210,9 +239,11 @@ def check_ranges(config: Config) -> None:
         "sft.conversations_per_step": config.sft.conversations_per_step,
         "trainer.rollout_workers": t.rollout_workers, "trainer.worker_threads": t.worker_threads,
         "trainer.interrupt_tokens": t.interrupt_tokens, "trainer.worker_timeout": t.worker_timeout,
+        "rollout.max_line_bytes": config.rollout.max_line_bytes, "sft.max_line_bytes": config.sft.max_line_bytes,
     }
     optional = {"trainer.micro_batch_tokens": t.micro_batch_tokens, "trainer.max_grad_norm": t.max_grad_norm,
-                "critic.lr": config.critic.lr,
+                "critic.lr": config.critic.lr, "trainer.threads": t.threads,
+                "rollout.reward_timeout": config.rollout.reward_timeout,
                 "trainer.worker_prompts": t.worker_prompts,
                 "engine.memory_budget_bytes": config.engine.memory_budget_bytes}
     positive.update({k: v for k, v in optional.items() if v is not None})
@@ -309,6 +340,8 @@ def _read_yaml(path: Path) -> Any:
         layer = OmegaConf.load(path)
     except Exception as e:  # YAML syntax errors come from several libraries
         raise ConfigError(f"{path}: not a valid YAML file ({e})") from None
+    if layer is None or (OmegaConf.is_dict(layer) and not layer):
+        raise ConfigError(f"{path}: the config file is empty (to run the defaults, give no config file)")
     if not OmegaConf.is_dict(layer):
         raise ConfigError(f"{path}: expected a mapping of sections (model, rollout, algo, engine, critic, trainer, sft)")
     return layer

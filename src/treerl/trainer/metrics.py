@@ -46,7 +46,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "time": round(time.time(), 3)}
-        row.update({k: _json_number(v) for k, v in sorted(metrics.items())})
+        row.update({k: json_number(v) for k, v in sorted(metrics.items())})
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         finite = {key: value for key, value in metrics.items() if math.isfinite(value)}
@@ -69,9 +69,9 @@ class MetricsLogger:
             self.wandb.finish()
 
 
-def _json_number(value: float) -> float | None:
-    """JSON has no NaN/inf: they are written as null."""
-    return value if math.isfinite(value) else None
+def json_number(value: Any) -> Any:
+    """JSON has no NaN/inf: they are written as null (anything but a float passes unchanged)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 class Mean:

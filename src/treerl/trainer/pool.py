@@ -22,9 +22,14 @@ groups finished in order, each would be trained within eta versions, so workers 
 what would only be dropped. eta = 0 admits exactly the B groups of step v, sampled with the
 weights of v, and waits for all of them: the synchronous loop.
 
-Faults. A worker whose process exited, or that holds work and made no model forward for
-`trainer.worker_timeout` seconds (it is then killed), is restarted in its slot; results it had
-sent are kept, and its unfinished groups are counted lost and re-queued ahead of new prompts.
+Faults. A worker is restarted in its slot (killed first if it still runs) when its process exited;
+when it has been stopped (SIGSTOP, a debugger: its state in /proc) for `trainer.worker_timeout`
+seconds, whatever it was doing, its imports included; when it showed no sign of life for that long
+(a thread in it pulses a shared clock once its code runs: a frozen process, idle or busy); when it
+holds work and made no model forward or reward call for that long (hung); or when it has not built
+its model after STARTUP_SECONDS. Results it had sent are kept, and its unfinished
+groups are counted lost and re-queued ahead of new prompts. Work goes to workers that are ready
+when there are any, so a worker slow to start does not sit on groups another could sample.
 A Python error inside a worker is not retried: the run stops with the worker's traceback.
 
 Counters (groups), checked after every batch and at the end:
@@ -119,6 +124,8 @@ class WorkerHandle:
     results: Connection  # worker -> trainer
     outstanding: dict[int, Job] = field(default_factory=dict)  # job id -> job, sent and not back
     ready: bool = False  # its model is built (it said "ready")
+    started: float = 0.0  # time.monotonic() when it was spawned
+    stopped_since: float | None = None  # when it was first seen stopped (SIGSTOP), if it still is
     reader: threading.Thread | None = None  # moves its messages into the pool's inbox
 
 
@@ -139,7 +146,8 @@ class RolloutPool:
         self.stats = RolloutStats()  # what the workers generated since the last batch
         self.trained_indices: set[int] = set()
         self._prompts: tuple[int, list[Prompt]] = (-1, [])
-        self.heartbeats = SPAWN.RawArray("d", trainer.rollout_workers)
+        self.heartbeats = SPAWN.RawArray("d", trainer.rollout_workers)  # a worker's last model forward or reward call
+        self.pulses = SPAWN.RawArray("d", trainer.rollout_workers)  # a worker's last sign of life (0: none yet)
         self.inbox: queue.Queue[tuple[WorkerHandle, tuple]] = queue.Queue()  # (sender, message), from reader threads
         self.closed = False
         self.workers = [self._spawn(slot) for slot in range(trainer.rollout_workers)]
@@ -210,7 +218,8 @@ class RolloutPool:
         jobs = [self._new_job() for _ in range(max(0, room))]
         for lo in range(0, len(jobs), self.chunk_size):
             chunk = jobs[lo : lo + self.chunk_size]
-            worker = min(self.workers, key=lambda w: (len(w.outstanding), w.slot))
+            ready = [w for w in self.workers if w.ready] or self.workers  # not a worker still loading its model
+            worker = min(ready, key=lambda w: (len(w.outstanding), w.slot))
             if not worker.outstanding:
                 self.heartbeats[worker.slot] = time.monotonic()  # the hang clock starts now, not when it went idle
             worker.outstanding.update({job.id: job for job in chunk})
@@ -281,16 +290,27 @@ class RolloutPool:
 
     # ------------------------------------------------------------------ faults
     def _check_workers(self) -> None:
-        """Restart a worker that exited, or that holds work and made no model forward for worker_timeout seconds
-        (STARTUP_SECONDS while it builds its model)."""
+        """Restart (killing it first) a worker that exited, stopped pulsing, hangs holding work, or never got ready."""
+        timeout = self.config.trainer.worker_timeout
         for worker in self.workers:
-            timeout = self.config.trainer.worker_timeout if worker.ready else max(self.config.trainer.worker_timeout,
-                                                                                    STARTUP_SECONDS)
+            now, pulse = time.monotonic(), self.pulses[worker.slot]
+            stopped = process_stopped(worker.process.pid)  # type: ignore[arg-type]
+            worker.stopped_since = (worker.stopped_since or now) if stopped else None
             if not worker.process.is_alive():
-                self._restart(worker, f"exited with code {worker.process.exitcode}")
-            elif worker.outstanding and time.monotonic() - self.heartbeats[worker.slot] > timeout:
+                reason = f"exited with code {worker.process.exitcode}"
+            elif worker.stopped_since is not None and now - worker.stopped_since > timeout:
+                reason = f"has been stopped (SIGSTOP or a debugger) for {timeout:g} s (killed)"
+            elif pulse and now - pulse > timeout:
+                reason = f"showed no sign of life for {timeout:g} s (stopped or frozen; killed)"
+            elif worker.ready and worker.outstanding and now - self.heartbeats[worker.slot] > timeout:
+                reason = f"made no progress for {timeout:g} s (killed)"
+            elif not worker.ready and now - worker.started > STARTUP_SECONDS:
+                reason = f"did not build its model in {STARTUP_SECONDS:g} s (killed)"
+            else:
+                continue
+            if worker.process.is_alive():
                 os.kill(worker.process.pid, signal.SIGKILL)  # type: ignore[arg-type]
-                self._restart(worker, f"made no progress for {timeout:g} s (killed)")
+            self._restart(worker, reason)
 
     def _restart(self, worker: WorkerHandle, reason: str) -> None:
         """Keep what it had sent, count and re-queue what it held, start a fresh process in its slot."""
@@ -316,12 +336,15 @@ class RolloutPool:
         worker_jobs, trainer_jobs = SPAWN.Pipe(duplex=False)  # (receiving end, sending end)
         trainer_results, worker_results = SPAWN.Pipe(duplex=False)
         process = SPAWN.Process(target=worker_main, name=f"treerl-rollout-worker-{slot}", daemon=True,
-                                args=(slot, self.config, self.weights, worker_jobs, worker_results, self.heartbeats))
+                                args=(slot, self.config, self.weights, worker_jobs, worker_results, self.heartbeats,
+                                      self.pulses))
         self.heartbeats[slot] = time.monotonic()
+        self.pulses[slot] = 0.0
+        started = time.monotonic()
         process.start()
         worker_jobs.close()  # the worker's ends, closed here so that a dead worker reads as end-of-file
         worker_results.close()
-        handle = WorkerHandle(slot, process, jobs=trainer_jobs, results=trainer_results)
+        handle = WorkerHandle(slot, process, jobs=trainer_jobs, results=trainer_results, started=started)
         handle.reader = threading.Thread(target=self._read, args=(handle,), daemon=True)
         handle.reader.start()
         return handle
@@ -335,6 +358,15 @@ class RolloutPool:
             except (EOFError, OSError):
                 return
             self.inbox.put((worker, message))
+
+
+def process_stopped(pid: int) -> bool:
+    """The process is stopped (state T or t in /proc/PID/stat: SIGSTOP, SIGTSTP, a debugger); False without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def trajectory_rewards(sequences: list[Sequence]) -> list[float]:

@@ -44,7 +44,7 @@ from treerl.algo.policy import kl_penalty
 from treerl.dist import Assignment
 from treerl.engine import LossFn, SequenceView
 from treerl.rollout import CompletionsClient, InferenceEngine, Rollout, RolloutBatch, RolloutStats, build_engine
-from treerl.trainer.checkpoint import full_weights, write_pretrained
+from treerl.trainer.checkpoint import full_weights, write_pretrained_atomically
 from treerl.trainer.config import Config
 from treerl.trainer.metrics import tree_metrics
 from treerl.trainer.run import Run, load_policy
@@ -63,11 +63,13 @@ class TrainResult:
     reward_end: float  # evaluation of the final policy
     train_reward_first: float  # mean rollout reward of the first REWARD_WINDOW steps run
     train_reward_last: float  # ... and of the last REWARD_WINDOW steps
-    steps: int
+    steps: int  # steps done (fewer than trainer.steps if a signal stopped the run)
     skipped_steps: int  # steps whose samples were all dropped
     dropped_samples: int
     seconds: float
     output_dir: str
+    nonfinite_skipped: int = 0  # optimizer steps skipped for a NaN/inf loss or gradient (trainer.nonfinite=skip)
+    stopped_by: str | None = None  # "SIGINT" / "SIGTERM": stopped early, after a checkpoint
 
 
 def train(config: Config) -> TrainResult:
@@ -115,12 +117,13 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
             if len(first) < REWARD_WINDOW:
                 first.append(reward)
         run.end_step(step, metrics, {"reward": reward, "loss": metrics.get("train/loss", float("nan"))})
-    reward_end = evaluate(run, evaluation, config.trainer.steps, "end")
+    reward_end = float("nan") if run.stopped_by else evaluate(run, evaluation, config.trainer.steps, "end")
     result = TrainResult(
         reward_start=reward_start, reward_end=reward_end,
         train_reward_first=_mean(first), train_reward_last=_mean(rewards),
-        steps=config.trainer.steps, skipped_steps=run.loop_state["skipped_steps"], dropped_samples=dropped,
+        steps=run.steps_done, skipped_steps=run.loop_state["skipped_steps"], dropped_samples=dropped,
         seconds=time.perf_counter() - started, output_dir=config.trainer.output_dir,
+        nonfinite_skipped=run.loop_state["nonfinite_skipped"], stopped_by=run.stopped_by,
     )
     run.summarise(asdict(result) | summary(), f"training reward: first {len(first)} steps "
                   f"{result.train_reward_first:.3f} -> last {len(rewards)} steps {result.train_reward_last:.3f}")
@@ -219,7 +222,7 @@ def push_weights(run: Run, rollout: Rollout, version: int) -> None:
     weights = full_weights(run.policy)
     if run.env.is_main:
         path = (Path(run.config.trainer.output_dir) / "server_weights").resolve()
-        write_pretrained(path, run.policy, weights, run.tokenizer)
+        write_pretrained_atomically(path, run.policy, weights, run.tokenizer)
         client.update_weights_from_disk(str(path), version)
     if run.env.world_size > 1:
         dist.barrier()

@@ -36,9 +36,11 @@ class SFTResult:
     loss_end: float  # ... after training
     train_loss_first: float  # the first step's training loss
     train_loss_last: float  # the last step's training loss
-    steps: int
+    steps: int  # steps done (fewer than trainer.steps if a signal stopped the run)
     seconds: float
     output_dir: str
+    nonfinite_skipped: int = 0  # optimizer steps skipped for a NaN/inf loss or gradient (trainer.nonfinite=skip)
+    stopped_by: str | None = None  # "SIGINT" / "SIGTERM": stopped early, after a checkpoint
 
 
 def sft(config: Config) -> SFTResult:
@@ -49,7 +51,7 @@ def sft(config: Config) -> SFTResult:
     run = Run.start(config)
     try:
         chat = chat_format(run.tokenizer, config.sft.chat_format)
-        conversations = load_conversations(config.sft.data_path or example_path(), chat)
+        conversations = load_conversations(config.sft.data_path or example_path(), chat, config.sft.max_line_bytes)
         data = SFTData(conversations, config.sft.conversations_per_step, config.trainer.seed, config.sft.shuffle)
         held = [s for c in conversations[: config.sft.eval_conversations] for s in c.sequences]
         stats = PrefixTree.build([s for c in conversations for s in c.sequences]).stats()
@@ -65,10 +67,11 @@ def sft(config: Config) -> SFTResult:
             metrics["time/step"] = time.perf_counter() - step_started
             losses.append(metrics["train/loss"])
             run.end_step(step, metrics, {"loss": metrics["train/loss"]})
-        loss_end = evaluate(run, held, config.trainer.steps, "end")
         nan = float("nan")
+        loss_end = nan if run.stopped_by else evaluate(run, held, config.trainer.steps, "end")
         result = SFTResult(loss_start, loss_end, losses[0] if losses else nan, losses[-1] if losses else nan,
-                           config.trainer.steps, time.perf_counter() - started, config.trainer.output_dir)
+                           run.steps_done, time.perf_counter() - started, config.trainer.output_dir,
+                           run.loop_state["nonfinite_skipped"], run.stopped_by)
         run.summarise(asdict(result), f"training loss: first step {result.train_loss_first:.4f} -> "
                       f"last step {result.train_loss_last:.4f}")
         return result

@@ -41,11 +41,13 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from treerl.errors import DataError
 from treerl.rollout.chat import ChatFormat, Message
 from treerl.rollout.tasks.base import rng_for
-from treerl.rollout.tasks.dataset import read_rows
+from treerl.rollout.tasks.dataset import located_rows
 from treerl.rollout.tokenizer import PLAIN_CHAT_TEMPLATE
 from treerl.tree import Sequence
+from treerl.tree.io import MAX_LINE_BYTES
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -67,23 +69,23 @@ def chat_format(tokenizer: PreTrainedTokenizerBase, kind: str) -> ChatFormat:
 def paths(items: list[Any], where: str) -> list[list[dict[str, Any]]]:
     """Every root-to-leaf list of messages of a (possibly branching) message list, checked."""
     if not isinstance(items, list) or not items:
-        raise ValueError(f"{where}: expected a non-empty list of messages")
+        raise DataError(f"{where}: expected a non-empty list of messages")
     prefix: list[dict[str, Any]] = []
     for k, item in enumerate(items):
         here = f"{where}[{k}]"
         if not isinstance(item, dict):
-            raise ValueError(f"{here}: expected a message object, got {type(item).__name__}")
+            raise DataError(f"{here}: expected a message object, got {type(item).__name__}")
         if "branches" in item:
             if k != len(items) - 1:
-                raise ValueError(f"{here}: 'branches' must be the last item of its list (put what follows in each branch)")
+                raise DataError(f"{here}: 'branches' must be the last item of its list (put what follows in each branch)")
             branches = item["branches"]
             if not isinstance(branches, list) or not branches:
-                raise ValueError(f"{here}: 'branches' must be a non-empty list of message lists")
+                raise DataError(f"{here}: 'branches' must be a non-empty list of message lists")
             return [prefix + rest for b, branch in enumerate(branches) for rest in paths(branch, f"{here}.branches[{b}]")]
         if item.get("role") not in ROLES or not isinstance(item.get("content"), str):
-            raise ValueError(f"{here}: a message needs 'role' (one of {', '.join(ROLES)}) and a string 'content'")
+            raise DataError(f"{here}: a message needs 'role' (one of {', '.join(ROLES)}) and a string 'content'")
         if not isinstance(item.get("train", True), bool):
-            raise ValueError(f"{here}: 'train' must be true or false")
+            raise DataError(f"{here}: 'train' must be true or false")
         prefix.append(item)
     return [prefix]
 
@@ -92,7 +94,7 @@ def render_path(chat: ChatFormat, messages: list[dict[str, Any]], where: str) ->
     """Tokens of one path and its loss mask (1 on trained assistant replies and their stop token)."""
     replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     if not replies:
-        raise ValueError(f"{where}: a path without an assistant message has nothing to train")
+        raise DataError(f"{where}: a path without an assistant message has nothing to train")
     first = replies[0]
     tokens = chat.prompt([_plain(m) for m in messages[:first]])
     mask = [0.0] * len(tokens)
@@ -125,18 +127,17 @@ class Conversation:
     sequences: list[Sequence]
 
 
-def load_conversations(path: str | Path, chat: ChatFormat) -> list[Conversation]:
+def load_conversations(path: str | Path, chat: ChatFormat, max_line_bytes: int = MAX_LINE_BYTES) -> list[Conversation]:
     """Read and render every conversation up front, so a bad row fails before training starts.
 
-    The rows come from a JSONL file (or any local format `treerl.rollout.tasks.dataset.read_rows` reads).
+    The rows come from a JSONL file (or any local format `treerl.rollout.tasks.dataset.located_rows` reads).
     """
     if not Path(path).exists():
-        raise FileNotFoundError(f"sft.data_path={str(path)!r} does not exist")
+        raise DataError(f"sft.data_path={str(path)!r} does not exist")
     conversations = []
-    for i, row in enumerate(read_rows(path)):
-        where = f"{path} row {i}"
+    for i, (where, row) in enumerate(located_rows(path, max_line_bytes, "sft.max_line_bytes")):
         if "messages" not in row:
-            raise ValueError(f"{where}: expected an object with 'messages'")
+            raise DataError(f"{where}: expected an object with 'messages'")
         cid = str(row.get("id") or f"row{i}")
         sequences = []
         for p, messages in enumerate(paths(row["messages"], f"{where} messages")):
@@ -145,7 +146,7 @@ def load_conversations(path: str | Path, chat: ChatFormat) -> list[Conversation]
                                       {"group": cid, "trajectory": f"{cid}/{p}"}, name=f"{cid}/path{p}"))
         conversations.append(Conversation(cid, sequences))
     if not conversations:
-        raise ValueError(f"{path}: no conversations")
+        raise DataError(f"{path}: no conversations")
     return conversations
 
 

@@ -5,7 +5,11 @@
                         ("done", [GroupResult], stats)  the training sequences of each job of a chunk
                         ("error", traceback)            a Python error: the trainer stops with it
     weights             SharedWeights, pulled before each chunk (and each segment, with on_update=interrupt)
-    heartbeat           a shared float per worker, set at every model forward, so a hung worker shows
+    heartbeat           a shared float per worker, set at every model forward and before every reward /
+                        environment call (each limited by rollout.reward_timeout), so a hung worker shows
+    pulse               another shared float, set every PULSE_SECONDS by a thread of its own from the start,
+                        so a stopped (SIGSTOP) or frozen process shows, busy or idle, ready or still loading
+    signals             SIGINT and SIGTERM are ignored: the trainer stops its workers when it stops
 
 Every message is pickled to bytes with the standard pickler and sent over the worker's own pipes,
 so a killed worker can break only its own pipes (a shared queue's lock held by a killed process
@@ -18,6 +22,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -80,9 +85,15 @@ def receive(connection: Connection) -> Any:
     return pickle.loads(connection.recv_bytes())
 
 
+PULSE_SECONDS = 0.2
+
+
 def worker_main(slot: int, config: Config, weights: SharedWeights, jobs: Connection, results: Connection,
-                heartbeats: Any) -> None:
+                heartbeats: Any, pulses: Any) -> None:
     """The worker process: build the policy, then sample every chunk that arrives until told to stop (None)."""
+    threading.Thread(target=pulse, args=(pulses, slot), name="treerl-pulse", daemon=True).start()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a Ctrl-C reaches the whole process group: the trainer decides
+        signal.signal(sig, signal.SIG_IGN)
     torch.set_num_threads(config.trainer.worker_threads)
     outbox = Outbox(results)
 
@@ -100,6 +111,7 @@ def worker_main(slot: int, config: Config, weights: SharedWeights, jobs: Connect
         sampler = engine if config.trainer.on_update == "finish" else InterruptibleEngine(
             engine, refresh, config.trainer.interrupt_tokens)
         rollout = Rollout(config.rollout, tokenizer, sampler)
+        rollout.user_code.on_call = beat
         outbox.put(("ready", os.getpid()))
         while (chunk := receive(jobs)) is not None:
             beat()
@@ -115,6 +127,13 @@ def worker_main(slot: int, config: Config, weights: SharedWeights, jobs: Connect
         raise
     finally:
         outbox.close()
+
+
+def pulse(pulses: Any, slot: int) -> None:
+    """Show the trainer this process runs: its slot's clock, every PULSE_SECONDS, until the process ends."""
+    while True:
+        pulses[slot] = time.monotonic()
+        time.sleep(PULSE_SECONDS)
 
 
 def sample_chunk(rollout: Rollout, chunk: Chunk, version: int) -> tuple[list[GroupResult], RolloutStats]:

@@ -1,4 +1,4 @@
-"""Token sequences on disk: one JSON object per line."""
+"""Token sequences on disk: one JSON object per line, read as a stream with a bound on each line."""
 
 from __future__ import annotations
 
@@ -7,33 +7,59 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from treerl.tree.sequence import BatchError, Sequence
+from treerl.errors import DataError
+from treerl.tree.sequence import Sequence
+
+MAX_LINE_BYTES = 16 * 2**20  # a longer line is refused before it is read whole (a 100 MB line is a broken file)
 
 
-def json_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) for each non-blank line; a bad line is an error naming file and line."""
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
+def json_lines(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
+               limit_option: str = "max_line_bytes") -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank line, read one line at a time; a bad line (not UTF-8, not a JSON
+    object, longer than `max_line_bytes`, which `limit_option` sets) is a DataError naming file and line."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 (closed below; opening is the only step that may name a missing file)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror})") from None
+    with f:
+        line_no = 0
+        while raw := f.readline(max_line_bytes + 1):
+            line_no += 1
+            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                raise DataError(f"{path}:{line_no}: line longer than {max_line_bytes} bytes (raise {limit_option} "
+                                "if it really is one record)")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{line_no}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start} of "
+                                "the line)") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise BatchError(f"{path}:{line_no}: not valid JSON ({e})") from None
+                raise DataError(f"{path}:{line_no}: not valid JSON ({e})") from None
             if not isinstance(row, dict):
-                raise BatchError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+                raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
             yield line_no, row
 
 
-def read_jsonl(path: str | Path) -> list[Sequence]:
+def read_jsonl(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
+               limit_option: str = "max_line_bytes") -> list[Sequence]:
     """Each line: {"tokens": [...]} plus optional per-token lists (same length) and per-sequence values."""
     sequences = []
-    for line_no, row in json_lines(path):
+    for line_no, row in json_lines(path, max_line_bytes, limit_option):
         tokens = row.pop("tokens", None)
         if tokens is None:
             tokens = row.pop("input_ids", None)
+        if tokens is None:
+            raise DataError(f"{path}:{line_no}: field 'tokens' (a list of token ids) is missing")
         if not isinstance(tokens, list):
-            raise BatchError(f"{path}:{line_no}: field 'tokens' (a list of token ids) is missing")
+            raise DataError(f"{path}:{line_no}: field 'tokens' must be a list of token ids, not {json.dumps(tokens)}")
+        bad = next((i for i, t in enumerate(tokens) if type(t) is not int or t < 0), None)  # a bool is not an id
+        if bad is not None:
+            raise DataError(f"{path}:{line_no}: field 'tokens' holds {json.dumps(tokens[bad])} at position {bad}; "
+                            "token ids are integers >= 0")
         name = str(row.pop("name", f"line{line_no}"))
         fields = {k: v for k, v in row.items() if isinstance(v, list)}
         info = {k: v for k, v in row.items() if not isinstance(v, list)}

@@ -9,8 +9,10 @@ from typing import Any
 
 import torch
 
+from treerl.errors import UserError
 
-class BatchError(ValueError):
+
+class BatchError(UserError):
     """Bad input found before any compute; the message names the sequence and the field."""
 
 

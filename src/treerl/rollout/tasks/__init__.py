@@ -27,6 +27,7 @@ def build_task(config: RolloutConfig, reward_fn: RewardFn | None = None) -> Sing
         return DatasetTask.load(
             config.data_path, reward_fn, prompt_key=config.prompt_key, answer_key=config.answer_key,
             system_prompt=config.system_prompt, seed=config.seed, shuffle=config.shuffle,
+            max_line_bytes=config.max_line_bytes,
         )
     if config.task == "agent_tools":
         return AgentTools(seed=config.seed)

@@ -17,40 +17,52 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from treerl.errors import DataError
 from treerl.rollout.chat import Message
 from treerl.rollout.rewards import RewardFn, check_reward_fn
 from treerl.rollout.tasks.base import Prompt, rng_for
-from treerl.tree.io import json_lines
+from treerl.tree.io import MAX_LINE_BYTES, json_lines
 
 DATASETS_FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json"}
 
 
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a local JSONL file or `datasets` dataset, as dicts."""
+def read_rows(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
+              limit_option: str = "rollout.max_line_bytes") -> list[dict[str, Any]]:
+    """The rows of a local JSONL file (streamed, each line at most `max_line_bytes`) or `datasets` dataset, as dicts."""
+    return [row for _, row in located_rows(path, max_line_bytes, limit_option)]
+
+
+def located_rows(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
+                 limit_option: str = "rollout.max_line_bytes") -> list[tuple[str, dict[str, Any]]]:
+    """`read_rows` with where each row is, for messages: "file.jsonl:LINE", or "file row INDEX" (0-based)."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"data path {str(path)!r} does not exist (treerl only reads local data)")
+        raise DataError(f"data path {str(path)!r} does not exist (treerl only reads local data)")
     if path.suffix == ".jsonl":
-        return [row for _, row in json_lines(path)]
+        return [(f"{path}:{line}", row) for line, row in json_lines(path, max_line_bytes, limit_option)]
+    if not path.is_dir() and path.suffix not in DATASETS_FORMATS:
+        raise DataError(f"{path}: unknown data format; use .jsonl, .json, .parquet, .csv or a save_to_disk directory")
     import datasets
 
-    if path.is_dir():
-        data = datasets.load_from_disk(str(path))
-        if isinstance(data, datasets.DatasetDict):
-            if "train" not in data:
-                raise ValueError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(data)})")
-            data = data["train"]
-    elif path.suffix in DATASETS_FORMATS:
-        data = datasets.load_dataset(DATASETS_FORMATS[path.suffix], data_files=str(path), split="train")
-    else:
-        raise ValueError(f"{path}: unknown data format; use .jsonl, .json, .parquet, .csv or a save_to_disk directory")
-    return [dict(row) for row in data]
+    try:
+        if path.is_dir():
+            data = datasets.load_from_disk(str(path))
+        else:
+            data = datasets.load_dataset(DATASETS_FORMATS[path.suffix], data_files=str(path), split="train")
+    except Exception as e:  # noqa: BLE001 (datasets and its readers (pyarrow, pandas) raise many types)
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise DataError(f"{path}: cannot read it as a dataset ({type(e).__name__}: {text})") from None
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data:
+            raise DataError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(data)})")
+        data = data["train"]
+    return [(f"{path} row {i}", dict(row)) for i, row in enumerate(data)]
 
 
 def row_messages(row: dict[str, Any], where: str, prompt_key: str, system_prompt: str | None) -> list[Message]:
     """The chat messages of one row's prompt, checked."""
     if prompt_key not in row:
-        raise ValueError(f"{where}: no field {prompt_key!r} (fields: {', '.join(row)})")
+        raise DataError(f"{where}: no field {prompt_key!r} (fields: {', '.join(row)})")
     value = row[prompt_key]
     if isinstance(value, str):
         messages = [{"role": "user", "content": value}]
@@ -59,7 +71,7 @@ def row_messages(row: dict[str, Any], where: str, prompt_key: str, system_prompt
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
     ):
         return [{"role": m["role"], "content": m["content"]} for m in value]
-    raise ValueError(f"{where}: field {prompt_key!r} must be a string or a list of {{'role', 'content'}} messages")
+    raise DataError(f"{where}: field {prompt_key!r} must be a string or a list of {{'role', 'content'}} messages")
 
 
 @dataclass
@@ -77,17 +89,14 @@ class DatasetTask:
     @classmethod
     def load(
         cls, path: str | Path, reward_fn: RewardFn, prompt_key: str = "prompt", answer_key: str = "answer",
-        system_prompt: str | None = None, **kwargs: Any,
+        system_prompt: str | None = None, max_line_bytes: int = MAX_LINE_BYTES, **kwargs: Any,
     ) -> DatasetTask:
         """Read and check every row up front, so a bad row fails before training starts."""
         check_reward_fn(reward_fn, getattr(reward_fn, "__name__", "reward_fn"))
-        rows = read_rows(path)
+        rows = located_rows(path, max_line_bytes)
         if not rows:
-            raise ValueError(f"{path}: no rows")
-        data = [
-            (row_messages(row, f"{path} row {i}", prompt_key, system_prompt), row.get(answer_key))
-            for i, row in enumerate(rows)
-        ]
+            raise DataError(f"{path}: no rows")
+        data = [(row_messages(row, where, prompt_key, system_prompt), row.get(answer_key)) for where, row in rows]
         return cls(data, reward_fn, **kwargs)
 
     def prompts(self, step: int, count: int) -> list[Prompt]:

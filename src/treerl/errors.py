@@ -1,0 +1,32 @@
+"""The errors a user can fix: each is one line naming the file, row, key or path that is wrong.
+
+    raise DataError(f"{path}:{line}: not valid JSON (...)")
+
+The CLI catches `UserError` in one place (`treerl.cli.main`) and prints `error: <message>` with exit
+code 2; every other exception is a bug in treerl and keeps its traceback. Any layer may raise
+these (this module imports nothing of treerl).
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """Bad input the user can fix (config, data, reward, model or checkpoint path); the message says what and where."""
+
+
+class DataError(UserError):
+    """A data file that cannot be used: names the file and the line or row (and the field)."""
+
+
+class ModelPathError(UserError):
+    """A model or tokenizer path that is not a usable local transformers checkpoint."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is incomplete, corrupt, or does not fit this run; names the checkpoint and what differs."""
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped itself on purpose (a non-finite loss, gradient or weight); nothing non-finite was written."""
+
+    exit_code = 3

@@ -1,0 +1,414 @@
+"""Bad input at the command line: one `error: ...` line naming the file, row, key or path, exit code 2, and
+nothing written or lost (every file under the test's directory is byte for byte what it was).
+
+Classes: config, model, data, reward, SFT, inspect, checkpoint (resume and output_dir), serve. The serve
+HTTP limits are in tests/rollout/test_server_guard.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from treerl.cli.main import app
+from treerl.models import build_model
+from treerl.rollout import builtin_tokenizer
+
+TRAIN = ["trainer.steps=2", "trainer.progress=false", "trainer.eval_prompts=0", "rollout.prompts_per_step=2",
+         "rollout.group_size=2", "trainer.tensorboard=false"]
+
+
+@dataclass(frozen=True)
+class Assets:
+    """Made once per module: a local model directory and a finished run with checkpoints at steps 1 and 2."""
+
+    model: Path
+    run: Path
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Assets:
+    root = tmp_path_factory.mktemp("assets")
+    tokenizer = builtin_tokenizer()
+    build_model(shape="tiny-qwen3", vocab_size=len(tokenizer)).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    result = CliRunner().invoke(app, ["train", *TRAIN, "trainer.save_every=1", f"trainer.output_dir={root / 'run'}"])
+    assert result.exit_code == 0, result.output
+    return Assets(root / "model", root / "run")
+
+
+@dataclass(frozen=True)
+class Case:
+    """`setup(tmp, assets)` makes the files and returns the command line; the one error line must match `message`."""
+
+    name: str
+    setup: Callable[[Path, Assets], list[str]]
+    message: str
+
+
+def train(*overrides: str) -> Callable[[Path, Assets], list[str]]:
+    return lambda tmp, _: ["train", *TRAIN, f"trainer.output_dir={tmp / 'out'}", *overrides]
+
+
+def write(tmp: Path, name: str, content: str | bytes) -> Path:
+    path = tmp / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return path
+
+
+def jsonl(*rows) -> str:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+
+
+# ---------------------------------------------------------------------------------------------- config
+def config_file(content: str) -> Callable[[Path, Assets], list[str]]:
+    return lambda tmp, a: ["train", str(write(tmp, "run.yaml", content)), *TRAIN, f"trainer.output_dir={tmp / 'out'}"]
+
+
+CONFIG = [
+    Case("unknown key", train("trainer.stepz=2"), r"unknown key 'trainer.stepz'.*did you mean 'trainer.steps'"),
+    Case("wrong type", train("trainer.steps=many"), r"trainer.steps"),
+    Case("negative lr", train("trainer.lr=-1"), r"trainer.lr=-1.0 must be > 0"),
+    Case("infinite lr", train("trainer.lr=inf"), r"trainer.lr=inf must be a finite number"),
+    Case("infinite kl", train("algo.kl_coef=inf"), r"algo.kl_coef=inf must be a finite number"),
+    Case("nan entropy", train("algo.entropy_coef=nan"), r"algo.entropy_coef=nan must be"),
+    Case("empty config file", config_file(""), r"run.yaml: the config file is empty"),
+    Case("config file not a mapping", config_file("- 1\n- 2\n"), r"run.yaml: expected a mapping of sections"),
+    Case("config file not YAML", config_file("trainer: [1, 2\n"), r"run.yaml: not a valid YAML file"),
+    Case("missing config file", lambda tmp, a: ["train", str(tmp / "nope.yaml")], r"config file '.*nope.yaml' does not"),
+    Case("override without =", train("trainer.steps"), r"override 'trainer.steps': expected key=value"),
+    Case("bad nonfinite choice", train("trainer.nonfinite=maybe"), r"trainer.nonfinite='maybe' is not one of: stop, skip"),
+    Case("zero reward timeout", train("rollout.reward_timeout=0"), r"rollout.reward_timeout=0.0 must be > 0"),
+    Case("reward timeout past worker timeout", train("trainer.mode=async", "trainer.worker_timeout=30"),
+         r"rollout.reward_timeout=60.0 must be < trainer.worker_timeout=30.0"),
+    Case("zero threads", train("trainer.threads=0"), r"trainer.threads=0 must be > 0"),
+    Case("zero line limit", train("rollout.max_line_bytes=0"), r"rollout.max_line_bytes=0 must be > 0"),
+]
+
+
+# ---------------------------------------------------------------------------------------------- model
+def model_dir(make: Callable[[Path, Path], None], *overrides: str) -> Callable[[Path, Assets], list[str]]:
+    """A copy of the asset model, changed by `make(copy, tmp)`, as model.path."""
+
+    def setup(tmp: Path, a: Assets) -> list[str]:
+        copy = tmp / "model"
+        shutil.copytree(a.model, copy)
+        make(copy, tmp)
+        return train(f"model.path={copy}", *overrides)(tmp, a)
+
+    return setup
+
+
+def remote_code(model: Path, tmp: Path) -> None:
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="my_custom_arch", auto_map={"AutoConfig": "custom.Config",
+                                                         "AutoModelForCausalLM": "custom.Model"})
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "custom.py").write_text(f"open({str(tmp / 'RAN')!r}, 'w').close()\n")
+
+
+def truncate(path: Path, keep: int = 100) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+MODEL = [
+    Case("missing model dir", train("model.path=/no/such/model"), r"model.path='/no/such/model' does not exist"),
+    Case("not a model dir", lambda tmp, a: train(f"model.path={tmp}")(tmp, a),
+         r"model.path='.*' is not a transformers checkpoint directory: it has no config.json"),
+    Case("remote code", model_dir(remote_code), r"needs its own Python code.*model.trust_remote_code=true"),
+    Case("no weights", model_dir(lambda m, t: (m / "model.safetensors").unlink()), r"cannot load its weights"),
+    Case("truncated weights", model_dir(lambda m, t: truncate(m / "model.safetensors")), r"cannot load its weights"),
+    Case("no tokenizer files", lambda tmp, a: train(f"model.tokenizer_path={tmp}")(tmp, a),
+         r"tokenizer path '.*' has no tokenizer files"),
+    Case("missing critic", train("algo.loss=ppo", "critic.path=/no/such/critic"),
+         r"critic.path='/no/such/critic' does not exist"),
+    Case("a NaN weight", model_dir(lambda m, t: nan_weight(m)),
+         r"model path '.*model': weight model.norm.weight holds NaN or inf"),
+    Case("vocabulary smaller than the tokenizer", lambda tmp, a: train(f"model.path={small_vocabulary(tmp)}")(tmp, a),
+         r"the tokenizer has \d+ tokens but the model's vocabulary only 50"),
+]
+
+
+def nan_weight(model: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model / "model.safetensors")
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+
+
+def small_vocabulary(tmp: Path) -> Path:
+    tokenizer = builtin_tokenizer()
+    build_model(shape="tiny-qwen3", vocab_size=50).save_pretrained(tmp / "small")
+    tokenizer.save_pretrained(tmp / "small")
+    return tmp / "small"
+
+
+# ---------------------------------------------------------------------------------------------- data
+def dataset(content: str | bytes, name: str = "data.jsonl", *overrides: str) -> Callable[[Path, Assets], list[str]]:
+    def setup(tmp: Path, a: Assets) -> list[str]:
+        path = write(tmp, name, content)
+        return train("rollout.task=dataset", f"rollout.data_path={path}", "rollout.reward_fn=bad_input_rewards:one",
+                     *overrides)(tmp, a)
+
+    return setup
+
+
+GOOD_ROW = {"prompt": "1+1=", "answer": "2"}
+DATA = [
+    Case("missing data file", lambda tmp, a: train("rollout.task=dataset", f"rollout.data_path={tmp / 'no.jsonl'}",
+                                                   "rollout.reward_fn=bad_input_rewards:one")(tmp, a),
+         r"data path '.*no.jsonl' does not exist"),
+    Case("bad JSON line", dataset(jsonl(GOOD_ROW, '{"prompt": ')), r"data.jsonl:2: not valid JSON"),
+    Case("row not an object", dataset(jsonl(GOOD_ROW, "[1, 2]")), r"data.jsonl:2: expected a JSON object, got list"),
+    Case("not UTF-8", dataset(jsonl(GOOD_ROW).encode() + b'{"prompt": "caf\xe9"}\n'),
+         r"data.jsonl:2: not UTF-8 text \(byte 0xe9"),
+    Case("line too long", dataset(jsonl({"prompt": "x" * 500}), "data.jsonl", "rollout.max_line_bytes=100"),
+         r"data.jsonl:1: line longer than 100 bytes \(raise rollout.max_line_bytes"),
+    Case("no prompt field", dataset(jsonl(GOOD_ROW, {"question": "2+2="})), r"data.jsonl:2: no field 'prompt'"),
+    Case("prompt of wrong type", dataset(jsonl({"prompt": 42})), r"data.jsonl:1: field 'prompt' must be a string or a list"),
+    Case("empty data file", dataset(""), r"data.jsonl: no rows"),
+    Case("unknown format", dataset("prompt\n", "data.txt"), r"data.txt: unknown data format"),
+    Case("corrupt parquet", dataset(b"PAR1 not really", "data.parquet"), r"data.parquet: cannot read it as a dataset"),
+]
+
+
+# ---------------------------------------------------------------------------------------------- rewards
+def reward(spec: str, module: str | None = None) -> Callable[[Path, Assets], list[str]]:
+    def setup(tmp: Path, a: Assets) -> list[str]:
+        if module is not None:
+            write(tmp, spec.split(":")[0] + ".py", module)
+        path = write(tmp, "data.jsonl", jsonl(GOOD_ROW))
+        return train("rollout.task=dataset", f"rollout.data_path={path}", f"rollout.reward_fn={spec}")(tmp, a)
+
+    return setup
+
+
+REWARDS = [
+    Case("reward without colon", reward("no_colon"), r"reward function 'no_colon': expected 'module:function'"),
+    Case("reward module missing", reward("no_such_reward_module:f"), r"cannot import 'no_such_reward_module'"),
+    Case("reward module raises", reward("raising_rewards:f", "raise RuntimeError('boom')\n"),
+         r"cannot import 'raising_rewards': RuntimeError: boom"),
+    Case("reward module exits", reward("exiting_rewards:f", "import sys\nsys.exit('bye')\n"),
+         r"cannot import 'exiting_rewards': SystemExit: bye"),
+    Case("reward missing attribute", reward("attr_rewards:nope", "def f(prompt, completion, answer):\n    return 1\n"),
+         r"module 'attr_rewards' has no attribute 'nope'"),
+    Case("reward wrong signature", reward("sig_rewards:f", "def f(text):\n    return 1\n"),
+         r"reward function 'sig_rewards:f' has signature \(text\)"),
+    Case("stop token not a token", train("rollout.stop_tokens=[abc]"), r"rollout.stop_tokens: 'abc' is not a single"),
+]
+
+
+# ---------------------------------------------------------------------------------------------- SFT
+def sft(content: str | bytes | None, *overrides: str) -> Callable[[Path, Assets], list[str]]:
+    def setup(tmp: Path, a: Assets) -> list[str]:
+        path = tmp / "conversations.jsonl"
+        if content is not None:
+            write(tmp, path.name, content)
+        return ["sft", "trainer.steps=1", "trainer.progress=false", f"sft.data_path={path}",
+                f"trainer.output_dir={tmp / 'out'}", *overrides]
+
+    return setup
+
+
+USER, ASSISTANT = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}
+SFT = [
+    Case("missing SFT data", sft(None), r"sft.data_path='.*conversations.jsonl' does not exist"),
+    Case("row without messages", sft(jsonl({"turns": []})), r"conversations.jsonl:1: expected an object with"),
+    Case("branches not last", sft(jsonl({"messages": [USER, {"branches": [[ASSISTANT]]}, ASSISTANT]})),
+         r"conversations.jsonl:1 messages\[1\]: 'branches' must be the last item"),
+    Case("bad role", sft(jsonl({"messages": [{"role": "robot", "content": "x"}]})),
+         r"conversations.jsonl:1 messages\[0\]: a message needs 'role' \(one of system, user, assistant, tool\)"),
+    Case("nothing to train", sft(jsonl({"messages": [USER]})), r"conversations.jsonl:1 path 0: a path without an assistant message"),
+    Case("train flag not a bool", sft(jsonl({"messages": [USER, {**ASSISTANT, "train": "yes"}]})),
+         r"messages\[1\]: 'train' must be true or false"),
+    Case("SFT not UTF-8", sft(b'{"messages": [{"role": "user", "content": "\xff"}]}\n'),
+         r"conversations.jsonl:1: not UTF-8 text"),
+    Case("SFT line too long", sft(jsonl({"messages": [USER, ASSISTANT]}), "sft.max_line_bytes=20"),
+         r"conversations.jsonl:1: line longer than 20 bytes \(raise sft.max_line_bytes"),
+]
+
+
+# ---------------------------------------------------------------------------------------------- inspect
+def inspect(content: str | bytes, *options: str) -> Callable[[Path, Assets], list[str]]:
+    return lambda tmp, a: ["inspect", str(write(tmp, "batch.jsonl", content)), *options]
+
+
+INSPECT = [
+    Case("float token", inspect(jsonl({"tokens": [1, 2]}, {"tokens": [1, 1.5]})),
+         r"batch.jsonl:2: field 'tokens' holds 1.5 at position 1; token ids are integers >= 0"),
+    Case("negative token", inspect(jsonl({"tokens": [4, -3]})), r"batch.jsonl:1: field 'tokens' holds -3 at position 1"),
+    Case("boolean token", inspect(jsonl({"tokens": [True, 2]})), r"batch.jsonl:1: field 'tokens' holds true at position 0"),
+    Case("null token", inspect(jsonl({"tokens": [1, None]})), r"batch.jsonl:1: field 'tokens' holds null at position 1"),
+    Case("tokens not a list", inspect(jsonl({"tokens": "1 2 3"})), r"batch.jsonl:1: field 'tokens' must be a list"),
+    Case("no tokens", inspect(jsonl({"ids": [1]})), r"batch.jsonl:1: field 'tokens' \(a list of token ids\) is missing"),
+    Case("inspect not UTF-8", inspect(b'{"tokens": [1]}\n\xc3\x28\n'), r"batch.jsonl:2: not UTF-8 text"),
+    Case("inspect line too long", inspect(jsonl({"tokens": list(range(50))}), "--max-line-bytes", "30"),
+         r"batch.jsonl:1: line longer than 30 bytes \(raise --max-line-bytes"),
+    Case("field of wrong length", inspect(jsonl({"tokens": [1, 2, 3], "loss_mask": [1, 0]})),
+         r"field 'loss_mask' has shape \(2,\), but the sequence has 3 tokens"),
+]
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def checkpoint(change: Callable[[Path, Path], None] | None, *overrides: str,
+               resume: str = "step") -> Callable[[Path, Assets], list[str]]:
+    """A copy of the asset run as output_dir, its step-2 checkpoint changed by `change(checkpoint, tmp)`, resumed
+    (`resume`: "step" -> that checkpoint's path, "auto")."""
+
+    def setup(tmp: Path, a: Assets) -> list[str]:
+        out = tmp / "out"
+        shutil.copytree(a.run, out)
+        step = out / "checkpoints" / "step_000002"
+        if change is not None:
+            change(step, tmp)
+        where = step if resume == "step" else resume
+        return ["train", *TRAIN, f"trainer.output_dir={out}", f"trainer.resume={where}", "trainer.steps=3",
+                *overrides]
+
+    return setup
+
+
+def reseal(step: Path, name: str) -> None:
+    """Record a changed file's size and sha256 in the manifest, as a crafted checkpoint would."""
+    manifest = json.loads((step / "manifest.json").read_text())
+    data = (step / name).read_bytes()
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+
+
+class RunsCode:
+    """Unpickling this creates a file: the proof that a checkpoint ran code."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def pickled_code(step: Path, tmp: Path) -> None:
+    torch.save({"step": 2, "optimizer": {}, "scheduler": {}, "payload": RunsCode(tmp / "RAN")}, step / "trainer_state.pt")
+    reseal(step, "trainer_state.pt")
+
+
+def flip_a_byte(step: Path, tmp: Path) -> None:
+    data = bytearray((step / "model.safetensors").read_bytes())
+    data[-10] ^= 0xFF
+    (step / "model.safetensors").write_bytes(bytes(data))
+
+
+def fresh_run_in(tmp: Path, a: Assets) -> list[str]:
+    shutil.copytree(a.run, tmp / "out")
+    return train()(tmp, a)
+
+
+def other_run_dir(tmp: Path, a: Assets) -> list[str]:
+    shutil.copytree(a.run, tmp / "out")
+    shutil.copytree(a.run, tmp / "other")
+    return ["train", *TRAIN, "trainer.steps=3", f"trainer.output_dir={tmp / 'out'}",
+            f"trainer.resume={tmp / 'other' / 'checkpoints' / 'step_000002'}"]
+
+
+CHECKPOINTS = [
+    Case("resume path missing", train("trainer.resume=/no/such/step"),
+         r"trainer.resume='/no/such/step': checkpoint /no/such/step: does not exist"),
+    Case("resume a non-checkpoint", lambda tmp, a: train(f"trainer.resume={a.model}")(tmp, a),
+         r"no manifest.json \(an incomplete checkpoint, or not a treerl checkpoint directory\)"),
+    Case("truncated checkpoint weights", checkpoint(lambda s, t: truncate(s / "model.safetensors")),
+         r"step_000002: model.safetensors has 100 bytes, the manifest says \d+"),
+    Case("flipped byte", checkpoint(flip_a_byte), r"step_000002: model.safetensors is corrupt \(its sha256 differs"),
+    Case("empty trainer state", checkpoint(lambda s, t: (s / "trainer_state.pt").write_bytes(b"")),
+         r"step_000002: trainer_state.pt has 0 bytes"),
+    Case("pickled code in trainer state", checkpoint(pickled_code),
+         r"trainer_state.pt: not a readable trainer state \(UnpicklingError"),
+    Case("manifest missing", checkpoint(lambda s, t: (s / "manifest.json").unlink()), r"step_000002: no manifest.json"),
+    Case("changed dtype", checkpoint(None, "model.dtype=float64"),
+         r"cannot resume from .*step_000002: model.dtype: 'float32' in the checkpoint, 'float64' now"),
+    Case("changed loss", checkpoint(None, "algo.loss=grpo"),
+         r"algo.loss: 'dr_grpo' in the checkpoint, 'grpo' now; algo.advantage: 'group_mean' in the checkpoint"),
+    Case("changed shape", checkpoint(None, "model.shape=tiny-llama"), r"model.shape: 'tiny-qwen3' in the checkpoint"),
+    Case("steps already done", checkpoint(None, "trainer.steps=2"),
+         r"trainer.steps=2, but checkpoint .*step_000002 has already done 2 steps: set trainer.steps above 2"),
+    Case("fresh run over a run", fresh_run_in,
+         r"trainer.output_dir='.*out' already holds a run \(checkpoints, metrics.jsonl, summary.json\): continue it with "
+         r"trainer.resume=auto, or replace it with trainer.overwrite=true"),
+    Case("resume=auto, only a broken checkpoint", checkpoint(
+        lambda s, t: [shutil.rmtree(s.with_name("step_000001")), truncate(s / "model.safetensors")], resume="auto"),
+        r"trainer.resume=auto: no complete checkpoint in .*checkpoints \(broken: step_000002"),
+    Case("resume into another run's directory", other_run_dir, r"already holds another run"),
+]
+
+
+# ---------------------------------------------------------------------------------------------- serve
+SERVE = [
+    Case("serve on a public address without a key", lambda tmp, a: ["serve", "--host", "0.0.0.0"],
+         r"--host 0.0.0.0 is reachable from other machines: set --api-key \(or TREERL_API_KEY\)"),
+    Case("serve a missing model", lambda tmp, a: ["serve", "--model-path", "/no/such/model"],
+         r"--model-path='/no/such/model' does not exist"),
+    Case("serve a non-model dir", lambda tmp, a: ["serve", "--model-path", str(tmp)],
+         r"--model-path='.*' is not a transformers checkpoint directory"),
+    Case("serve with no room for n", lambda tmp, a: ["serve", "--max-n", "0"], r"--max-n=0 must be > 0"),
+    Case("serve remote code", lambda tmp, a: ["serve", "--model-path", str(model_with_remote_code(tmp, a))],
+         r"needs its own Python code"),
+]
+
+
+def model_with_remote_code(tmp: Path, a: Assets) -> Path:
+    shutil.copytree(a.model, tmp / "model")
+    remote_code(tmp / "model", tmp)
+    return tmp / "model"
+
+CASES = CONFIG + MODEL + DATA + REWARDS + SFT + INSPECT + CHECKPOINTS + SERVE
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file under root with the sha256 of its bytes."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_there_are_many_classes_of_bad_input():
+    assert len(CASES) >= 40 and len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_is_one_error_line_exit_2_and_nothing_written(case, tmp_path, assets, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # reward modules are imported from the current directory
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # no __pycache__ among the files compared
+    write(tmp_path, "bad_input_rewards.py", "def one(prompt, completion, answer):\n    return 1.0\n")
+    args = case.setup(tmp_path, assets)
+    before = snapshot(tmp_path)
+    result = CliRunner().invoke(app, args)
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert re.search(case.message, errors[0]), errors[0]
+    assert "Traceback" not in result.output
+    assert snapshot(tmp_path) == before  # nothing written, nothing lost
+    assert not (tmp_path / "RAN").exists()  # no code from a model directory or a checkpoint ran
+
+
+@pytest.mark.parametrize("error", [RuntimeError("a bug in treerl"), EOFError("Ran out of input")])
+def test_an_internal_error_keeps_its_traceback(tmp_path, monkeypatch, error):
+    """Not a user error: the exception propagates (the CLI prints its traceback), exit code 1; an EOFError too,
+    which click alone would turn into a bare 'Aborted.'."""
+    from treerl.trainer import rl
+
+    def broken(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(rl, "train_loop", broken)
+    result = CliRunner().invoke(app, ["train", *TRAIN, f"trainer.output_dir={tmp_path / 'out'}"])
+    assert result.exit_code == 1 and isinstance(result.exception, RuntimeError)
+    assert str(error) in str(result.exception) or str(error) in str(result.exception.__cause__)
+    assert "error: " not in result.output and "Aborted" not in result.output
