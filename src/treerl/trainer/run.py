@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-import yaml
 import torch.distributed as dist
+import yaml
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
