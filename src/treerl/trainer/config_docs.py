@@ -55,7 +55,7 @@ def _value(value: object) -> str:
 
 
 def _linked(text: str) -> str:
-    """`docs/training.md#resuming` in a source comment becomes a link that works from docs/config.md."""
+    """A `docs/<file>.md#<anchor>` in a source comment becomes a link that works from docs/config.md."""
     return DOC_REFERENCE.sub(lambda m: f"[{m.group(1)}]({m.group(1)}{m.group(2) or ''})", text)
 
 
