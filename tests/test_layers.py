@@ -78,3 +78,17 @@ def test_the_check_sees_an_upward_import(tmp_path):
     found = violations(tmp_path / "treerl")
     assert found == ["treerl/engine/bad.py:2 imports treerl.trainer",
                      "treerl/engine/relative.py:1 imports treerl.rollout"], found
+
+
+def drawn_layers(text: str) -> list[str]:
+    """The layer names of the first code block in `text`, top to bottom (the first word of each row)."""
+    block = text.split("```\n", 2)[1]
+    return [line.split()[0] for line in block.splitlines() if line and not line[0].isspace()]
+
+
+def test_the_docs_draw_the_layers_the_code_has():
+    docs = PACKAGE.parents[1] / "docs"
+    architecture = (docs / "architecture.md").read_text()
+    design = (docs / "design.md").read_text().split("## Layers", 1)[1]
+    assert drawn_layers(architecture) == LAYERS[::-1], drawn_layers(architecture)
+    assert drawn_layers(design) == LAYERS[::-1], drawn_layers(design)
