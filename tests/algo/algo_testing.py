@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from treerl.algo import fill_fields
+from treerl.algo import LossNormalizer, fill_fields
 from treerl.engine import FlatEngine
 from treerl.engine.head import ValueHead
 from treerl.testing import relative_error
@@ -65,6 +65,21 @@ def add_critic_fields(critic: torch.nn.Module, batch: list[Sequence], seed: int)
         n = len(seq)
         seq.fields["values"] = seq.fields["values"] + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64)
         seq.fields["returns"] = torch.randn(n, generator=gen, dtype=torch.float64)
+
+
+def counted_by_hand(batch: list[Sequence]) -> LossNormalizer:
+    """The flat reference's normaliser, counted here from the masks (not by `LossNormalizer.from_sequences`)."""
+    masks = [seq.fields["loss_mask"] for seq in batch]
+    return LossNormalizer(tokens=float(sum(int(torch.count_nonzero(m)) for m in masks)),
+                          sequences=sum(1 for m in masks if bool(m.any())))
+
+
+def counted_per_part(parts: list[list[Sequence]]) -> LossNormalizer:
+    """What a tree engine's caller uses: each part (micro-batch, rank) counted on its own, then added."""
+    total = LossNormalizer.from_sequences(parts[0])
+    for part in parts[1:]:
+        total = total + LossNormalizer.from_sequences(part)
+    return total
 
 
 def train_step(

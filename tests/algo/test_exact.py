@@ -1,5 +1,9 @@
 """Every loss and aggregation: the tree engine's loss and gradients equal the flat reference, and
-a batch split into parts (micro-batches, several trees) with one global normaliser sums to the same."""
+a batch split into parts (micro-batches, several trees) with one global normaliser sums to the same.
+
+No loss function or normaliser is shared between the reference and an engine under test: the flat
+reference counts its normaliser by hand from the masks, each engine run builds its own loss from
+`LossNormalizer.from_sequences` of its parts, added (so a miscount there, or in `+`, is caught)."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import random
 
 import pytest
 import torch
-from algo_testing import assert_same_step, make_batch, train_step
+from algo_testing import assert_same_step, counted_by_hand, counted_per_part, make_batch, train_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -38,6 +42,16 @@ def full_config(loss: str, aggregation: str, kl_estimator: str = "k3") -> AlgoCo
     )
 
 
+def reference(policy, config: AlgoConfig, batch: list[Sequence]):
+    """FlatEngine on the whole batch, with a normaliser counted by hand."""
+    return train_step(FlatEngine(), policy, [batch], build_loss(config, counted_by_hand(batch)))
+
+
+def step(engine, policy, config: AlgoConfig, parts: list[list[Sequence]]):
+    """`engine` on `parts` with a loss of its own, normalised by the parts' counts added."""
+    return train_step(engine, policy, parts, build_loss(config, counted_per_part(parts)))
+
+
 def split(batch: list[Sequence], seed: int) -> list[list[Sequence]]:
     """The batch shuffled and cut in two non-empty parts (one part if it has one sequence)."""
     order = list(batch)
@@ -50,12 +64,12 @@ def split(batch: list[Sequence], seed: int) -> list[list[Sequence]]:
 @pytest.mark.parametrize("loss", LOSSES)
 def test_every_loss_and_aggregation_matches_flat(policy, loss: str, aggregation: str) -> None:
     batch = make_batch(policy, seed=LOSSES.index(loss) * 10 + AGGREGATIONS.index(aggregation), sequences=6, length=12)
-    loss_fn = build_loss(full_config(loss, aggregation), LossNormalizer.from_sequences(batch))
-    want = train_step(FlatEngine(), policy, [batch], loss_fn)
+    config = full_config(loss, aggregation)
+    want = reference(policy, config, batch)
     assert want[1]["entropy"] > 0 and any(g.norm() > 0 for g in want[2].values())
     for engine in TREE_ENGINES.values():
-        assert_same_step(train_step(engine, policy, [batch], loss_fn), want)
-    assert_same_step(train_step(DfsEngine(), policy, split(batch, 0), loss_fn), want)
+        assert_same_step(step(engine, policy, config, [batch]), want)
+    assert_same_step(step(DfsEngine(), policy, config, split(batch, 0)), want)
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -74,11 +88,11 @@ def test_random_trees_match_flat_whole_and_split(
     policy, loss, seed, sequences, length, sharing, noise, aggregation, kl_estimator, zero_masks
 ) -> None:
     batch = make_batch(policy, seed, sequences, length, sharing, noise, zero_masks)
-    loss_fn = build_loss(full_config(loss, aggregation, kl_estimator), LossNormalizer.from_sequences(batch))
-    want = train_step(FlatEngine(), policy, [batch], loss_fn)
-    assert_same_step(train_step(DfsEngine(), policy, [batch], loss_fn), want)
-    assert_same_step(train_step(DfsEngine(), policy, split(batch, seed), loss_fn), want)
-    assert_same_step(train_step(FlatEngine(), policy, split(batch, seed), loss_fn), want)
+    config = full_config(loss, aggregation, kl_estimator)
+    want = reference(policy, config, batch)
+    assert_same_step(step(DfsEngine(), policy, config, [batch]), want)
+    assert_same_step(step(DfsEngine(), policy, config, split(batch, seed)), want)
+    assert_same_step(step(FlatEngine(), policy, config, split(batch, seed)), want)
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -101,10 +115,10 @@ def test_duplicates_and_prefixes_with_different_fields(policy, loss: str) -> Non
     )
     batch = [long, twin, prefix, base[1]]
     for aggregation in AGGREGATIONS:
-        loss_fn = build_loss(full_config(loss, aggregation), LossNormalizer.from_sequences(batch))
-        want = train_step(FlatEngine(), policy, [batch], loss_fn)
-        assert_same_step(train_step(DfsEngine(), policy, [batch], loss_fn), want)
-        assert_same_step(train_step(DfsEngine(chunk_tokens=2, recompute="always"), policy, [batch], loss_fn), want)
+        config = full_config(loss, aggregation)
+        want = reference(policy, config, batch)
+        assert_same_step(step(DfsEngine(), policy, config, [batch]), want)
+        assert_same_step(step(DfsEngine(chunk_tokens=2, recompute="always"), policy, config, [batch]), want)
 
 
 def test_all_zero_masks_give_zero_loss_and_gradient(policy) -> None:
@@ -124,7 +138,7 @@ def test_per_part_normalisers_would_be_wrong(policy) -> None:
     parts = [batch[:1], batch[1:]]
     for aggregation in AGGREGATIONS:
         config = full_config("grpo", aggregation)
-        want = train_step(FlatEngine(), policy, [batch], build_loss(config, LossNormalizer.from_sequences(batch)))
+        want = reference(policy, config, batch)
         policy.zero_grad(set_to_none=True)
         for part in parts:
             DfsEngine().forward_backward(policy, part, build_loss(config, LossNormalizer.from_sequences(part)))

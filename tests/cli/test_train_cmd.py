@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from treerl.cli.main import app
@@ -27,6 +28,26 @@ def test_train_smoke(tmp_path):
     assert (out / "checkpoints" / "step_000002" / "model.safetensors").exists()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
+
+
+# 30 steps of the demo on 8 prompts a step, with a higher learning rate and no warm-up; evaluated on 16 prompts.
+LEARNS = ["trainer.steps=30", "trainer.lr=3e-3", "trainer.warmup_steps=0", "rollout.prompts_per_step=8",
+          "trainer.eval_prompts=16", "trainer.progress=false", "trainer.tensorboard=false"]
+
+
+@pytest.mark.slow
+def test_a_short_run_raises_the_reward(tmp_path):
+    """The demo on its fixed seed learns: the evaluation reward on the fixed prompt set more than doubles
+    (measured: 0.006 -> 0.014, the policy learns to answer with digits and stop) and the training reward
+    of the last 10 steps is above that of the first 10."""
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", *LEARNS, f"trainer.output_dir={out}"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["reward_end"] > 2 * summary["reward_start"] > 0, summary
+    rewards = [json.loads(line).get("rollout/reward_mean") for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r for r in rewards if r is not None]
+    assert len(rewards) == 30 and sum(rewards[-10:]) > 1.2 * sum(rewards[:10]), rewards
 
 
 def test_print_config_shows_the_resolved_tree():

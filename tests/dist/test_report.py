@@ -18,9 +18,14 @@ def test_rows_and_markdown_on_a_small_batch():
     rows = balance_report(ranks=(2, 4), batches=batches, cost_models=COSTS)
     assert len(rows) == 2 * 2 * 3  # cost models x K x methods
     assert {r["method"] for r in rows} == {"treerl", "first-fit", "LPT"}
+    unique = 3 * (30 + 4 * 9)  # each group: its 30-token prompt once, then 4 replies of 9
     for r in rows:
         assert r["max_over_mean"] >= 1.0 and r["makespan_over_ideal"] >= 1.0 - 1e-9
-        assert 0 < r["compression_kept"] <= 1.0
+        # A group split over ranks recomputes its prompt once per extra rank, and nothing else is recomputed.
+        assert r["unique_tokens"] == unique and (r["computed_tokens"] - unique) % 30 == 0, r
+        assert r["compression_kept"] == unique / r["computed_tokens"], r
+    assert {r["compression_kept"] for r in rows if r["method"] == "LPT"} == {1.0}  # LPT places whole groups
+    assert min(r["compression_kept"] for r in rows) == unique / (unique + 3 * 30)  # first-fit, K = 4 (measured)
     text = balance_markdown(rows)
     assert "| grpo (" in text and text.count("| grpo (") == 4 and "**" in text
 

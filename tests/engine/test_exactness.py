@@ -1,6 +1,6 @@
 """Every engine trains exactly like the flat reference: outputs, loss and every parameter gradient.
 
-float64, relative error <= 1e-6 (transformers' RMSNorm computes in float32, DESIGN.md).
+float64, relative error <= 1e-6 (transformers' RMSNorm computes in float32, docs/design.md).
 """
 
 from __future__ import annotations

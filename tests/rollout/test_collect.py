@@ -30,7 +30,11 @@ def test_collect_is_valid_reproducible_and_rewarded(task, tokenizer, policy):
     validate_sequences(batch.sequences, vocab_size=len(tokenizer))
     assert batch.stats.prompts == 4 and batch.stats.kept == batch.stats.samples > 0
     assert batch.stats.sequences == len(batch.sequences) and sum(batch.stats.dropped.values()) == 0
-    assert batch.stats.reward_mean > 0  # partial credit: a random policy scores above zero
+    # Every kept trajectory's reward is on its sequences, once; the mean is theirs (format credit: above zero).
+    per_trajectory = {s.info["trajectory"]: s.info["reward"] for s in batch.sequences}
+    assert len(per_trajectory) == batch.stats.kept and sorted(per_trajectory.values()) == sorted(batch.stats.rewards)
+    mean = sum(per_trajectory.values()) / batch.stats.kept
+    assert batch.stats.reward_mean == pytest.approx(mean) and mean > 0
     for seq in batch.sequences:
         generated = seq.fields["loss_mask"] == 1
         assert seq.fields["versions"][generated].eq(2).all() and seq.fields["versions"][~generated].eq(-1).all()

@@ -27,7 +27,8 @@ def test_train_agent_tools_with_the_example_agent_file(tiny_config, tmp_path):
         assert row["rollout/kept"] == 8 and row["rollout/dropped"] == 0 and row["rollout/model_calls"] == 16
         assert row["batch/sequences"] == 16 and row["batch/compression"] > 3
         assert row["rollout/history_mismatches"] == 0  # every answer call extended its lookup call's tokens
-    assert result.reward_start == result.reward_start and result.dropped_samples == 0
+    evaluations = {row["step"]: row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row}
+    assert evaluations == {0: result.reward_start, 2: result.reward_end} and result.dropped_samples == 0
 
 
 def test_async_mode_refuses_agent_tasks(tiny_config):

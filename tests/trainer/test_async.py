@@ -214,7 +214,10 @@ def test_train_async_with_a_worker_killed_mid_run(tiny_config, tmp_path, monkeyp
                                     + counters["pending"])
     assert counters["trained"] + counters["dropped_failed"] == 8 * 2
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["async"] == counters and 0 <= result.reward_end <= 1
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    evaluations = {r["step"]: r["eval/reward_mean"] for r in map(json.loads, lines) if "eval/reward_mean" in r}
+    assert summary["async"] == counters and evaluations == {0: result.reward_start, 8: result.reward_end}
+    assert (summary["reward_start"], summary["reward_end"]) == (result.reward_start, result.reward_end)
 
 
 def test_async_trains_the_configured_loss_as_decoupled_ppo(tiny_config):

@@ -154,7 +154,10 @@ def test_multi_turn_batches_share_prefixes(tiny_config, tmp_path):
     result = train(tiny_config("trainer.steps=1", "rollout.task=guess_number", "trainer.eval_prompts=2"))
     row = step_row(tmp_path / "run", 0)
     assert row["batch/compression"] > 1.5 and row["batch/sequences"] > row["rollout/kept"]
-    assert 0 <= result.reward_start <= 1.5 and 0 <= result.reward_end <= 1.5
+    # The result reports the evaluations before and after the step, not a training batch's reward.
+    evaluations = {r["step"]: r["eval/reward_mean"] for r in metrics_rows(tmp_path / "run") if "eval/reward_mean" in r}
+    assert evaluations == {0: result.reward_start, 1: result.reward_end}
+    assert result.train_reward_first == result.train_reward_last == row["rollout/reward_mean"]
 
 
 REWARDS = '''

@@ -55,7 +55,7 @@ def workload_names() -> list[str]:
 
 
 def make_workload(name: str, scale: float, vocab: int, seed: int = 0) -> list[Sequence]:
-    """The named synthetic batch (DESIGN.md "Measurement") at `scale` times its full size."""
+    """The named synthetic batch (docs/design.md, "Measurement") at `scale` times its full size."""
     s = lambda n: max(2, round(n * scale))
     if name == "grpo":  # G = 8 samples of each of 4 prompts
         return grpo_groups(prompts=4, group_size=8, prompt_len=s(8192), response_len=s(4096), vocab=vocab, seed=seed)

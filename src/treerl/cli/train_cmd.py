@@ -8,7 +8,9 @@ from collections.abc import Callable
 
 import typer
 
-ARGS_HELP = "CONFIG (a YAML file or a packaged config name), then key=value overrides; e.g. guess_number trainer.steps=100"
+ARGS = "CONFIG (a YAML file or a packaged config name), then key=value overrides"
+TRAIN_ARGS_HELP = f"{ARGS}; e.g. guess_number trainer.steps=100"
+SFT_ARGS_HELP = f"{ARGS}; e.g. sft.data_path=conversations.jsonl trainer.steps=50 (no CONFIG: sft_example)"
 
 
 def _split(args: list[str] | None) -> tuple[str | None, list[str]]:
@@ -46,7 +48,7 @@ def _run(config, print_config: bool, loop: Callable) -> None:
 
 
 def train(
-    args: list[str] = typer.Argument(None, help=ARGS_HELP, show_default=False),
+    args: list[str] = typer.Argument(None, help=TRAIN_ARGS_HELP, show_default=False),
     print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
 ) -> None:
     """RL-train a policy (no config: the built-in CPU demo, a tiny model learning arithmetic).
@@ -59,7 +61,7 @@ def train(
 
 
 def sft(
-    args: list[str] = typer.Argument(None, help=ARGS_HELP, show_default=False),
+    args: list[str] = typer.Argument(None, help=SFT_ARGS_HELP, show_default=False),
     print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
 ) -> None:
     """Fine-tune on branching conversations (no config: the shipped example of agent trajectories)."""

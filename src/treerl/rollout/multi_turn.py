@@ -6,7 +6,7 @@ samples `group_size` replies; at each turn listed in `branch_at` every live traj
 `branch_factor` replies (the environment is deep-copied per branch); otherwise one. A trajectory
 is one root-to-leaf path of that tree; all trajectories of an episode form its group.
 
-Training data, as in DESIGN.md's agentic setting: every model call is its own sequence, the
+Training data, as in docs/design.md's agentic setting ("Measurement"): every model call is its own sequence, the
 context so far (token for token what the model saw) plus that reply, so the sequences of a
 trajectory extend each other and the prefix tree shares them. A call is emitted once per
 trajectory that contains it: a call made before a fork appears in each branch below it, with

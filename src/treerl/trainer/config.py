@@ -104,7 +104,7 @@ class TrainerConfig:
     micro_batch_tokens: int | None = None  # unique tokens per engine call on a rank; null: one call per rank
     recompute_logprobs: bool = False  # recompute old_logprobs with the training engine instead of the rollout's
 
-    # Asynchronous RL (mode=async; docs/training.md#asynchronous-rl).
+    # Asynchronous RL (mode=async; docs/training.md#asynchronous-rl-trainermodeasync).
     max_staleness: int = 1  # async: a group is trained at most this many policy versions after its oldest token (0: synchronous)
     rollout_workers: int = 1  # async: rollout worker processes, each sampling with its own copy of the policy on CPU
     worker_threads: int = 1  # async: torch threads per worker (on CPU the trainer keeps the cores the workers leave)
@@ -143,7 +143,7 @@ class TrainerConfig:
 
 @dataclass
 class SFTConfig:
-    """`treerl sft`: supervised fine-tuning on branching conversations (docs/training.md#sft-data)."""
+    """`treerl sft`: SFT on branching conversations (docs/training.md#sft-on-branching-conversations)."""
 
     data_path: str | None = None  # JSONL of branching conversations (docs/training.md); null: the shipped example
     conversations_per_step: int = 8  # conversations (each a tree of paths) per training step

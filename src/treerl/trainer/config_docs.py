@@ -9,11 +9,13 @@ import inspect
 import re
 from dataclasses import fields, is_dataclass
 
+import yaml
 from omegaconf import OmegaConf
 
 from treerl.trainer.config import Config
 
 FIELD = re.compile(r"^    (\w+)\s*:[^=]+=.*?\s#\s?(.*)$")
+DOC_REFERENCE = re.compile(r"\bdocs/([\w-]+\.md)(#[\w-]+)?")
 
 HEADER = """# Configuration reference
 
@@ -43,8 +45,18 @@ def field_comments(cls: type) -> dict[str, str]:
 
 
 def _value(value: object) -> str:
-    text = OmegaConf.to_yaml({"v": value}).strip().removeprefix("v:").strip()
-    return f"`{text}`" if text else "`''`"
+    """A default as one table cell: YAML on one line (a list in flow style: `[0.9, 0.999]`), `|` escaped."""
+    if isinstance(value, (list, tuple, dict)):
+        plain = list(value) if isinstance(value, tuple) else value
+        text = yaml.safe_dump(plain, default_flow_style=True, width=1000).strip()
+    else:
+        text = OmegaConf.to_yaml({"v": value}).strip().removeprefix("v:").strip()
+    return "`" + (text or "''").replace("|", "\\|") + "`"
+
+
+def _linked(text: str) -> str:
+    """A `docs/<file>.md#<anchor>` in a source comment becomes a link that works from docs/config.md."""
+    return DOC_REFERENCE.sub(lambda m: f"[{m.group(1)}]({m.group(1)}{m.group(2) or ''})", text)
 
 
 def section_table(name: str, section: object) -> list[str]:
@@ -65,7 +77,7 @@ def render() -> str:
     for f in fields(Config):
         section = getattr(config, f.name)
         assert is_dataclass(section)
-        parts.append("\n".join(section_table(f.name, section)))
+        parts.append(_linked("\n".join(section_table(f.name, section))))
     return "\n".join(parts)
 
 

@@ -12,7 +12,7 @@ through a sequence number that is odd while the trainer writes (a seqlock): a wo
 checks the number did not move; if it did, the weights changed under it and it copies again.
 
 On GPU, across nodes, the same interface would be served by an NCCL broadcast from the trainer to
-the workers (docs/training.md#asynchronous-rl describes it); it is not implemented: workers sample
+the workers (docs/training.md#asynchronous-rl-trainermodeasync describes it); it is not implemented: workers sample
 on CPU, and a trainer on GPU publishes into CPU shared memory.
 """
 

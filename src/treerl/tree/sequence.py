@@ -51,7 +51,7 @@ def validate_sequences(
     vocab_size: int | None = None,
     max_positions: int | None = None,
 ) -> None:
-    """Reject a bad batch before any compute, naming the sequence and the field (DESIGN invariant 3)."""
+    """Reject a bad batch before any compute, naming the sequence and the field (docs/design.md, invariant 3)."""
     if len(sequences) == 0:
         raise BatchError("the batch holds no sequences")
     for i, seq in enumerate(sequences):

@@ -1,4 +1,4 @@
-"""Synthetic batches with the prefix structure of real RL workloads (DESIGN.md "Measurement").
+"""Synthetic batches with the prefix structure of real RL workloads (docs/design.md, "Measurement").
 
 Token ids are random: the engines' cost depends on the tree's shape, not on which tokens fill it.
 Every generator is seeded and returns plain `Sequence`s with a `loss_mask` on generated tokens

@@ -1,0 +1,94 @@
+"""The layer rule of docs/design.md: a module imports only from its own layer and the layers below it.
+
+    tree < attention < engine < algo < dist < rollout < trainer < bench < cli
+
+Beside the layers: `errors` (imports nothing from treerl), `models` (imports `errors` only; any layer
+may use it) and `testing` (checks for users' losses: imports `engine`, `tree`, `errors`, `models`;
+no module of the package imports it). Every import counts, also one inside a function.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "treerl"
+LAYERS = ["tree", "attention", "engine", "algo", "dist", "rollout", "trainer", "bench", "cli"]
+ANYONE_MAY_IMPORT = {"errors", "models"}
+BESIDE = {"errors": set(), "models": {"errors"}, "testing": {"tree", "attention", "engine", "errors", "models"}}
+
+
+def part_of(module: str) -> str:
+    """`treerl.engine.dfs` -> `engine`; `treerl.models` -> `models`; `treerl` -> `` (the package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def imports(path: Path, package: Path = PACKAGE) -> list[tuple[int, str]]:
+    """(line, module) of every treerl import in `path`, relative ones resolved."""
+    name = ".".join(("treerl", *path.relative_to(package).with_suffix("").parts))  # engine/__init__.py: one deeper
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")[: -node.level]
+                out.append((node.lineno, ".".join([*base, node.module] if node.module else base)))
+            else:
+                out.append((node.lineno, node.module or ""))
+    return [(line, module) for line, module in out if module == "treerl" or module.startswith("treerl.")]
+
+
+def allowed(importer: str, imported: str) -> bool:
+    """May a module of part `importer` import from part `imported`?"""
+    if importer == imported:
+        return True
+    if importer in BESIDE:
+        return imported in BESIDE[importer]
+    if imported in ANYONE_MAY_IMPORT:
+        return True
+    return imported in LAYERS and LAYERS.index(imported) < LAYERS.index(importer)
+
+
+def violations(package: Path = PACKAGE) -> list[str]:
+    """Every import that points up a layer (or into `testing`), as `file:line imports module`."""
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        importer = path.relative_to(package).parts[0].removesuffix(".py")
+        if importer == "__init__":
+            continue  # the package's own __init__ re-exports
+        assert importer in LAYERS or importer in BESIDE, f"{path}: {importer!r} is in no layer of docs/design.md"
+        for line, module in imports(path, package):
+            if not allowed(importer, part_of(module)):
+                out.append(f"{path.relative_to(package.parent)}:{line} imports {module}")
+    return out
+
+
+def test_no_module_imports_from_a_higher_layer():
+    assert violations() == []
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    """The control: an engine module importing the trainer (even inside a function) is reported."""
+    engine = tmp_path / "treerl" / "engine"
+    engine.mkdir(parents=True)
+    (engine / "bad.py").write_text("def f():\n    from treerl.trainer import train\n")
+    (engine / "relative.py").write_text("from ..rollout import Rollout\nfrom .base import StepStats\n")
+    found = violations(tmp_path / "treerl")
+    assert found == ["treerl/engine/bad.py:2 imports treerl.trainer",
+                     "treerl/engine/relative.py:1 imports treerl.rollout"], found
+
+
+def drawn_layers(text: str) -> list[str]:
+    """The layer names of the first code block in `text`, top to bottom (the first word of each row)."""
+    block = text.split("```\n", 2)[1]
+    return [line.split()[0] for line in block.splitlines() if line and not line[0].isspace()]
+
+
+def test_the_docs_draw_the_layers_the_code_has():
+    docs = PACKAGE.parents[1] / "docs"
+    architecture = (docs / "architecture.md").read_text()
+    design = (docs / "design.md").read_text().split("## Layers", 1)[1]
+    assert drawn_layers(architecture) == LAYERS[::-1], drawn_layers(architecture)
+    assert drawn_layers(design) == LAYERS[::-1], drawn_layers(design)
