@@ -67,8 +67,13 @@ class StepStats:
     metrics: dict[str, float] = field(default_factory=dict)
 
     def add_metrics(self, metrics: dict[str, float | torch.Tensor]) -> None:
+        """Sum metrics over sequences; tensors stay on their device until `settle` (no sync per sequence)."""
         for key, value in metrics.items():
-            self.metrics[key] = self.metrics.get(key, 0.0) + float(value)
+            self.metrics[key] = self.metrics.get(key, 0.0) + value
+
+    def settle(self) -> None:
+        """Read the summed metrics as numbers: once per step, after the last sequence."""
+        self.metrics = {key: float(value) for key, value in self.metrics.items()}
 
 
 class Head(Protocol):
