@@ -153,6 +153,11 @@ def check_model(model: PreTrainedModel, head: Head, tree: bool, longest: int) ->
     head.check(model)
 
 
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without stalling the host: pinned and non-blocking on CUDA."""
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
+
+
 def final_hidden(model: PreTrainedModel, **inputs) -> torch.Tensor:
     """The body's final hidden states `[B, L, d]`, whatever output class (or tuple) the model returns."""
     return last_hidden(decoder_module(model)(**inputs, use_cache=False, return_dict=True))

@@ -12,9 +12,10 @@ descendants sent to its K/V, and passes its ancestors' share on. Parameter gradi
 in `.grad`. The result equals training each sequence on its own.
 
 Memory: the plan keeps what is held at once (the running unit's graph and the graphs kept on the
-path) within a budget of graph tokens: by default one path (the batch's longest sequence), or an
-explicit number of bytes, or a share of the device's free memory. A unit whose descendants do not
-fit beside its graph runs without a graph going down and again with one going up.
+path) within a budget of graph tokens: by default 1.5x the largest node (so within 1.5x of the
+one-path walk's peak, on any machine), or an explicit number of tokens or bytes, or a share of the
+device's free memory. A unit whose descendants do not fit beside its graph runs without a graph
+going down and again with one going up.
 
 No host synchronisation in the walk: every index (token ids, positions, output rows, slots) is
 built on the host before it starts and copied to the device once; losses and metrics stay on the
@@ -39,6 +40,11 @@ from treerl.engine.support import attention_layers, check_all_layers_routed
 from treerl.tree import ROOT, PrefixTree, Sequence
 from treerl.tree.plan import PlanCost, Unit, WalkPlan
 
+ONE_PATH_SLACK = 1.5
+"""The default budget: this many times the largest node's rows. The one-path walk (one node per call, every
+graph recomputed) holds one node's graph at a time, so the default peak stays within this factor of its peak
+whatever the tree and the machine; more memory is an explicit budget (`memory_budget_tokens` / `_bytes`)."""
+
 
 @dataclass
 class DfsEngine:
@@ -48,7 +54,8 @@ class DfsEngine:
     chunk_tokens: int = 2048  # longest run of one node computed at once; longer nodes become chains
     batch_tokens: int = 8192  # most tokens in one model call (nodes packed without padding); 0: one node per call
     recompute: Literal["auto", "always", "never"] = "auto"  # open units: cost model within the budget | always | never
-    memory_budget_bytes: int | None = None  # autograd graphs held at once; None: one path (the longest sequence)
+    memory_budget_tokens: int | None = None  # tokens of autograd graph held at once; None: see ONE_PATH_SLACK
+    memory_budget_bytes: int | None = None  # instead: bytes of autograd graph held at once (graph_bytes_per_token)
     memory_budget_fraction: float | None = None  # instead: this share of the device's free memory at each step
     plan_cost: PlanCost | None = None  # None: PlanCost.for_device
 
@@ -78,10 +85,14 @@ class DfsEngine:
             raise ValueError(f"recompute must be 'auto', 'always' or 'never', got {self.recompute!r}")
         if self.batch_tokens < 0:
             raise ValueError(f"batch_tokens must be >= 0, got {self.batch_tokens}")
-        if self.memory_budget_bytes is not None and self.memory_budget_fraction is not None:
-            raise ValueError("set memory_budget_bytes or memory_budget_fraction, not both")
-        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
-            raise ValueError(f"memory_budget_bytes must be > 0, got {self.memory_budget_bytes}")
+        budgets = {"memory_budget_tokens": self.memory_budget_tokens, "memory_budget_bytes": self.memory_budget_bytes,
+                   "memory_budget_fraction": self.memory_budget_fraction}
+        given = [name for name, value in budgets.items() if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"set one memory budget, not {' and '.join(given)}")
+        for name in ("memory_budget_tokens", "memory_budget_bytes"):
+            if budgets[name] is not None and budgets[name] <= 0:
+                raise ValueError(f"{name} must be > 0, got {budgets[name]}")
         if self.memory_budget_fraction is not None and not 0 < self.memory_budget_fraction <= 1:
             raise ValueError(f"memory_budget_fraction must be in (0, 1], got {self.memory_budget_fraction}")
         return PrefixTree.build(sequences).chunked(self.chunk_tokens)
@@ -98,13 +109,15 @@ class DfsEngine:
         return WalkPlan(tree, run, self.graph_budget_tokens(model, tree), unit_tokens, self.recompute, cost)
 
     def graph_budget_tokens(self, model: PreTrainedModel, tree: PrefixTree) -> int:
-        """Tokens of autograd graph the walk may hold at once."""
+        """Tokens of autograd graph the walk may hold at once (`tree` is chunked: no node over `chunk_tokens`)."""
+        if self.memory_budget_tokens is not None:
+            return self.memory_budget_tokens
         if self.memory_budget_bytes is not None:
             return self.memory_budget_bytes // graph_bytes_per_token(model)
         if self.memory_budget_fraction is not None:
             return int(free_memory(_device(model)) * self.memory_budget_fraction) // graph_bytes_per_token(model)
-        shift = 1 if self.head.shifted else 0
-        return max(len(s) - shift for s in tree.sequences)  # one path: the longest sequence's rows
+        largest = max(run_length(node, self.head.shifted) for node in tree.nodes[1:])
+        return int(ONE_PATH_SLACK * largest)
 
 
 def _device(model: PreTrainedModel) -> torch.device:

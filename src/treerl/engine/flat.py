@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treerl.attention import Segment, TreeCall, UnitKV, UnitLayout, UnsupportedModel, engine_attention
-from treerl.engine.base import Head, LossFn, StepStats, check_batch, final_hidden, sum_losses
+from treerl.engine.base import Head, LossFn, StepStats, check_batch, final_hidden, sum_losses, to_device
 from treerl.engine.head import PolicyHead
 from treerl.engine.support import check_all_layers_routed, check_tree_model, model_name
 from treerl.tree import Sequence
@@ -132,7 +132,7 @@ class FlatEngine:
         if len(ids) == 0:  # one-token sequences: nothing predicts anything
             return [{name: torch.zeros(1, dtype=_dtype(model), device=device) for name in self.head.outputs}
                     for _ in batch]
-        ids, positions, targets = (_to(x, device) for x in (ids, positions, targets))
+        ids, positions, targets = (to_device(x, device) for x in (ids, positions, targets))
         if packed:
             segments, row = [], 0
             for n in lengths:
@@ -157,8 +157,3 @@ class FlatEngine:
 
 def _dtype(model: PreTrainedModel) -> torch.dtype:
     return torch.promote_types(next(model.parameters()).dtype, torch.float32)
-
-
-def _to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device without stalling the host (pinned, non-blocking) on CUDA."""
-    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
