@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from treerl.bench.flops import attention_flops_per_key, linear_flops_per_token, tree_flops
 from treerl.bench.memory import peak_memory
-from treerl.bench.run import BenchConfig, make_workload, run_bench
+from treerl.bench.profile import bucket, profile_markdown
+from treerl.bench.run import ENGINES, BenchConfig, make_workload, profile_engines, run_bench
 from treerl.cli.main import app
 from treerl.models import model_config
 from treerl.tree import PrefixTree, Sequence
@@ -37,6 +38,30 @@ def test_no_sharing_means_no_ideal_speedup():
 
 def test_peak_memory_sees_a_tensor():
     assert peak_memory(lambda: torch.ones(1 << 20)) >= 4 << 20
+
+
+def test_every_engine_runs_and_memory_is_set_against_the_one_path_walk():
+    config = BenchConfig(shape="tiny-qwen3", vocab_size=128, scale=1 / 256, repeats=1, warmup=0, workloads=["agent"],
+                         engines=list(ENGINES))
+    rows = {r["engine"]: r for r in run_bench(config)}
+    assert set(rows) == set(ENGINES)
+    assert rows["dfs-one-path"]["memory_vs_one_path"] == 1.0
+    assert rows["flat"]["speedup"] == 1.0 and rows["flat-sequences"]["speedup"] > 0
+
+
+def test_profile_splits_the_step_time():
+    config = BenchConfig(shape="tiny-qwen3", vocab_size=128, scale=1 / 128, warmup=0, workloads=["grpo"],
+                         engines=["flat", "dfs"])
+    rows = profile_engines(config)
+    assert [r["engine"] for r in rows] == ["flat", "dfs"]
+    for r in rows:
+        parts = r["matmul"] + r["attention"] + r["other ops"] + r["host"]
+        assert r["matmul"] > 0 and r["attention"] > 0 and r["ops"] > 100
+        assert abs(parts - r["wall"]) < 1e-6 or r["host"] == 0.0
+    assert bucket("aten::mm") == "matmul" and bucket("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert bucket("aten::index_copy_") == "other ops"
+    table = profile_markdown(rows)
+    assert "| grpo | dfs |" in table and "host" in table
 
 
 def test_tiny_run_and_files(tmp_path):
@@ -69,6 +94,12 @@ def test_cli_writes_json_markdown_and_plot(tmp_path):
     assert data["settings"]["shape"] == "tiny-qwen3" and len(data["rows"]) == 2
     assert "| agent |" in (tmp_path / "bench.md").read_text()
     assert (tmp_path / "bench.png").stat().st_size > 1000
+    result = CliRunner().invoke(app, [
+        "bench", "--profile", "--shape", "tiny-qwen3", "--vocab-size", "128", "--scale", "0.005",
+        "--workloads", "grpo", "--engines", "flat,dfs", "--out", str(tmp_path),
+    ])
+    assert result.exit_code == 0, result.output
+    assert "| grpo | dfs |" in (tmp_path / "profile.md").read_text()
 
 
 def test_memory_scaling_dfs_holds_a_path_flat_holds_the_batch():

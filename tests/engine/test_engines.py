@@ -96,3 +96,32 @@ def test_dfs_memory_is_bounded_by_the_path_not_the_batch():
         assert ratio < 3, f"{engine}: 64 sequences took {ratio:.1f}x the memory of one"
     flat_ratio = peak(FlatEngine(), many) / peak(FlatEngine(), one)
     assert flat_ratio > 10, f"flat should grow with the batch; got {flat_ratio:.1f}x"
+
+
+def test_default_memory_stays_near_the_one_path_walk():
+    """Turn chains (each call extends the last, as agents' are): the default walk packs calls but holds at most
+    1.5x the one-path walk's peak; an explicit token budget may hold more (and does, when it packs the chain)."""
+    model = tiny_model("tiny-qwen3", 512)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 512, (8 * 60,), generator=gen)
+    # the whole chain, and at each turn a reply that forks from it: nodes of 60 tokens, one sequence of 480
+    forks = [torch.cat([tokens[: 60 * k], torch.randint(0, 512, (10,), generator=gen)]) for k in range(1, 8)]
+    chain = [Sequence(t, fields={"advantages": torch.randn(len(t), generator=gen)}) for t in [tokens, *forks]]
+
+    def peak(engine):
+        out = peak_memory(lambda: engine.forward_backward(model, chain, _loss))
+        model.zero_grad(set_to_none=True)
+        return out
+
+    one_path = peak(DfsEngine(batch_tokens=0, recompute="always"))
+    assert peak(DfsEngine()) <= 1.5 * one_path
+    assert peak(DfsEngine(memory_budget_tokens=8 * 70)) > 2 * one_path  # the whole tree in one call
+
+
+def test_one_memory_budget_at_a_time():
+    model = tiny_model("tiny-qwen3")
+    seqs = [Sequence(torch.arange(4), fields={"advantages": torch.zeros(4)})]
+    with pytest.raises(ValueError, match="set one memory budget, not memory_budget_tokens and memory_budget_bytes"):
+        DfsEngine(memory_budget_tokens=10, memory_budget_bytes=10).forward_backward(model, seqs, _loss)
+    with pytest.raises(ValueError, match="memory_budget_tokens must be > 0"):
+        DfsEngine(memory_budget_tokens=0).forward_backward(model, seqs, _loss)

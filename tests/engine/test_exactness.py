@@ -16,6 +16,7 @@ from support import ARCHS, tiny_model
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine, PolicyHead
 from treerl.testing import assert_engines_agree
 from treerl.tree import Sequence
+from treerl.tree.plan import PlanCost
 
 VOCAB = 64
 
@@ -72,16 +73,18 @@ def _hand_batches() -> dict[str, list[list[int]]]:
 
 
 HAND = _hand_batches()
+ORACLE = FlatEngine(layout="sequences")  # the model's own attention, one sequence per call
 ENGINES = {
     "keep-graph": DfsEngine(recompute="never"),
     "recompute": DfsEngine(recompute="always"),
     "no-sibling-batching": DfsEngine(batch_tokens=0),
-    "concatenated-kv": DfsEngine(preallocated_kv=False, chunk_tokens=3, batch_tokens=8),
+    "small-calls": DfsEngine(chunk_tokens=3, batch_tokens=8),
     "auto-tiny-budget": DfsEngine(memory_budget_bytes=200_000, batch_tokens=16),
     "chunk-3": DfsEngine(chunk_tokens=3),
     "chunk-1-recompute": DfsEngine(chunk_tokens=1, recompute="always", batch_tokens=0),
     "packed": PackedEngine(),
     "packed-small-packs": PackedEngine(max_tokens=4),
+    "flat-packed": FlatEngine(layout="packed", max_tokens=12),
 }
 
 
@@ -93,7 +96,7 @@ def test_hand_made_trees(arch, batch, engine):
     seqs = [_with_data(t, rng, f"{batch}/{i}") for i, t in enumerate(HAND[batch])]
     model = tiny_model(arch, VOCAB)
     for loss in (token_loss, sequence_loss):
-        assert_engines_agree(model, seqs, loss, ENGINES[engine], FlatEngine())
+        assert_engines_agree(model, seqs, loss, ENGINES[engine], ORACLE)
 
 
 def test_deep_chain_longer_than_chunk():
@@ -102,7 +105,7 @@ def test_deep_chain_longer_than_chunk():
     seqs = [_with_data([rng.randrange(VOCAB) for _ in range(40)], rng, "deep")]
     seqs.append(_with_data(seqs[0].tokens[:30].tolist() + [1, 2, 3], rng, "branch"))
     for engine in (DfsEngine(chunk_tokens=8, recompute="always"), DfsEngine(chunk_tokens=8, recompute="never")):
-        assert_engines_agree(tiny_model("tiny-qwen3", VOCAB), seqs, token_loss, engine, FlatEngine())
+        assert_engines_agree(tiny_model("tiny-qwen3", VOCAB), seqs, token_loss, engine, ORACLE)
 
 
 @st.composite
@@ -126,21 +129,24 @@ def random_batches(draw):
     arch=st.sampled_from(ARCHS),
     chunk=st.sampled_from([1, 2, 3, 5, 2048]),
     recompute=st.sampled_from(["auto", "always", "never"]),
-    batch_tokens=st.sampled_from([0, 6, 8192]),
-    preallocated=st.booleans(),
+    batch_tokens=st.sampled_from([0, 1, 6, 8192]),
+    budget=st.sampled_from([None, 1, 2_000, 300_000]),
+    call_cost=st.sampled_from([0.0, 48.0, 1e6]),
     sequence_level=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_random_trees(lists, arch, chunk, recompute, batch_tokens, preallocated, sequence_level, seed):
+def test_random_trees(lists, arch, chunk, recompute, batch_tokens, budget, call_cost, sequence_level, seed):
+    """Every plan the walk can choose (units, packing, keep or recompute, budgets) trains exactly like the oracle."""
     rng = random.Random(seed)
     seqs = [_with_data(t, rng, f"s{i}") for i, t in enumerate(lists)]
     loss = sequence_loss if sequence_level else token_loss
     engine = DfsEngine(
-        chunk_tokens=chunk, recompute=recompute, batch_tokens=batch_tokens, memory_budget_bytes=300_000,
-        preallocated_kv=preallocated,
+        chunk_tokens=chunk, recompute=recompute, batch_tokens=batch_tokens, memory_budget_bytes=budget,
+        plan_cost=PlanCost(call=call_cost, forward_call=call_cost / 3),
     )
-    assert_engines_agree(tiny_model(arch, VOCAB), seqs, loss, engine, FlatEngine())
-    assert_engines_agree(tiny_model(arch, VOCAB), seqs, loss, PackedEngine(max_tokens=chunk * 4), FlatEngine())
+    assert_engines_agree(tiny_model(arch, VOCAB), seqs, loss, engine, ORACLE)
+    assert_engines_agree(tiny_model(arch, VOCAB), seqs, loss, PackedEngine(max_tokens=chunk * 4), ORACLE)
+    assert_engines_agree(tiny_model(arch, VOCAB), seqs, loss, FlatEngine(max_tokens=chunk * 4), ORACLE)
 
 
 def test_temperature_and_head_chunks():
@@ -149,8 +155,8 @@ def test_temperature_and_head_chunks():
     p = [rng.randrange(VOCAB) for _ in range(6)]
     seqs = [_with_data(p + [rng.randrange(VOCAB) for _ in range(5)], rng, str(i)) for i in range(4)]
     head = PolicyHead(temperature=0.7, chunk_rows=2)
-    for engine in (DfsEngine(head=head, chunk_tokens=4), PackedEngine(head=head)):
-        assert_engines_agree(tiny_model("tiny-qwen3", VOCAB), seqs, token_loss, engine, FlatEngine(head=head))
+    for engine in (DfsEngine(head=head, chunk_tokens=4), PackedEngine(head=head), FlatEngine(head=head)):
+        assert_engines_agree(tiny_model("tiny-qwen3", VOCAB), seqs, token_loss, engine, FlatEngine(head=head, layout="sequences"))
 
 
 def test_flat_micro_batches_do_not_change_anything():
@@ -158,6 +164,7 @@ def test_flat_micro_batches_do_not_change_anything():
     seqs = [_with_data([rng.randrange(VOCAB) for _ in range(rng.randrange(1, 15))], rng, str(i)) for i in range(9)]
     model = tiny_model("tiny-llama", VOCAB)
     assert_engines_agree(model, seqs, sequence_loss, FlatEngine(max_tokens=1), FlatEngine(max_tokens=10_000))
+    assert_engines_agree(model, seqs, sequence_loss, FlatEngine(max_tokens=10_000), ORACLE)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -168,4 +175,4 @@ def test_stock_models_within_contract(arch, batch):
     seqs = [_with_data(t, rng, f"{batch}/{i}") for i, t in enumerate(HAND[batch])]
     model = tiny_model(arch, VOCAB, exact=False)
     for engine in (DfsEngine(), DfsEngine(chunk_tokens=2, recompute="always"), PackedEngine()):
-        assert_engines_agree(model, seqs, token_loss, engine, FlatEngine())
+        assert_engines_agree(model, seqs, token_loss, engine, ORACLE)

@@ -20,7 +20,9 @@ TREE_ENGINES = {
     "dfs-never": DfsEngine(recompute="never", batch_tokens=0),
     "dfs-always-chunked": DfsEngine(recompute="always", chunk_tokens=3),
     "packed": PackedEngine(),
+    "flat-packed": FlatEngine(layout="packed", max_tokens=20),
 }
+ORACLE = FlatEngine(layout="sequences")  # the model's own attention, one sequence per call
 
 
 def _batch(seed: int = 0, vocab: int = 64) -> list[Sequence]:
@@ -48,7 +50,7 @@ def test_gradient_checkpointing_is_exact(name, reentrant):
     reference = fresh_model()  # the same weights, no checkpointing: the gradients users would get without it
     reference.train()
     ours = run_engine(TREE_ENGINES[name], model, batch, _loss)
-    flat = run_engine(FlatEngine(), reference, batch, _loss)
+    flat = run_engine(ORACLE, reference, batch, _loss)
     errors = compare_runs(ours, flat)
     assert max(errors.values()) < 1e-10, max(errors, key=errors.get)
 
@@ -62,8 +64,8 @@ def test_attention_implementations(name, implementation):
     engine = TREE_ENGINES[name]
     tol = 1e-6 if implementation == "eager" else 1e-10  # eager takes its softmax in float32 even in float64
     assert_matches_model(model, batch, engine.forward(model, batch), tol=tol)
-    assert_matches_model(model, batch, FlatEngine().forward(model, batch), tol=tol)
-    assert_engines_agree(model, batch, _loss, engine, FlatEngine(), tol=tol)
+    assert_matches_model(model, batch, ORACLE.forward(model, batch), tol=tol)
+    assert_engines_agree(model, batch, _loss, engine, ORACLE, tol=tol)
     assert model.config._attn_implementation == implementation
 
 
@@ -77,7 +79,7 @@ def test_dropout_in_training_is_refused_before_the_model_runs(name):
         TREE_ENGINES[name].forward_backward(model, _batch(), _loss)
     assert calls == [] and all(p.grad is None for p in model.parameters())
     model.eval()  # dropout off: exact again
-    assert_engines_agree(model, _batch(), _loss, TREE_ENGINES[name], FlatEngine(), tol=1e-10)
+    assert_engines_agree(model, _batch(), _loss, TREE_ENGINES[name], ORACLE, tol=1e-10)
 
 
 def test_dropout_modules_are_refused_too():
@@ -94,9 +96,9 @@ def test_autocast_bf16_is_as_close_to_float64_as_flat(name):
     model32 = fresh_model(exact=False, dtype=torch.float32)
     model64 = copy.deepcopy(model32).double()
     batch = _batch(2)
-    reference = run_engine(FlatEngine(), model64, batch, _loss)
+    reference = run_engine(ORACLE, model64, batch, _loss)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        flat = run_engine(FlatEngine(), model32, batch, _loss)
+        flat = run_engine(ORACLE, model32, batch, _loss)
         ours = run_engine(TREE_ENGINES[name], model32, batch, _loss)
     flat_errors, our_errors = compare_runs(flat, reference), compare_runs(ours, reference)
     for kind in ("logprobs", "grad."):
@@ -114,7 +116,7 @@ def test_in_place_edits_of_outputs_in_the_loss(name):
         return -(lp * view.fields["advantages"]).sum() + view.entropy.sum()
 
     model = fresh_model()
-    assert_engines_agree(model, _batch(), in_place, TREE_ENGINES[name], FlatEngine(), tol=1e-10)
+    assert_engines_agree(model, _batch(), in_place, TREE_ENGINES[name], ORACLE, tol=1e-10)
 
 
 @pytest.mark.parametrize("name", TREE_ENGINES)
@@ -123,14 +125,14 @@ def test_tuple_outputs(name):
     model.config.return_dict = False
     batch = _batch(3)
     assert_matches_model(model, batch, TREE_ENGINES[name].forward(model, batch), tol=1e-10)
-    assert_engines_agree(model, batch, _loss, TREE_ENGINES[name], FlatEngine(), tol=1e-10)
+    assert_engines_agree(model, batch, _loss, TREE_ENGINES[name], ORACLE, tol=1e-10)
 
 
 @pytest.mark.parametrize("name", [*TREE_ENGINES, "flat"])
 def test_a_loss_that_reads_no_output_leaves_grad_none(name):
     """As with the flat reference: no gradient is not a zero gradient (weight decay would move it)."""
     model = fresh_model()
-    engine = TREE_ENGINES.get(name, FlatEngine())
+    engine = TREE_ENGINES.get(name, ORACLE)
     engine.forward_backward(model, _batch(), lambda view: torch.tensor(1.0))
     assert all(p.grad is None for p in model.parameters())
 
@@ -138,8 +140,9 @@ def test_a_loss_that_reads_no_output_leaves_grad_none(name):
 def test_two_threads_share_a_model():
     """Concurrent engine calls (and a plain forward) on one model each get their own exact results."""
     model = fresh_model()
-    batches = [_batch(seed) for seed in range(4)]
-    engines = [DfsEngine(), PackedEngine(), DfsEngine(recompute="always", chunk_tokens=2), FlatEngine()]
+    batches = [_batch(seed) for seed in range(5)]
+    engines = [DfsEngine(), PackedEngine(), DfsEngine(recompute="always", chunk_tokens=2), ORACLE,
+               FlatEngine(layout="packed")]
     expected = [engine.forward(model, batch) for engine, batch in zip(engines, batches)]
     plain = model(input_ids=batches[0][0].tokens[None]).logits
     failures = []

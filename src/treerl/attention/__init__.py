@@ -11,17 +11,20 @@ from treerl.attention.dispatch import (
 )
 from treerl.attention.kernels import AttentionSpec
 from treerl.attention.packed_attention import PackedCall
-from treerl.attention.tree_attention import PathKV, TreeCall, UnitKV
+from treerl.attention.tree_attention import Block, PathKV, Segment, TreeCall, UnitKV, UnitLayout
 
 __all__ = [
     "ATTENTION_NAME",
     "CALL_KWARG",
     "AttentionSpec",
+    "Block",
     "LayerAttention",
     "PackedCall",
     "PathKV",
+    "Segment",
     "TreeCall",
     "UnitKV",
+    "UnitLayout",
     "UnsupportedModel",
     "all_configs",
     "check_layer_types",

@@ -31,17 +31,28 @@ class Part:
     """Where one partial attention's queries and keys sit (absolute positions), and whether it is causal.
 
     Query i sits at `q_start + i`, or at `q_start + i % q_period` when several rows of the same
-    positions are folded into one long query (the tree attention's ancestor part).
+    positions are folded into one long query, or at `q_positions[i]` when the queries come from
+    several tree nodes packed in one row (`q_max`: their largest position, known on the host).
     """
 
     q_start: int
     k_start: int
     causal: bool
     q_period: int | None = None
+    q_positions: torch.Tensor | None = None
+    q_max: int | None = None
 
     def query_positions(self, q_len: int, device=None) -> torch.Tensor:
+        if self.q_positions is not None:
+            return self.q_positions
         i = torch.arange(q_len, device=device)
         return self.q_start + (i % self.q_period if self.q_period else i)
+
+    def last_query(self, q_len: int) -> int:
+        """The largest query position."""
+        if self.q_positions is not None:
+            return self.q_max
+        return self.q_start + min(q_len, self.q_period or q_len) - 1
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,7 @@ class AttentionSpec:
 
     def binds(self, part: Part, q_len: int, k_len: int) -> bool:
         """Whether the window or chunk hides a key that causality alone would show."""
-        q_last = part.q_start + min(q_len, part.q_period or q_len) - 1
+        q_last = part.last_query(q_len)
         k_first = part.k_start
         if self.window is not None and q_last - k_first >= self.window:
             return True

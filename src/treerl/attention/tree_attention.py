@@ -1,19 +1,25 @@
-"""Attention for a batch of sibling tree nodes: queries see `[shared ancestor K/V | own K/V]`.
+"""Attention of a packed unit of tree nodes: each token sees its own node causally, its ancestors fully.
 
-The DFS engine runs the model on a *unit*: G sibling nodes that start at the same position P
-(one node is a unit of G = 1), padded to a common length R. Every row attends to the path's
-ancestor K/V (positions < P, shared by all rows) and causally to its own K/V. The two parts are
-computed by separate kernels and merged by log-sum-exp (treerl.attention.kernels):
-- the ancestor part folds all G rows (and grouped-query heads) into one long query against the
-  ancestors stored once: broadcast, never copied, and no mask;
-- the own part is plain causal attention per row, so right padding never leaks into real rows.
-A sliding window or chunk narrows both parts (the ancestors to the keys some row can still
-see); attention sinks are one more log-sum-exp term in the merge.
+The DFS engine runs the model on a *unit*: tree nodes laid out one after another in a single row,
+with no padding (a node is a *segment* of the row; the unit's nodes are in preorder). All of them
+hang below the same node of the current root-to-node path, whose K/V (positions `< path_end`) live
+in a per-layer path store. A token of segment j attends to
+- the path's K/V: every query of the unit against the store's prefix, all in one kernel call
+  (queries folded into one long row per K/V head: broadcast, never copied, no mask);
+- its own segment, causally (one kernel call per segment);
+- each ancestor of j that is inside the unit, fully: the queries of an in-unit node's in-unit
+  descendants are contiguous in preorder, so every such (ancestor, descendants) pair is one block.
+Exactly the pairs the tree allows are computed; the parts are merged by log-sum-exp (as ring
+attention does, treerl.attention.kernels), and each part's backward gets the merged output and
+log-sum-exp. A sliding window or chunk narrows the parts (and the path to the keys some query can
+still see); attention sinks are one more log-sum-exp term.
 
-The ancestors' K/V live in a per-layer path store; their gradient is added to a matching
-gradient store, which each ancestor collects when its subtree is finished. A unit's own K/V
-gradient from its descendants is collected into the unit (`UnitKV.key_grads`) and added in its
-backward. That is how K/V gradients travel up the tree without holding descendants' graphs.
+The flat reference's packed layout is a unit of whole sequences with no path: only the own parts.
+
+The path's K/V gradient is added to a matching gradient store, which each ancestor collects when
+its subtree is finished; what descendants sent to a unit's own K/V is collected into the unit
+(`UnitKV.key_grads`) and added in its backward. That is how K/V gradients travel up the tree
+without holding descendants' graphs.
 """
 
 from __future__ import annotations
@@ -23,18 +29,65 @@ from dataclasses import dataclass, field
 import torch
 
 from treerl.attention.dispatch import LayerAttention, UnsupportedModel
-from treerl.attention.kernels import AttentionSpec, Part, attend, attend_backward, merge
+from treerl.attention.kernels import AttentionSpec, Part, attend, attend_backward
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows `[row, row + length)` of a unit hold one node's tokens at positions `[position, position + length)`."""
+
+    row: int
+    length: int
+    position: int
+
+    @property
+    def end(self) -> int:
+        return self.row + self.length
+
+
+@dataclass(frozen=True)
+class Block:
+    """Queries of rows `[q_lo, q_hi)` (an in-unit node's in-unit descendants) see all keys of `key` (the node)."""
+
+    q_lo: int
+    q_hi: int
+    key: Segment
+    q_max: int  # largest query position (for windows and chunks)
+
+
+class UnitLayout:
+    """Where a unit's tokens sit and which of its own tokens each sees. Built on the host, once per unit.
+
+    `segments` tile the row in order; `positions` (on the device) is each row's absolute position.
+    """
+
+    def __init__(self, segments: list[Segment], blocks: list[Block], positions: torch.Tensor, path_end: int):
+        self.segments, self.blocks, self.positions, self.path_end = segments, blocks, positions, path_end
+        self.rows = segments[-1].end if segments else 0
+        self.first_position = min((s.position for s in segments), default=path_end)
+        self.last_position = max((s.position + s.length - 1 for s in segments), default=path_end)
+        self._folded: dict[int, torch.Tensor] = {}
+
+    def folded_positions(self, groups: int) -> torch.Tensor:
+        """Positions of the rows repeated `groups` times (queries folded per K/V head)."""
+        if groups not in self._folded:
+            self._folded[groups] = self.positions.repeat(groups)
+        return self._folded[groups]
 
 
 @dataclass
 class UnitKV:
-    """K/V of one batched call of G sibling nodes that start at position `start`."""
+    """K/V of one unit (layer -> `[1, kv_heads, rows, head_dim]`) and what its descendants sent to them."""
 
-    start: int
-    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [G, kv_heads, R, head_dim]
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
-    key_grads: dict[int, torch.Tensor] | None = None  # what the rows' descendants sent to their K/V
+    key_grads: dict[int, torch.Tensor] | None = None
     value_grads: dict[int, torch.Tensor] | None = None
+
+    def clear(self) -> None:
+        self.keys.clear()
+        self.values.clear()
+        self.key_grads = self.value_grads = None
 
 
 def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -45,43 +98,26 @@ def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
 class PathKV:
     """K/V of the current root-to-node path, per layer, and the K/V gradient flowing back up it.
 
-    `preallocated=True` (default): one `[1, kv_heads, capacity, head_dim]` store per layer, written
-    in place; ancestors are a view of its prefix. `False` keeps one tensor per path node and
-    concatenates them for every call (the plain way, kept to measure what preallocation buys).
-    Stores take the shape and dtype of the first K/V a layer produces (key and value head sizes
-    may differ; under autocast they are the compute dtype).
+    One `[1, kv_heads, capacity, head_dim]` store per layer, written in place at absolute positions;
+    ancestors are a view of its prefix. Stores take the shape and dtype of the first K/V a layer
+    produces (key and value head sizes may differ; under autocast they are the compute dtype).
     """
 
-    def __init__(self, capacity: int, with_grads: bool, preallocated: bool = True):
-        self.capacity, self.with_grads, self.preallocated = capacity, with_grads, preallocated
+    def __init__(self, capacity: int, with_grads: bool):
+        self.capacity, self.with_grads = capacity, with_grads
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.key_grads: dict[int, torch.Tensor] = {}
         self.value_grads: dict[int, torch.Tensor] = {}
-        self.entries: dict[int, list[list[torch.Tensor]]] = {}  # unpreallocated: per layer, per path node
 
-    def ancestors(self, layer: int, lo: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of positions [lo, start) of the path."""
-        if self.preallocated:
-            return self.keys[layer][:, :, lo:start], self.values[layer][:, :, lo:start]
-        keys = torch.cat([e[0] for e in self.entries[layer]], dim=2)
-        values = torch.cat([e[1] for e in self.entries[layer]], dim=2)
-        return keys[:, :, lo:start], values[:, :, lo:start]
+    def ancestors(self, layer: int, lo: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of positions [lo, end) of the path."""
+        return self.keys[layer][:, :, lo:end], self.values[layer][:, :, lo:end]
 
-    def add_ancestor_grads(self, layer: int, lo: int, start: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
-        """Add d(loss)/d(K, V) of positions [lo, start), to be collected by each ancestor."""
-        if self.preallocated:
-            self.key_grads[layer][:, :, lo:start] += dk
-            self.value_grads[layer][:, :, lo:start] += dv
-            return
-        offset = 0
-        for entry in self.entries[layer]:
-            n = entry[0].shape[2]
-            a, b = max(lo, offset), min(start, offset + n)
-            if a < b:
-                entry[2][:, :, a - offset : b - offset] += dk[:, :, a - lo : b - lo]
-                entry[3][:, :, a - offset : b - offset] += dv[:, :, a - lo : b - lo]
-            offset += n
+    def add_ancestor_grads(self, layer: int, lo: int, end: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """Add d(loss)/d(K, V) of positions [lo, end), to be collected by each ancestor."""
+        self.key_grads[layer][:, :, lo:end] += dk
+        self.value_grads[layer][:, :, lo:end] += dv
 
     def _allocate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         shape = lambda x: (1, x.shape[1], self.capacity, x.shape[3])
@@ -92,152 +128,188 @@ class PathKV:
             self.value_grads[layer] = v.new_zeros(shape(v), dtype=_grad_dtype(v.dtype))
 
     @torch.no_grad()
-    def push(self, unit: UnitKV, row: int, length: int) -> None:
-        """Make row `row` of `unit` part of the path: its descendants will attend to it."""
-        end = unit.start + length
+    def push(self, unit: UnitKV, segments: list[Segment]) -> None:
+        """Make these segments of `unit` (a chain of nodes) part of the path: descendants will attend to them."""
         for layer, k in unit.keys.items():
-            k, v = k[row : row + 1, :, :length], unit.values[layer][row : row + 1, :, :length]
-            if self.preallocated:
-                if layer not in self.keys:
-                    self._allocate(layer, k, v)
-                self.keys[layer][:, :, unit.start : end] = k
-                self.values[layer][:, :, unit.start : end] = v
-            else:
-                grads = [torch.zeros_like(k, dtype=_grad_dtype(k.dtype)), torch.zeros_like(v, dtype=_grad_dtype(v.dtype))]
-                entry = [k.clone(), v.clone()] + (grads if self.with_grads else [None, None])
-                self.entries.setdefault(layer, []).append(entry)
+            v = unit.values[layer]
+            if layer not in self.keys:
+                self._allocate(layer, k, v)
+            for s in segments:
+                self.keys[layer][:, :, s.position : s.position + s.length] = k[:, :, s.row : s.end]
+                self.values[layer][:, :, s.position : s.position + s.length] = v[:, :, s.row : s.end]
 
     @torch.no_grad()
-    def pop(self, unit: UnitKV, row: int, length: int) -> None:
-        """Row `row`'s subtree is done: move the K/V gradient it received into the unit."""
-        if not self.preallocated:
-            popped = {layer: self.entries[layer].pop() for layer in unit.keys}
+    def pop(self, unit: UnitKV, segments: list[Segment]) -> None:
+        """The segments' descendants are done: move the K/V gradient they sent into the unit."""
         if not self.with_grads:
             return
-        end = unit.start + length
         if unit.key_grads is None:
             unit.key_grads = {l: torch.zeros_like(k, dtype=_grad_dtype(k.dtype)) for l, k in unit.keys.items()}
             unit.value_grads = {l: torch.zeros_like(v, dtype=_grad_dtype(v.dtype)) for l, v in unit.values.items()}
         for layer in unit.keys:
-            if self.preallocated:
-                slots = (self.key_grads[layer][:, :, unit.start : end], self.value_grads[layer][:, :, unit.start : end])
-            else:
-                slots = (popped[layer][2], popped[layer][3])
-            for slot, into in zip(slots, (unit.key_grads, unit.value_grads)):
-                into[layer][row : row + 1, :, :length] += slot
-                slot.zero_()
+            for s in segments:
+                span = slice(s.position, s.position + s.length)
+                for store, into in ((self.key_grads, unit.key_grads), (self.value_grads, unit.value_grads)):
+                    into[layer][:, :, s.row : s.end] += store[layer][:, :, span]
+                    store[layer][:, :, span] = 0
 
 
 def _fold(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[G, H, R, ...] -> [1, kv_heads, G * groups * R, ...]: every row's queries against one K/V."""
-    g, h = x.shape[:2]
-    x = x.reshape(g, kv_heads, h // kv_heads, *x.shape[2:]).transpose(0, 1)
-    return x.reshape(1, kv_heads, -1, *x.shape[4:])
+    """[1, H, N, ...] -> [1, kv_heads, groups * N, ...]: every query head of a group against one K/V head."""
+    h = x.shape[1]
+    return x.reshape(1, kv_heads, (h // kv_heads) * x.shape[2], *x.shape[3:])
 
 
-def _unfold(x: torch.Tensor, rows: int, heads: int, length: int) -> torch.Tensor:
+def _unfold(x: torch.Tensor, heads: int) -> torch.Tensor:
     """Inverse of `_fold`."""
-    kv_heads = x.shape[1]
-    x = x.reshape(kv_heads, rows, heads // kv_heads, length, *x.shape[3:]).transpose(0, 1)
-    return x.reshape(rows, heads, length, *x.shape[4:])
+    return x.reshape(1, heads, -1, *x.shape[3:])
 
 
 def _expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """Grouped-query K/V [G, kv_heads, R, D] -> one K/V head per query head (own part only: small)."""
+    """Grouped-query K/V [1, kv_heads, N, D] -> one K/V head per query head (the unit's own K/V only)."""
     if groups == 1:
         return x
-    g, kv, r, d = x.shape
-    return x[:, :, None].expand(g, kv, groups, r, d).reshape(g, kv * groups, r, d)
+    b, kv, n, d = x.shape
+    return x[:, :, None].expand(b, kv, groups, n, d).reshape(b, kv * groups, n, d)
 
 
 def _reduce_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
     if groups == 1:
         return x
-    g, h, r, d = x.shape
-    return x.reshape(g, h // groups, groups, r, d).sum(2)
+    b, h, n, d = x.shape
+    return x.reshape(b, h // groups, groups, n, d).sum(2)
 
 
-def ancestor_range(spec: AttentionSpec, start: int) -> int:
-    """First ancestor position any query of a unit starting at `start` can still see."""
+def path_start(spec: AttentionSpec, first_query: int) -> int:
+    """First path position any query at or after `first_query` can still see (a window or chunk narrows it)."""
     lo = 0
     if spec.window is not None:
-        lo = max(lo, start - spec.window + 1)
+        lo = max(lo, first_query - spec.window + 1)
     if spec.chunk is not None:
-        lo = max(lo, start // spec.chunk * spec.chunk)
-    return min(lo, start)
+        lo = max(lo, first_query // spec.chunk * spec.chunk)
+    return min(lo, first_query)
 
 
-class _TreeAttention(torch.autograd.Function):
-    """Causal attention over own K/V merged with attention over the path's ancestor K/V (and sinks)."""
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, rows: slice, part_out: torch.Tensor, part_lse: torch.Tensor):
+    """Merge one partial attention over other keys into rows of the running (out, lse), in place."""
+    old_lse = lse[:, :, rows]
+    new_lse = torch.logaddexp(old_lse, part_lse.to(lse.dtype))
+    safe = new_lse.nan_to_num(neginf=0.0)
+    scaled = out[:, :, rows] * torch.exp(old_lse - safe)[..., None]
+    out[:, :, rows] = scaled + part_out.to(out.dtype) * torch.exp(part_lse.to(lse.dtype) - safe)[..., None]
+    lse[:, :, rows] = new_lse
+
+
+def _own_part(s: Segment) -> Part:
+    return Part(q_start=s.position, k_start=s.position, causal=True)
+
+
+def _block_part(b: Block, layout: UnitLayout) -> Part:
+    return Part(q_start=0, k_start=b.key.position, causal=False, q_positions=layout.positions[b.q_lo : b.q_hi],
+                q_max=b.q_max)
+
+
+def _path_part(layout: UnitLayout, lo: int, groups: int) -> Part:
+    return Part(q_start=0, k_start=lo, causal=False, q_positions=layout.folded_positions(groups),
+                q_max=layout.last_position)
+
+
+class _UnitAttention(torch.autograd.Function):
+    """Own segments causally, in-unit ancestors and the path's K/V fully, merged by log-sum-exp (and sinks)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, path: PathKV, unit: UnitKV, layer: int, spec: AttentionSpec):
+    def forward(ctx, q, k, v, sinks, path: PathKV | None, unit: UnitKV, layout: UnitLayout, layer: int,
+                spec: AttentionSpec):
         unit.keys[layer], unit.values[layer] = k, v
-        rows, heads, length, _ = q.shape
-        kv_heads = k.shape[1]
+        heads, kv_heads = q.shape[1], k.shape[1]
         groups = heads // kv_heads
-        start = unit.start
-        own = Part(q_start=start, k_start=start, causal=True)
-        own_out, own_lse, own_saved = attend(q, _expand_heads(k, groups), _expand_heads(v, groups), spec, own)
-        parts = [(own_out, own_lse)]
-        lo = ancestor_range(spec, start)
-        anc_saved: tuple = ()
-        if lo < start:
-            anc_k, anc_v = path.ancestors(layer, lo, start)
-            anc = Part(q_start=start, k_start=lo, causal=False, q_period=length)
-            anc_out, anc_lse, anc_saved = attend(_fold(q, kv_heads), anc_k, anc_v, spec, anc)
-            parts.append((_unfold(anc_out, rows, heads, length), _unfold(anc_lse, rows, heads, length)))
-        sink = sinks.view(1, heads, 1) if sinks is not None else None
-        out, lse = merge(parts, sink)
+        ke, ve = _expand_heads(k, groups), _expand_heads(v, groups)
+        parts = [attend(q[:, :, s.row : s.end], ke[:, :, s.row : s.end], ve[:, :, s.row : s.end], spec, _own_part(s))
+                 for s in layout.segments]
+        own_saved = [saved for _, _, saved in parts]
+        lo = path_start(spec, layout.path_end)
+        use_path = path is not None and lo < layout.path_end
+        if not layout.blocks and not use_path and sinks is None:
+            out = torch.cat([o for o, _, _ in parts], dim=2)
+            lse = torch.cat([l for _, l, _ in parts], dim=2)
+            block_saved, path_saved = [], ()
+        else:
+            lse = torch.cat([l for _, l, _ in parts], dim=2)
+            out = torch.cat([o.to(lse.dtype) for o, _, _ in parts], dim=2)
+            block_saved = []
+            for b in layout.blocks:
+                key = slice(b.key.row, b.key.end)
+                o, l, saved = attend(q[:, :, b.q_lo : b.q_hi], ke[:, :, key], ve[:, :, key], spec, _block_part(b, layout))
+                _merge_into(out, lse, slice(b.q_lo, b.q_hi), o, l)
+                block_saved.append(saved)
+            path_saved = ()
+            if use_path:
+                anc_k, anc_v = path.ancestors(layer, lo, layout.path_end)
+                o, l, path_saved = attend(_fold(q, kv_heads), anc_k, anc_v, spec, _path_part(layout, lo, groups))
+                _merge_into(out, lse, slice(None), _unfold(o, heads), _unfold(l, heads))
+            if sinks is not None:
+                sink = sinks.to(lse.dtype).view(1, heads, 1).expand_as(lse)
+                _merge_into(out, lse, slice(None), torch.zeros_like(out), sink)
+            out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.path, ctx.unit, ctx.layer, ctx.spec, ctx.lo = path, unit, layer, spec, lo
-        ctx.own_saved, ctx.anc_saved = own_saved, anc_saved
+        ctx.path, ctx.unit, ctx.layout, ctx.layer, ctx.spec, ctx.lo = path, unit, layout, layer, spec, lo
+        ctx.use_path, ctx.own_saved, ctx.block_saved, ctx.path_saved = use_path, own_saved, block_saved, path_saved
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        path, unit, layer, spec, lo = ctx.path, ctx.unit, ctx.layer, ctx.spec, ctx.lo
-        rows, heads, length, _ = q.shape
-        kv_heads = k.shape[1]
+        layout, spec = ctx.layout, ctx.spec
+        heads, kv_heads = q.shape[1], k.shape[1]
         groups = heads // kv_heads
-        start = unit.start
+        ke, ve = _expand_heads(k, groups), _expand_heads(v, groups)
         dout = dout.contiguous()
-        own = Part(q_start=start, k_start=start, causal=True)
-        dq, dk, dv = attend_backward(
-            dout, q, _expand_heads(k, groups), _expand_heads(v, groups), out, lse, ctx.own_saved, spec, own
-        )
+        grads = []
+        for s, saved in zip(layout.segments, ctx.own_saved):
+            r = slice(s.row, s.end)
+            grads.append(attend_backward(dout[:, :, r], q[:, :, r], ke[:, :, r], ve[:, :, r], out[:, :, r],
+                                         lse[:, :, r], saved, spec, _own_part(s)))
+        dq = torch.cat([g[0] for g in grads], dim=2)
+        dk = torch.cat([g[1] for g in grads], dim=2)
+        dv = torch.cat([g[2] for g in grads], dim=2)
+        for b, saved in zip(layout.blocks, ctx.block_saved):
+            r, key = slice(b.q_lo, b.q_hi), slice(b.key.row, b.key.end)
+            dq_b, dk_b, dv_b = attend_backward(dout[:, :, r], q[:, :, r], ke[:, :, key], ve[:, :, key], out[:, :, r],
+                                               lse[:, :, r], saved, spec, _block_part(b, layout))
+            dq[:, :, r] += dq_b
+            dk[:, :, key] += dk_b
+            dv[:, :, key] += dv_b
         dk, dv = _reduce_heads(dk, groups), _reduce_heads(dv, groups)
-        if lo < start:
-            anc_k, anc_v = path.ancestors(layer, lo, start)
-            anc = Part(q_start=start, k_start=lo, causal=False, q_period=length)
+        if ctx.use_path:
+            path, lo = ctx.path, ctx.lo
+            anc_k, anc_v = path.ancestors(ctx.layer, lo, layout.path_end)
             fold = lambda x: _fold(x, kv_heads)
-            dq_anc, dk_anc, dv_anc = attend_backward(
-                fold(dout), fold(q), anc_k, anc_v, fold(out), fold(lse), ctx.anc_saved, spec, anc
-            )
-            dq = dq + _unfold(dq_anc, rows, heads, length)
-            path.add_ancestor_grads(layer, lo, start, dk_anc, dv_anc)
+            dq_p, dk_p, dv_p = attend_backward(fold(dout), fold(q), anc_k, anc_v, fold(out), fold(lse), ctx.path_saved,
+                                               spec, _path_part(layout, lo, groups))
+            dq = dq + _unfold(dq_p, heads)
+            path.add_ancestor_grads(ctx.layer, lo, layout.path_end, dk_p, dv_p)
+        unit = ctx.unit
         if unit.key_grads is not None:
-            dk = dk + unit.key_grads[layer].to(dk.dtype)
-            dv = dv + unit.value_grads[layer].to(dv.dtype)
+            dk = dk + unit.key_grads[ctx.layer].to(dk.dtype)
+            dv = dv + unit.value_grads[ctx.layer].to(dv.dtype)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             # d out / d sink = -p_sink * out, p_sink = exp(sink - lse): the sink only grows the denominator.
             compute = lse.dtype
             p_sink = torch.exp(sinks.to(compute).view(1, heads, 1) - lse)
             dsinks = -(p_sink * (dout.to(compute) * out.to(compute)).sum(-1)).sum((0, 2)).to(sinks.dtype)
-        return dq, dk, dv, dsinks, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None
 
 
 class TreeCall:
-    """The attention of one unit over the path: handed to every layer through the attention kwargs.
+    """The attention of one unit (over the path, if any): handed to every layer through the attention kwargs.
 
     A plain class, not a dataclass: FSDP2 and other wrappers rebuild dataclasses (and dicts) found in
     a forward's kwargs, and every layer must write into this one unit.
     """
 
-    def __init__(self, path: PathKV, unit: UnitKV):
-        self.path, self.unit = path, unit
+    def __init__(self, path: PathKV | None, unit: UnitKV, layout: UnitLayout):
+        self.path, self.unit, self.layout = path, unit, layout
         self.layers_called: set[int] = set()
         self.forward_done = False  # set by the engine; later calls are gradient checkpointing's recomputation
 
@@ -249,5 +321,5 @@ class TreeCall:
                 "or repeated attention); the tree path stores one K/V per layer (use PackedEngine or FlatEngine)"
             )
         self.layers_called.add(index)
-        out = _TreeAttention.apply(query, key, value, layer.sinks, self.path, self.unit, index, layer.spec)
+        out = _UnitAttention.apply(query, key, value, layer.sinks, self.path, self.unit, self.layout, index, layer.spec)
         return out.transpose(1, 2).contiguous()

@@ -16,17 +16,20 @@ def _mib(n: int | None) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    """One line per (workload, engine): sizes, ideal, time, speedup over flat, share of ideal, peak memory."""
+    """One line per (workload, engine): sizes, ideal, time, speedup over flat, share of ideal, peak memory
+    (and as a multiple of the one-path engine's)."""
     lines = [
-        "| workload | T | U | T/U | FLOP-ideal | engine | time (s) | speedup vs flat | of ideal | peak MiB |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+        "| workload | T | U | T/U | FLOP-ideal | engine | time (s) | speedup vs flat | of ideal | peak MiB | peak vs one-path |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         of_ideal = "-" if r["of_ideal"] is None else f"{r['of_ideal']:.2f}"
+        vs_path = "-" if r.get("memory_vs_one_path") is None else f"{r['memory_vs_one_path']:.2f}x"
         lines.append(
             f"| {r['workload']} | {r['flat_tokens']:,} | {r['unique_tokens']:,} | {r['compression']:.2f} | "
-            f"{r['ideal']:.2f}x | {r['engine']} | {r['seconds']:.3f} | {speedup} | {of_ideal} | {_mib(r['peak_bytes'])} |"
+            f"{r['ideal']:.2f}x | {r['engine']} | {r['seconds']:.3f} | {speedup} | {of_ideal} | {_mib(r['peak_bytes'])} | "
+            f"{vs_path} |"
         )
     return "\n".join(lines)
 

@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from treerl.bench.flops import tree_flops
 from treerl.bench.memory import peak_memory
+from treerl.bench.profile import profile_step
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
 from treerl.engine.base import Engine, SequenceView
 from treerl.models import build_model
@@ -24,12 +25,13 @@ from treerl.tree import PrefixTree, Sequence
 from treerl.tree.workloads import AgentShape, agent_trees, grpo_groups, random_trees
 
 ENGINES: dict[str, Callable[[], Engine]] = {
-    "flat": FlatEngine,
+    "flat": FlatEngine,  # the dense baseline every engine is compared with: packed rows, no padding
+    "flat-sequences": lambda: FlatEngine(layout="sequences"),  # one call per sequence, the model's own attention
     "packed": PackedEngine,
     "dfs": DfsEngine,
-    "dfs-no-sibling-batching": lambda: DfsEngine(batch_tokens=0),
+    "dfs-one-node-per-call": lambda: DfsEngine(batch_tokens=0),
     "dfs-always-recompute": lambda: DfsEngine(recompute="always"),
-    "dfs-concat-kv": lambda: DfsEngine(preallocated_kv=False),
+    "dfs-one-path": lambda: DfsEngine(batch_tokens=0, recompute="always"),  # the published design: memory reference
 }
 
 
@@ -88,14 +90,8 @@ def timed_step(engine: Engine, model, batch: list[Sequence], device: torch.devic
 
 def run_bench(config: BenchConfig) -> list[dict]:
     """One row per (workload, engine), measured side by side on the same model and batch."""
-    unknown = sorted(set(config.engines) - set(ENGINES))
-    if unknown:
-        raise ValueError(f"unknown engines {unknown}; known: {', '.join(ENGINES)}")
     device = torch.device(config.device)
-    dtype = getattr(torch, config.dtype)
-    model = build_model(shape=config.shape, vocab_size=config.vocab_size, dtype=dtype, device=device, seed=config.seed)
-    vocab = model.config.vocab_size
-    batches = {w: make_workload(w, config.scale, vocab, config.seed) for w in config.workloads}
+    model, batches = _model_and_batches(config)
     rows = []
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     steps = len(batches) * len(config.engines) * (config.warmup + config.repeats + int(config.memory))
@@ -125,9 +121,39 @@ def run_bench(config: BenchConfig) -> list[dict]:
                     progress.advance(task)
                 rows.append(dict(base, engine=name, seconds=statistics.median(times), times=times, peak_bytes=peak))
     for row in rows:
-        flat = next((r for r in rows if r["workload"] == row["workload"] and r["engine"] == "flat"), None)
+        same = {r["engine"]: r for r in rows if r["workload"] == row["workload"]}
+        flat, one_path = same.get("flat"), same.get("dfs-one-path")
         row["speedup"] = flat["seconds"] / row["seconds"] if flat else None
         row["of_ideal"] = row["speedup"] / row["ideal"] if flat else None
+        measured = one_path is not None and one_path["peak_bytes"] and row["peak_bytes"] is not None
+        row["memory_vs_one_path"] = row["peak_bytes"] / one_path["peak_bytes"] if measured else None
+    return rows
+
+
+def _model_and_batches(config: BenchConfig) -> tuple[torch.nn.Module, dict[str, list[Sequence]]]:
+    """The bench's model (random weights of `shape`) and each workload's batch; unknown engines refused first."""
+    unknown = sorted(set(config.engines) - set(ENGINES))
+    if unknown:
+        raise ValueError(f"unknown engines {unknown}; known: {', '.join(ENGINES)}")
+    device = torch.device(config.device)
+    dtype = getattr(torch, config.dtype)
+    model = build_model(shape=config.shape, vocab_size=config.vocab_size, dtype=dtype, device=device, seed=config.seed)
+    vocab = model.config.vocab_size
+    return model, {w: make_workload(w, config.scale, vocab, config.seed) for w in config.workloads}
+
+
+def profile_engines(config: BenchConfig) -> list[dict]:
+    """Where each engine's step time goes (treerl.bench.profile), after `warmup` unprofiled steps."""
+    device = torch.device(config.device)
+    model, batches = _model_and_batches(config)
+    rows = []
+    for workload, batch in batches.items():
+        for name in config.engines:
+            engine = ENGINES[name]()
+            for _ in range(config.warmup):
+                timed_step(engine, model, batch, device)
+            step = lambda e=engine, b=batch: timed_step(e, model, b, device)
+            rows.append(dict(workload=workload, engine=name, **profile_step(step, device)))
     return rows
 
 

@@ -1,5 +1,5 @@
-"""`treerl bench`: engines side by side on the same trees; `--balance`: data-parallel assignment;
-`--async`: synchronous vs asynchronous RL training."""
+"""`treerl bench`: engines side by side on the same trees; `--profile`: where each engine's time goes;
+`--balance`: data-parallel assignment; `--async`: synchronous vs asynchronous RL training."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def bench(
     engines: str = typer.Option(",".join(ENGINES), show_default=False,
                                 help=f"comma-separated, of: {', '.join(ENGINES)} (default: all)"),
     memory: bool = typer.Option(True, help="also measure peak memory (one extra untimed run)"),
+    profile: bool = typer.Option(False, "--profile", help="where each engine's step time goes (torch.profiler) instead"),
     balance: bool = typer.Option(False, "--balance", help="data-parallel balancer vs first-fit and LPT instead"),
     balance_scale: float = typer.Option(1.0, help="--balance: tau2-like episode lengths x scale"),
     compare_async: bool = typer.Option(False, "--async", help="sync vs async RL training: reward against wall time"),
@@ -46,6 +47,17 @@ def bench(
         rows = compare(train_config, override, [int(s) for s in seeds.split(",")], target, threads, out / "async")
         print(markdown(rows))
         console.print(f"written to {out}/async/async_compare.{{json,md,png}}")
+        return
+    if profile:
+        from treerl.bench.profile import profile_markdown
+        from treerl.bench.run import profile_engines
+
+        rows = profile_engines(config)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "profile.json").write_text(json.dumps({"settings": describe(config), "rows": rows}, indent=1))
+        (out / "profile.md").write_text(profile_markdown(rows) + "\n")
+        print(profile_markdown(rows))
+        console.print(f"written to {out}/profile.{{json,md}}")
         return
     if balance:
         from treerl.bench.balance import balance_tables

@@ -67,8 +67,13 @@ class StepStats:
     metrics: dict[str, float] = field(default_factory=dict)
 
     def add_metrics(self, metrics: dict[str, float | torch.Tensor]) -> None:
+        """Sum metrics over sequences; tensors stay on their device until `settle` (no sync per sequence)."""
         for key, value in metrics.items():
-            self.metrics[key] = self.metrics.get(key, 0.0) + float(value)
+            self.metrics[key] = self.metrics.get(key, 0.0) + value
+
+    def settle(self) -> None:
+        """Read the summed metrics as numbers: once per step, after the last sequence."""
+        self.metrics = {key: float(value) for key, value in self.metrics.items()}
 
 
 class Head(Protocol):
@@ -146,6 +151,11 @@ def check_model(model: PreTrainedModel, head: Head, tree: bool, longest: int) ->
         check_tree_model(model)
     check_rope_lengths(model, longest)
     head.check(model)
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without stalling the host: pinned and non-blocking on CUDA."""
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
 
 
 def final_hidden(model: PreTrainedModel, **inputs) -> torch.Tensor:

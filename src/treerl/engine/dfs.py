@@ -1,25 +1,31 @@
 """Dynamic tree attention: walk the prefix tree depth-first, computing each shared prefix once.
 
-The walk visits *units*: sibling nodes of similar length run as one padded batch over their
-shared ancestors' K/V (treerl.attention); a lone node is a unit of one. On the way down a unit's
-outputs (log-probs, entropy) are kept as plain values. When a sequence's last node has run, all
-of its outputs are known: its loss is evaluated on them and d(loss)/d(output) is added to a
-per-node buffer. On the way back up, a unit's backward receives those buffered gradients plus,
-through the K/V gradient store, what its descendants sent to its K/V, and passes its ancestors'
-share on. Parameter gradients accumulate in `.grad`. The result equals training each sequence
-on its own.
+The walk visits *units* (treerl.tree.plan): tree nodes packed into one model call without padding,
+each token attending to its own node causally and to its ancestors (treerl.attention). A unit
+hangs below a node of the current root-to-node path, whose K/V sit in a per-layer path store. On
+the way down a unit's outputs (log-probs, entropy) are written, as plain values, into per-token
+*slots*: node n's token j has one slot, filled by the row that predicts it. When a sequence's last
+node has run, all of its outputs are known: its loss is evaluated on them (a gather of its slots)
+and d(loss)/d(output) is added to a gradient buffer of the same slots. On the way back up, a
+unit's backward reads its slots' gradients plus, through the K/V gradient store, what its
+descendants sent to its K/V, and passes its ancestors' share on. Parameter gradients accumulate
+in `.grad`. The result equals training each sequence on its own.
 
-Memory: only the current root-to-node path is held. A unit with descendants keeps its autograd
-graph while the kept graphs fit `memory_budget_bytes` (`recompute="auto"`); otherwise it runs
-without a graph on the way down and again with one on the way up (`"always"` does that for every
-unit, AREAL-DTA style), so at most one unit's graph (<= `batch_tokens` tokens) exists at a time.
+Memory: the plan keeps what is held at once (the running unit's graph and the graphs kept on the
+path) within a budget of graph tokens: by default 1.5x the largest node (so within 1.5x of the
+one-path walk's peak, on any machine), or an explicit number of tokens or bytes, or a share of the
+device's free memory. A unit whose descendants do not fit beside its graph runs without a graph
+going down and again with one going up.
+
+No host synchronisation in the walk: every index (token ids, positions, output rows, slots) is
+built on the host before it starts and copied to the device once; losses and metrics stay on the
+device and are read once at the end.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Literal
@@ -27,22 +33,17 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
-from treerl.attention import PathKV, TreeCall, UnitKV, engine_attention
-from treerl.engine.base import (
-    Head,
-    LossFn,
-    StepStats,
-    check_batch,
-    empty_outputs,
-    final_hidden,
-    head_rows,
-    run_length,
-    sum_losses,
-)
+from treerl.attention import Block, PathKV, Segment, TreeCall, UnitKV, UnitLayout, engine_attention
+from treerl.engine.base import Head, LossFn, StepStats, check_batch, final_hidden, run_length, sum_losses
 from treerl.engine.head import PolicyHead
 from treerl.engine.support import attention_layers, check_all_layers_routed
-from treerl.tree import ROOT, Node, PrefixTree, Sequence
-from treerl.tree.batching import group_siblings
+from treerl.tree import ROOT, PrefixTree, Sequence
+from treerl.tree.plan import PlanCost, Unit, WalkPlan
+
+ONE_PATH_SLACK = 1.5
+"""The default budget: this many times the largest node's rows. The one-path walk (one node per call, every
+graph recomputed) holds one node's graph at a time, so the default peak stays within this factor of its peak
+whatever the tree and the machine; more memory is an explicit budget (`memory_budget_tokens` / `_bytes`)."""
 
 
 @dataclass
@@ -51,51 +52,92 @@ class DfsEngine:
 
     head: Head = field(default_factory=PolicyHead)
     chunk_tokens: int = 2048  # longest run of one node computed at once; longer nodes become chains
-    batch_tokens: int = 8192  # most tokens (padding included) in one batched call of siblings; 0: no batching
-    recompute: Literal["auto", "always", "never"] = "auto"
-    memory_budget_bytes: int | None = None  # kept graphs; None: half the free device memory at start
-    preallocated_kv: bool = True  # one K/V store per layer written in place (False: torch.cat per call)
+    batch_tokens: int = 8192  # most tokens in one model call (nodes packed without padding); 0: one node per call
+    recompute: Literal["auto", "always", "never"] = "auto"  # open units: cost model within the budget | always | never
+    memory_budget_tokens: int | None = None  # tokens of autograd graph held at once; None: see ONE_PATH_SLACK
+    memory_budget_bytes: int | None = None  # instead: bytes of autograd graph held at once (graph_bytes_per_token)
+    memory_budget_fraction: float | None = None  # instead: this share of the device's free memory at each step
+    plan_cost: PlanCost | None = None  # None: PlanCost.for_device
 
     def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
-        walk = _Walk(self, model, self.plan(model, sequences), loss_fn=None)
+        tree = self._tree(model, sequences)
+        plan = self.plan(model, tree, training=False)
+        walk = _Walk(self, model, tree, plan, loss_fn=None)
         with torch.no_grad(), engine_attention(model):
             walk.run()
-        return walk.results
+        return walk.sequence_outputs()
 
     def forward_backward(self, model: PreTrainedModel, sequences: Seq[Sequence], loss_fn: LossFn) -> StepStats:
         started = time.perf_counter()
-        walk = _Walk(self, model, self.plan(model, sequences), loss_fn=loss_fn)
+        tree = self._tree(model, sequences)
+        walk = _Walk(self, model, tree, self.plan(model, tree, training=True), loss_fn=loss_fn)
         with engine_attention(model):
             walk.run()
         walk.stats.loss = float(walk.total_loss)
+        walk.stats.settle()
         walk.stats.seconds = time.perf_counter() - started
         return walk.stats
 
-    def plan(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> PrefixTree:
+    def _tree(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> PrefixTree:
         """Check everything, then merge the batch into a tree whose nodes are at most `chunk_tokens` long."""
         check_batch(model, self.head, sequences, tree=True)
         if self.recompute not in ("auto", "always", "never"):
             raise ValueError(f"recompute must be 'auto', 'always' or 'never', got {self.recompute!r}")
+        if self.batch_tokens < 0:
+            raise ValueError(f"batch_tokens must be >= 0, got {self.batch_tokens}")
+        budgets = {"memory_budget_tokens": self.memory_budget_tokens, "memory_budget_bytes": self.memory_budget_bytes,
+                   "memory_budget_fraction": self.memory_budget_fraction}
+        given = [name for name, value in budgets.items() if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"set one memory budget, not {' and '.join(given)}")
+        for name in ("memory_budget_tokens", "memory_budget_bytes"):
+            if budgets[name] is not None and budgets[name] <= 0:
+                raise ValueError(f"{name} must be > 0, got {budgets[name]}")
+        if self.memory_budget_fraction is not None and not 0 < self.memory_budget_fraction <= 1:
+            raise ValueError(f"memory_budget_fraction must be in (0, 1], got {self.memory_budget_fraction}")
         return PrefixTree.build(sequences).chunked(self.chunk_tokens)
 
+    def plan(self, model: PreTrainedModel, tree: PrefixTree, training: bool = True) -> WalkPlan:
+        """Which nodes run together and which graphs are kept, within the memory budget (in graph tokens)."""
+        run = [run_length(node, self.head.shifted) for node in tree.nodes]
+        run[ROOT] = 0
+        unit_tokens = self.batch_tokens
+        cost = self.plan_cost or PlanCost.for_device(_device(model).type)
+        if not training:  # no graphs: only the call size limits a unit
+            return WalkPlan(tree, run, capacity=max(unit_tokens, 1), unit_tokens=unit_tokens, recompute="always",
+                            cost=cost)
+        return WalkPlan(tree, run, self.graph_budget_tokens(model, tree), unit_tokens, self.recompute, cost)
 
-@dataclass
-class _Unit:
-    """Sibling nodes run as one batch: row i is `nodes[i]`, its first `lengths[i]` tokens."""
+    def graph_budget_tokens(self, model: PreTrainedModel, tree: PrefixTree) -> int:
+        """Tokens of autograd graph the walk may hold at once (`tree` is chunked: no node over `chunk_tokens`)."""
+        if self.memory_budget_tokens is not None:
+            return self.memory_budget_tokens
+        if self.memory_budget_bytes is not None:
+            return self.memory_budget_bytes // graph_bytes_per_token(model)
+        if self.memory_budget_fraction is not None:
+            return int(free_memory(_device(model)) * self.memory_budget_fraction) // graph_bytes_per_token(model)
+        largest = max(run_length(node, self.head.shifted) for node in tree.nodes[1:])
+        return int(ONE_PATH_SLACK * largest)
 
-    nodes: list[Node]
-    lengths: list[int]
-    kv: UnitKV
-    graph: dict[str, torch.Tensor] | None = None  # row outputs with their autograd graph
-    kept_bytes: int = 0
 
-    @property
-    def width(self) -> int:
-        return max(self.lengths)
+def _device(model: PreTrainedModel) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes this process could still allocate on `device`: on CUDA the device's free memory plus what
+    PyTorch's caching allocator holds reserved but unused; on CPU the available RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):
+        return 4 << 30
 
 
 def graph_bytes_per_token(model: PreTrainedModel) -> int:
-    """Rough size of what autograd saves per token for one pass through the model (for the budget)."""
+    """Rough size of what autograd saves per token for one pass through the model (for byte budgets)."""
     c = model.config.get_text_config()
     hidden = _size(c, "hidden_size")
     heads = _size(c, "num_attention_heads") or 1
@@ -122,215 +164,226 @@ def _size(config, *names: str) -> int:
     return 0
 
 
-def _default_budget(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free // 2
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") // 2
-    except (ValueError, OSError):
-        return 4 << 30
+class _HostIndex:
+    """Integer tensors built on the host and copied to the device in one transfer (pinned, non-blocking)."""
+
+    def __init__(self) -> None:
+        self.parts: list[torch.Tensor] = []
+        self.size = 0
+
+    def add(self, values: torch.Tensor) -> slice:
+        self.parts.append(values.reshape(-1).long())
+        self.size += values.numel()
+        return slice(self.size - values.numel(), self.size)
+
+    def to(self, device: torch.device) -> torch.Tensor:
+        flat = torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.long)
+        if device.type == "cuda":
+            return flat.pin_memory().to(device, non_blocking=True)
+        return flat.to(device)
+
+
+class _UnitInputs:
+    """What one unit's call needs, built before the walk (index tensors end up as views of one device buffer)."""
+
+    def __init__(self, segments: dict[int, Segment]):
+        self.segments = segments  # node -> its rows
+        self.layout: UnitLayout | None = None  # None: no rows to run (one-token leaves only)
+        self.ids = self.positions = self.targets = self.slots = None  # slots: the output slot of each head row
+        self.rows = None  # hidden rows the head reads (None: every row, in order)
+        self.ends: list[int] = []  # sequences whose last node is in the unit
+        self.end_slots = None  # their slots, one sequence after another
+        self.kv = UnitKV()
+        self.graph: dict[str, torch.Tensor] | None = None  # head outputs with their autograd graph
 
 
 class _Walk:
-    """State of one depth-first walk: per-node outputs, output gradients, kept graphs."""
+    """State of one depth-first walk: output slots and their gradients, the path store, kept graphs."""
 
-    def __init__(self, engine: DfsEngine, model: PreTrainedModel, tree: PrefixTree, loss_fn: LossFn | None):
-        self.engine, self.model, self.tree, self.loss_fn = engine, model, tree, loss_fn
+    def __init__(self, engine: DfsEngine, model: PreTrainedModel, tree: PrefixTree, plan: WalkPlan,
+                 loss_fn: LossFn | None):
+        self.engine, self.model, self.tree, self.plan, self.loss_fn = engine, model, tree, plan, loss_fn
         self.head = engine.head
         self.shift = 1 if self.head.shifted else 0
-        self.device = model.get_input_embeddings().weight.device
-        capacity = max(len(s) for s in tree.sequences)
-        self.path = PathKV(capacity, with_grads=loss_fn is not None, preallocated=engine.preallocated_kv)
-        self.values: dict[int, dict[str, torch.Tensor]] = {}  # node -> outputs for its tokens (no graph)
-        self.grads: dict[int, dict[str, torch.Tensor]] = {}  # node -> d(loss)/d(outputs) for its tokens
-        self.forks: dict[int, dict[str, torch.Tensor]] = {}  # child -> its first token's outputs
-        self.results: list[dict[str, torch.Tensor]] = [{} for _ in tree.sequences]
-        self.needs_backward: set[int] = set()  # nodes on the path of a loss that depends on the outputs
+        self.device = _device(model)
+        self.layers = attention_layers(model)
+        self.path = PathKV(max(len(s) for s in tree.sequences), with_grads=loss_fn is not None)
         self.stats = StepStats(sequences=len(tree.sequences), flat_tokens=sum(len(s) for s in tree.sequences))
         self.total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.budget = engine.memory_budget_bytes
-        if self.budget is None:
-            self.budget = _default_budget(self.device)
-        self.per_token = graph_bytes_per_token(model)
-        self.kept = 0
+        self.needs_backward: set[int] = set()  # nodes on the path of a loss that depends on the outputs
+        self.slot_base = [0] * len(tree.nodes)  # node n's token j has slot slot_base[n] + j
+        total = 0
+        for node in tree.nodes:
+            self.slot_base[node.index] = total
+            total += node.length
+        dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+        self.values = {name: torch.zeros(total, dtype=dtype, device=self.device) for name in self.head.outputs}
+        self.grads = {name: torch.zeros_like(v) for name, v in self.values.items()} if loss_fn is not None else {}
+        self.inputs = self._prepare()
+
+    # ------------------------------------------------------------ before the walk
+    def _prepare(self) -> dict[int, _UnitInputs]:
+        """Every unit's index tensors, built on the host and copied to the device at once."""
+        index = _HostIndex()
+        inputs = {id(unit): self._unit_inputs(unit, index) for unit in self.plan.all_units()}
+        self.all_slots = index.add(torch.cat([self.sequence_slots(s) for s in range(len(self.tree.sequences))]))
+        device_index = index.to(self.device)
+        view = lambda x: device_index[x] if isinstance(x, slice) else x
+        for data in inputs.values():
+            for name in ("ids", "positions", "rows", "targets", "slots", "end_slots"):
+                setattr(data, name, view(getattr(data, name)))
+            if data.layout is not None:
+                data.layout.positions = data.positions
+        self.all_slots = device_index[self.all_slots]
+        return inputs
+
+    def _unit_inputs(self, unit: Unit, index: _HostIndex) -> _UnitInputs:
+        """Rows, positions, blocks, output rows and slots of one unit; its sequences' slots."""
+        tree, run = self.tree, self.plan.run
+        segments, ids, positions, rows, targets, slots = {}, [], [], [], [], []
+        row = 0
+        for n in unit.nodes:
+            node = tree.nodes[n]
+            if run[n] == 0:
+                continue
+            segments[n] = Segment(row, run[n], node.start)
+            ids.append(node.tokens[: run[n]])
+            positions.append(torch.arange(node.start, node.start + run[n]))
+            base = self.slot_base[n]
+            if self.shift:  # row j predicts token j + 1; the last row (a fork) each child's first token
+                own = node.length - 1
+                rows += [torch.arange(row, row + own), torch.full((len(node.children),), row + node.length - 1)]
+                targets += [node.tokens[1:], torch.stack([tree.nodes[c].tokens[0] for c in node.children])
+                            if node.children else torch.zeros(0, dtype=torch.long)]
+                slots += [torch.arange(base + 1, base + node.length),
+                          torch.tensor([self.slot_base[c] for c in node.children], dtype=torch.long)]
+            else:
+                rows.append(torch.arange(row, row + run[n]))
+                targets.append(node.tokens[: run[n]])
+                slots.append(torch.arange(base, base + run[n]))
+            row += run[n]
+        data = _UnitInputs(segments)
+        data.ends = [s for n in unit.nodes for s in tree.nodes[n].ends]
+        if data.ends:
+            data.end_slots = index.add(torch.cat([self.sequence_slots(s) for s in data.ends]))
+        if row == 0:  # one-token leaves only: their outputs came from the parent's fork rows
+            return data
+        all_rows = torch.cat(rows)
+        data.ids, data.positions = index.add(torch.cat(ids)), index.add(torch.cat(positions))
+        data.rows = None if torch.equal(all_rows, torch.arange(row)) else index.add(all_rows)
+        data.targets, data.slots = index.add(torch.cat(targets)), index.add(torch.cat(slots))
+        path_end = tree.nodes[unit.parent].end if unit.parent != ROOT else 0
+        data.layout = UnitLayout(list(segments.values()), self._blocks(unit, segments), torch.empty(0), path_end)
+        return data
+
+    def _blocks(self, unit: Unit, segments: dict[int, Segment]) -> list[Block]:
+        """For each unit node with descendants in the unit: their rows (contiguous in preorder) see its keys."""
+        blocks = []
+        order = [n for n in unit.nodes if n in segments]
+        for i, a in enumerate(order):
+            last = self._subtree_end(a)
+            below = [n for n in order[i + 1 :] if n <= last]
+            if below:
+                end = segments[below[-1]].end
+                q_max = max(segments[n].position + segments[n].length - 1 for n in below)
+                blocks.append(Block(segments[a].end, end, segments[a], q_max))
+        return blocks
+
+    def _subtree_end(self, n: int) -> int:
+        """The last preorder index of node n's subtree."""
+        node = self.tree.nodes[n]
+        while node.children:
+            node = self.tree.nodes[node.children[-1]]
+        return node.index
+
+    def sequence_slots(self, s: int) -> torch.Tensor:
+        """Slot of each token of sequence `s` (its first token's slot holds 0: nothing predicts it)."""
+        n = len(self.tree.sequences[s])
+        pieces = [torch.arange(self.slot_base[i], self.slot_base[i] + self.tree.nodes[i].length)
+                  for i in self.tree.path(s)]
+        return torch.cat(pieces)[:n]
 
     # ------------------------------------------------------------ the walk
     def run(self) -> None:
-        """Visit every unit depth-first; backward (when training) on the way back up."""
-        for event, unit, row in self._events():
+        """Visit every unit in plan order; backward (when training) on the way back up."""
+        for event, unit, node in self.plan.walk():
+            data = self.inputs[id(unit)]
             if event == "enter":
-                self.enter(unit)
+                self.enter(unit, data)
             elif event == "push":
-                self.path.push(unit.kv, row, unit.lengths[row])
+                self.path.push(data.kv, [data.segments[n] for n in self.plan.chain(unit, node) if n in data.segments])
             elif event == "pop":
-                self.path.pop(unit.kv, row, unit.lengths[row])
+                self.path.pop(data.kv, [data.segments[n] for n in self.plan.chain(unit, node) if n in data.segments])
             else:
                 if self.loss_fn is not None:
-                    self.backward(unit)
-                self.release(unit)
+                    self.backward(unit, data)
+                data.kv.clear()
+                data.graph = None
 
-    def _events(self) -> Iterator[tuple[str, _Unit, int]]:
-        """enter U, then for each row with children: push, the children's units, pop; then exit U."""
-        stack: list[tuple[str, _Unit | None, int, Node | None]] = [("expand", None, 0, self.tree.nodes[ROOT])]
-        while stack:
-            event, unit, row, node = stack.pop()
-            if event == "expand":  # the units below `node`, in order
-                stack.extend(("enter", u, 0, None) for u in reversed(self._units(node)))
-                continue
-            if event == "enter":
-                yield "enter", unit, 0
-                stack.append(("exit", unit, 0, None))
-                for i in reversed(range(len(unit.nodes))):
-                    if unit.nodes[i].children:
-                        stack.append(("pop", unit, i, None))
-                        stack.append(("expand", unit, i, unit.nodes[i]))
-                        stack.append(("push", unit, i, None))
-                continue
-            yield event, unit, row
+    def enter(self, unit: Unit, data: _UnitInputs) -> None:
+        """Run the unit (with a graph if it backpropagates without recomputation); record outputs; losses."""
+        keep = self.loss_fn is not None and (not unit.open or unit.keep)
+        outputs = self._compute(data, grad=keep)
+        if keep:
+            data.graph = outputs
+        for name, out in (outputs or {}).items():
+            self.values[name].index_copy_(0, data.slots, out.detach().to(self.values[name].dtype))
+        if self.loss_fn is not None and data.ends:
+            self._sequence_losses(data)
 
-    def _units(self, parent: Node) -> list[_Unit]:
-        """Group `parent`'s children into batched units."""
-        children = [self.tree.nodes[c] for c in parent.children]
-        lengths = [run_length(n, self.head.shifted) for n in children]
-        groups = group_siblings(lengths, self.engine.batch_tokens)
-        start = parent.end if parent.index != ROOT else 0
-        return [_Unit([children[i] for i in g], [lengths[i] for i in g], UnitKV(start)) for g in groups]
-
-    # ------------------------------------------------------------ one unit
-    def enter(self, unit: _Unit) -> None:
-        """Run the unit; keep its graph if it must backpropagate and fits; record outputs; losses."""
-        training = self.loss_fn is not None
-        has_children = any(n.children for n in unit.nodes)
-        size = len(unit.nodes) * unit.width * self.per_token
-        mode = self.engine.recompute
-        keep = training and (not has_children or mode == "never" or (mode == "auto" and self.kept + size <= self.budget))
-        outputs = self._compute(unit, grad=keep)
-        if keep and has_children:
-            unit.graph, unit.kept_bytes = outputs, size
-            self.kept += size
-        elif keep:
-            unit.graph = outputs
-        self._record(unit, outputs)
-        ends = [s for n in unit.nodes for s in n.ends]
-        if training:
-            self._sequence_losses(ends)
-        else:
-            for s in ends:
-                self.results[s] = self.sequence_outputs(s)
-
-    def _rows(self, unit: _Unit) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat hidden-state row of every output of the unit (row i starts at i x width), and its target."""
-        parts = [head_rows(self.tree, node, self.head.shifted, i * unit.width) for i, node in enumerate(unit.nodes)]
-        return torch.cat([rows for rows, _ in parts]), torch.cat([targets for _, targets in parts])
-
-    def _compute(self, unit: _Unit, grad: bool) -> dict[str, torch.Tensor]:
+    def _compute(self, data: _UnitInputs, grad: bool) -> dict[str, torch.Tensor] | None:
         """Run the unit's rows at their absolute positions over the path's K/V; apply the head."""
-        rows, targets = self._rows(unit)
-        width = unit.width
-        if width == 0:  # one-token leaves: their only outputs came from the parent's fork row
-            return empty_outputs(self.model, self.head)
-        ids = torch.zeros(len(unit.nodes), width, dtype=torch.long)
-        for i, (node, n) in enumerate(zip(unit.nodes, unit.lengths)):
-            ids[i, :n] = node.tokens[:n]
-        start = unit.kv.start
-        positions = torch.arange(start, start + width).expand(len(unit.nodes), -1)
-        self.stats.model_tokens += sum(unit.lengths)
-        call = TreeCall(self.path, unit.kv)
+        if data.layout is None:
+            return None
+        self.stats.model_tokens += data.layout.rows
+        call = TreeCall(self.path, data.kv, data.layout)
         with torch.set_grad_enabled(grad):
-            hidden = final_hidden(
-                self.model, input_ids=ids.to(self.device), position_ids=positions.to(self.device), treerl_call=call
-            ).reshape(len(unit.nodes) * width, -1)
+            hidden = final_hidden(self.model, input_ids=data.ids[None], position_ids=data.positions[None],
+                                  treerl_call=call)[0]
             call.forward_done = True
-            check_all_layers_routed(self.model, call.layers_called)
-            if not torch.equal(rows, torch.arange(len(hidden))):
-                hidden = hidden[rows.to(self.device)]
-            return self.head(self.model, hidden, targets.to(self.device))
+            check_all_layers_routed(self.model, call.layers_called, self.layers)
+            if data.rows is not None:
+                hidden = hidden[data.rows]
+            return self.head(self.model, hidden, data.targets)
 
-    def _record(self, unit: _Unit, outputs: dict[str, torch.Tensor]) -> None:
-        """Split the unit's row outputs into per-node values (and fork values for the children)."""
-        offset = 0
-        for node in unit.nodes:
-            own = node.length - self.shift
-            forks = len(node.children) if self.shift else 0
-            first = self.forks.pop(node.index, None)  # from the parent's last row; none at the top
-            values = {}
-            for name, out in outputs.items():
-                out = out.detach()[offset : offset + own + forks]
-                for i, child in enumerate(node.children[:forks]):
-                    self.forks.setdefault(child, {})[name] = out[own + i : own + i + 1]
-                parts = [first[name] if first is not None else out.new_zeros(1)] if self.shift else []
-                values[name] = torch.cat(parts + [out[:own]])
-            offset += own + forks
-            self.values[node.index] = values
-            if self.loss_fn is not None:
-                self.grads[node.index] = {name: torch.zeros_like(v) for name, v in values.items()}
-
-    # ------------------------------------------------------------ sequences
-    def sequence_outputs(self, s: int) -> dict[str, torch.Tensor]:
-        """Sequence `s`'s outputs, gathered from the nodes on its path (all computed by now)."""
-        n = len(self.tree.sequences[s])
-        nodes = self.tree.path(s)
-        return {name: torch.cat([self.values[i][name] for i in nodes])[:n] for name in self.head.outputs}
-
-    def _sequence_losses(self, ends: list[int]) -> None:
-        """Evaluate the losses of the sequences that end here; add d(loss)/d(outputs) to their nodes."""
-        if not ends:
-            return
-        leaves = [(s, {k: v.requires_grad_() for k, v in self.sequence_outputs(s).items()}) for s in ends]
-        total = sum_losses(((s, self.tree.sequences[s], out) for s, out in leaves), self.loss_fn, self.stats)
+    def _sequence_losses(self, data: _UnitInputs) -> None:
+        """Evaluate the losses of the sequences that end in the unit; add d(loss)/d(outputs) to their slots."""
+        leaves = {name: v[data.end_slots].requires_grad_() for name, v in self.values.items()}
+        views, offset = [], 0
+        for s in data.ends:
+            n = len(self.tree.sequences[s])
+            views.append((s, self.tree.sequences[s], {name: t[offset : offset + n] for name, t in leaves.items()}))
+            offset += n
+        total = sum_losses(views, self.loss_fn, self.stats)
         self.total_loss += total.detach().to(self.total_loss.dtype)
         if not total.requires_grad:
             return
-        self.needs_backward.update(i for s, _ in leaves for i in self.tree.path(s))
-        inputs = [(s, name, t) for s, outputs in leaves for name, t in outputs.items()]
-        grads = torch.autograd.grad(total, [t for _, _, t in inputs], allow_unused=True)
-        for (s, name, _), g in zip(inputs, grads):
-            if g is None:
-                continue
-            n = len(self.tree.sequences[s])
-            for i in self.tree.path(s):
-                node = self.tree.nodes[i]
-                hi = min(node.end, n)
-                self.grads[i][name][: hi - node.start] += g[node.start : hi]
+        self.needs_backward.update(i for s in data.ends for i in self.tree.path(s))
+        names = list(leaves)
+        grads = torch.autograd.grad(total, [leaves[name] for name in names], allow_unused=True)
+        for name, g in zip(names, grads):
+            if g is not None:
+                self.grads[name].index_add_(0, data.end_slots, g.to(self.grads[name].dtype))
 
-    # ------------------------------------------------------------ way back up
-    def backward(self, unit: _Unit) -> None:
-        """Back-propagate the unit's buffered output gradients (and, via the store, its K/V's).
+    def backward(self, unit: Unit, data: _UnitInputs) -> None:
+        """Back-propagate the unit's slot gradients (and, via the store, its K/V's).
 
         A unit no gradient-carrying loss reads is skipped, so parameters keep `.grad = None` as
         with the flat reference (a zero gradient would still move them through weight decay).
         """
-        if not any(node.index in self.needs_backward for node in unit.nodes):
-            self.kept -= unit.kept_bytes
-            unit.graph, unit.kept_bytes = None, 0
+        if data.layout is None or not any(n in self.needs_backward for n in unit.nodes):
             return
-        outputs = unit.graph if unit.graph is not None else self._compute(unit, grad=True)
+        outputs = data.graph if data.graph is not None else self._compute(data, grad=True)
         tensors, grads = [], []
         for name, out in outputs.items():
-            if not out.requires_grad:
-                continue
-            parts = []
-            for node in unit.nodes:
-                parts.append(self.grads[node.index][name][self.shift :])
-                if self.shift:
-                    parts += [self.grads[c][name][:1] for c in node.children]
-            tensors.append(out)
-            grads.append(torch.cat(parts).to(out.dtype))
+            if out.requires_grad:
+                tensors.append(out)
+                grads.append(self.grads[name][data.slots].to(out.dtype))
         if tensors:
             torch.autograd.backward(tensors, grads)
-        self.kept -= unit.kept_bytes
-        unit.graph, unit.kept_bytes = None, 0
 
-    def release(self, unit: _Unit) -> None:
-        """Forget the unit's children's state (their gradients reached the unit's fork rows)."""
-        for node in unit.nodes:
-            for c in node.children:
-                self.values.pop(c, None)
-                self.grads.pop(c, None)
-            if node.parent == ROOT:
-                self.values.pop(node.index, None)
-                self.grads.pop(node.index, None)
-        unit.kv.keys.clear()
-        unit.kv.values.clear()
-        unit.kv.key_grads = unit.kv.value_grads = None
+    def sequence_outputs(self) -> list[dict[str, torch.Tensor]]:
+        """Every sequence's outputs, gathered from the slots (after a forward walk)."""
+        lengths = [len(s) for s in self.tree.sequences]
+        gathered = {name: v[self.all_slots].split(lengths) for name, v in self.values.items()}
+        return [{name: parts[i] for name, parts in gathered.items()} for i in range(len(lengths))]

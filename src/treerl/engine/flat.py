@@ -1,93 +1,159 @@
-"""The reference engine: every sequence on its own, as frameworks train today.
+"""The reference engine: every sequence on its own, as frameworks train today, without padding.
 
-Sequences are sorted by length and grouped into right-padded micro-batches under a token
-budget, then run through the model with its own attention implementation (SDPA by default):
-what a careful user runs, not a strawman. Shared prefixes are computed once per sequence.
+Two layouts compute the same thing:
+- `"packed"`: sequences laid one after another in rows of at most `max_tokens` tokens, each at its
+  own positions and attending causally to itself only (treerl's unit attention with no tree: the
+  "remove padding" / variable-length packing of peer trainers). The dense speed baseline.
+- `"sequences"`: one model call per sequence through the model's own attention, whatever
+  implementation it was loaded with: literally the model's forward on each sequence alone. The
+  exactness oracle, and the layout for every model the tree engines cannot route.
+`"auto"` (default) packs where treerl can route the model's attention and runs sequences one by
+one elsewhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+import weakref
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
 
-from treerl.engine.base import Head, LossFn, StepStats, check_batch, final_hidden, sum_losses
+from treerl.attention import Segment, TreeCall, UnitKV, UnitLayout, UnsupportedModel, engine_attention
+from treerl.engine.base import Head, LossFn, StepStats, check_batch, final_hidden, sum_losses, to_device
 from treerl.engine.head import PolicyHead
+from treerl.engine.support import check_all_layers_routed, check_tree_model, model_name
 from treerl.tree import Sequence
+
+Layout = Literal["auto", "packed", "sequences"]
+_ROUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> every layer runs treerl's attention
 
 
 @dataclass
 class FlatEngine:
-    """Each sequence computed independently; the exactness reference and the "dense" baseline."""
+    """Each sequence computed independently; the exactness reference and the dense baseline."""
 
     head: Head = field(default_factory=PolicyHead)
-    max_tokens: int = 8192  # padded tokens per micro-batch (the same budget as DfsEngine.batch_tokens)
+    max_tokens: int = 8192  # tokens per packed row (a longer sequence gets a row of its own)
+    layout: Layout = "auto"  # packed rows | one call per sequence through the model's own attention | auto
 
     def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
-        check_batch(model, self.head, sequences, tree=False)
+        check_batch(model, self.head, sequences, tree=self.layout == "packed")
+        packed = self.chosen_layout(model) == "packed"
         results: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
-        with torch.no_grad():
-            for batch in self.micro_batches(sequences):
-                for i, outputs in zip(batch, self._run(model, [sequences[i] for i in batch])):
-                    results[i] = outputs
+        with torch.no_grad(), engine_attention(model) if packed else contextlib.nullcontext():
+            for batch in self.micro_batches(sequences, packed):
+                for i, out in zip(batch, self._run(model, [sequences[i] for i in batch], packed)):
+                    results[i] = out
         return results
 
     def forward_backward(self, model: PreTrainedModel, sequences: Seq[Sequence], loss_fn: LossFn) -> StepStats:
-        check_batch(model, self.head, sequences, tree=False)
+        check_batch(model, self.head, sequences, tree=self.layout == "packed")
+        packed = self.chosen_layout(model) == "packed"
         stats = StepStats(sequences=len(sequences), flat_tokens=sum(len(s) for s in sequences))
         started = time.perf_counter()
+        shift = 1 if self.head.shifted else 0
         total = torch.zeros((), dtype=torch.float64)
-        for batch in self.micro_batches(sequences):
-            outputs = self._run(model, [sequences[i] for i in batch])
-            stats.model_tokens += sum(len(sequences[i]) - (1 if self.head.shifted else 0) for i in batch)
-            batch_loss = sum_losses(((i, sequences[i], out) for i, out in zip(batch, outputs)), loss_fn, stats)
-            if batch_loss.requires_grad:
-                batch_loss.backward()
-            total = total + batch_loss.detach().cpu()
+        with engine_attention(model) if packed else contextlib.nullcontext():  # backward too: checkpointing recomputes
+            for batch in self.micro_batches(sequences, packed):
+                outputs = self._run(model, [sequences[i] for i in batch], packed)
+                stats.model_tokens += sum(len(sequences[i]) - shift for i in batch)
+                batch_loss = sum_losses(((i, sequences[i], out) for i, out in zip(batch, outputs)), loss_fn, stats)
+                if batch_loss.requires_grad:
+                    batch_loss.backward()
+                total = total.to(batch_loss.device) + batch_loss.detach().double()
         stats.loss = float(total)
+        stats.settle()
         stats.seconds = time.perf_counter() - started
         return stats
 
-    def micro_batches(self, sequences: Seq[Sequence]) -> list[list[int]]:
-        """Longest first; a batch grows while (rows x longest row) stays within the token budget."""
-        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    def chosen_layout(self, model: PreTrainedModel) -> str:
+        """"packed" or "sequences": what `layout` means for this model (checked at every call)."""
+        if self.layout not in ("auto", "packed", "sequences"):
+            raise ValueError(f"layout must be 'auto', 'packed' or 'sequences', got {self.layout!r}")
+        if self.layout == "sequences":
+            return "sequences"
+        try:
+            check_tree_model(model)
+            routed = _ROUTED.get(model)
+            if routed is None:
+                routed = _ROUTED[model] = self._routes(model)
+        except UnsupportedModel:
+            if self.layout == "packed":
+                raise
+            return "sequences"
+        if not routed and self.layout == "packed":
+            raise UnsupportedModel(f"{model_name(model)}: some layers do not run treerl's attention; use layout='sequences'")
+        return "packed" if routed else "sequences"
+
+    def _routes(self, model: PreTrainedModel) -> bool:
+        """Whether every layer runs treerl's attention (once per model: a two-token probe, no gradients)."""
+        device = model.get_input_embeddings().weight.device
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+        positions = torch.arange(2, device=device)
+        call = TreeCall(None, UnitKV(), UnitLayout([Segment(0, 2, 0)], [], positions, 0))
+        try:
+            with torch.no_grad(), engine_attention(model):
+                final_hidden(model, input_ids=ids, position_ids=positions[None], treerl_call=call)
+                check_all_layers_routed(model, call.layers_called)
+        except UnsupportedModel:
+            return False
+        return True
+
+    def micro_batches(self, sequences: Seq[Sequence], packed: bool = True) -> list[list[int]]:
+        """One sequence per call, or (packed) sequences in order, a row growing within `max_tokens` tokens."""
+        if not packed:
+            return [[i] for i in range(len(sequences))]
+        shift = 1 if self.head.shifted else 0
         batches: list[list[int]] = []
-        for i in order:
-            if batches and (len(batches[-1]) + 1) * len(sequences[batches[-1][0]]) <= self.max_tokens:
+        size = 0
+        for i, seq in enumerate(sequences):
+            n = len(seq) - shift
+            if batches and size + n <= self.max_tokens:
                 batches[-1].append(i)
+                size += n
             else:
                 batches.append([i])
+                size = n
         return batches
 
-    def _run(self, model: PreTrainedModel, batch: list[Sequence]) -> list[dict[str, torch.Tensor]]:
-        """One padded forward; per-sequence outputs aligned with tokens (differentiable if grad is on)."""
+    def _run(self, model: PreTrainedModel, batch: list[Sequence], packed: bool) -> list[dict[str, torch.Tensor]]:
+        """One call on `batch`; per-sequence outputs aligned with tokens (differentiable if grad is on)."""
         shift = 1 if self.head.shifted else 0
         device = model.get_input_embeddings().weight.device
         lengths = [len(s) - shift for s in batch]
-        width = max(max(lengths), 1)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        valid = torch.zeros(len(batch), width, dtype=torch.bool)
-        for row, (seq, n) in enumerate(zip(batch, lengths)):
-            ids[row, :n] = seq.tokens[:n]
-            valid[row, :n] = True
-        # Right padding needs no padding mask: causality already hides a row's padding from its real
-        # tokens, and padding that sees itself never gives a fully masked (NaN) row, even in a window.
-        ids, valid = ids.to(device), valid.to(device)
-        positions = torch.arange(width, device=device).expand(len(batch), -1)
-        hidden = final_hidden(model, input_ids=ids, position_ids=positions)
-        rows = hidden[valid]
-        targets = torch.cat([seq.tokens[shift:] for seq in batch]).to(device)
-        outputs = self.head(model, rows, targets)
+        ids = torch.cat([s.tokens[:n] for s, n in zip(batch, lengths)])
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        targets = torch.cat([s.tokens[shift:] for s in batch])
+        if len(ids) == 0:  # one-token sequences: nothing predicts anything
+            return [{name: torch.zeros(1, dtype=_dtype(model), device=device) for name in self.head.outputs}
+                    for _ in batch]
+        ids, positions, targets = (to_device(x, device) for x in (ids, positions, targets))
+        if packed:
+            segments, row = [], 0
+            for n in lengths:
+                if n:
+                    segments.append(Segment(row, n, 0))
+                    row += n
+            call = TreeCall(None, UnitKV(), UnitLayout(segments, [], positions, 0))
+            hidden = final_hidden(model, input_ids=ids[None], position_ids=positions[None], treerl_call=call)[0]
+            call.forward_done = True  # later calls are gradient checkpointing's recomputation
+            check_all_layers_routed(model, call.layers_called)
+        else:
+            hidden = final_hidden(model, input_ids=ids[None], position_ids=positions[None])[0]
+        outputs = self.head(model, hidden, targets)
         results = []
-        offset = 0
-        for n in lengths:
-            out = {}
-            for name, value in outputs.items():
-                piece = value[offset : offset + n]
-                out[name] = torch.cat([piece.new_zeros(shift), piece]) if shift else piece
-            results.append(out)
-            offset += n
+        for name, pieces in ((name, out.split(lengths)) for name, out in outputs.items()):
+            for i, piece in enumerate(pieces):
+                if len(results) <= i:
+                    results.append({})
+                results[i][name] = torch.cat([piece.new_zeros(shift), piece]) if shift else piece
         return results
+
+
+def _dtype(model: PreTrainedModel) -> torch.dtype:
+    return torch.promote_types(next(model.parameters()).dtype, torch.float32)

@@ -34,6 +34,7 @@ from treerl.engine.base import (
     head_rows,
     run_length,
     sum_losses,
+    to_device,
 )
 from treerl.engine.head import PolicyHead
 from treerl.engine.support import check_all_layers_routed
@@ -63,16 +64,17 @@ class PackedEngine:
         started = time.perf_counter()
         tree = PrefixTree.build(sequences)
         stats = StepStats(sequences=len(sequences), flat_tokens=sum(len(s) for s in sequences))
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=model.get_input_embeddings().weight.device)
         with engine_attention(model):  # backward too: gradient checkpointing recomputes layers through treerl
             for pack in self.packs(tree):
                 views = ((s, sequences[s], outputs) for s, outputs in self._run(model, tree, pack))
                 pack_loss = sum_losses(views, loss_fn, stats)
                 if pack_loss.requires_grad:
                     pack_loss.backward()
-                total += pack_loss.detach().cpu().double()
+                total += pack_loss.detach().to(total)  # stays on the device: read once, below
                 stats.model_tokens += sum(run_length(tree.nodes[i], self.head.shifted) for i in pack)
         stats.loss = float(total)
+        stats.settle()
         stats.seconds = time.perf_counter() - started
         return stats
 
@@ -109,17 +111,16 @@ class PackedEngine:
         if len(ids) == 0:
             outputs = empty_outputs(model, self.head)
         else:
-            call = self._call(tree, pack, lengths, positions.to(device))
-            hidden = final_hidden(
-                model, input_ids=ids[None].to(device), position_ids=positions[None].to(device), treerl_call=call
-            )[0]
+            ids, positions, rows, targets = (to_device(x, device) for x in (ids, positions, rows, targets))
+            call = self._call(tree, pack, lengths, positions)
+            hidden = final_hidden(model, input_ids=ids[None], position_ids=positions[None], treerl_call=call)[0]
             check_all_layers_routed(model, call.layers_called)
-            outputs = self.head(model, hidden[rows.to(device)], targets.to(device))
+            outputs = self.head(model, hidden[rows], targets)
         index = self._sequence_index(tree, pack, [len(r) for r, _ in parts])
         padded = {name: torch.cat([out, out.new_zeros(1)]) for name, out in outputs.items()}
         results = []
         for s, idx in index.items():
-            idx = idx.to(device)
+            idx = to_device(idx, device)
             results.append((s, {name: out[idx] for name, out in padded.items()}))
         return results
 
@@ -155,6 +156,7 @@ class PackedEngine:
             if parent is not None:
                 subtree_end[parent] = max(subtree_end[parent], subtree_end[k])
         device = positions.device
-        node_of = torch.repeat_interleave(torch.arange(len(pack)), torch.tensor(lengths)).to(device)
-        end_of = torch.tensor(subtree_end, device=device)[node_of]
+        node_of = torch.repeat_interleave(torch.arange(len(pack)), torch.tensor(lengths))
+        end_of = torch.tensor(subtree_end)[node_of]
+        node_of, end_of = to_device(node_of, device), to_device(end_of, device)
         return PackedCall(positions, node_of, end_of, flex=device.type == "cuda" and self.flex_attention)

@@ -162,9 +162,11 @@ def _original_length(rotary: torch.nn.Module) -> int | None:
     return min(lengths) if lengths else None
 
 
-def check_all_layers_routed(model: PreTrainedModel, called: set[int]) -> None:
-    """Every attention layer must have run treerl's attention: one that did not saw no ancestors."""
-    layers = attention_layers(model)
+def check_all_layers_routed(model: PreTrainedModel, called: set[int], layers: set[int] | None = None) -> None:
+    """Every attention layer must have run treerl's attention: one that did not saw no ancestors.
+
+    `layers`: `attention_layers(model)`, when the caller already has it (it walks every module)."""
+    layers = attention_layers(model) if layers is None else layers
     if called != layers:
         raise UnsupportedModel(
             f"{model_name(model)}: only layers {sorted(called)} of {sorted(layers)} ran treerl's attention; the "

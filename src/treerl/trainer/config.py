@@ -72,10 +72,11 @@ class EngineConfig:
 
     name: str = "dfs"  # dfs (dynamic tree attention) | packed (tree mask, one call per pack) | flat (reference)
     chunk_tokens: int = 2048  # dfs: longest run of one node computed at once
-    batch_tokens: int = 8192  # dfs: most tokens (padding included) in one batched call of sibling nodes; 0: off
-    recompute: str = "auto"  # dfs: auto (keep graphs within memory_budget_bytes) | always | never
-    memory_budget_bytes: int | None = None  # dfs: kept graphs; null: half the free device memory
-    max_tokens: int = 8192  # flat: padded tokens per micro-batch; packed: unique tokens per pack
+    batch_tokens: int = 8192  # dfs: most tokens in one model call (tree nodes packed without padding); 0: one node per call
+    recompute: str = "auto"  # dfs: auto (a cost model keeps or recomputes each graph within the budget) | always | never
+    memory_budget_tokens: int | None = None  # dfs: tokens of autograd graph held at once; null: 1.5x the largest node
+    memory_budget_bytes: int | None = None  # dfs: the same budget in bytes (set at most one of the two)
+    max_tokens: int = 8192  # flat: tokens per packed row (no padding); packed: unique tokens per pack
     head_chunk_rows: int = 1024  # rows of the LM head computed at once (no [tokens, vocab] logits tensor)
 
 
@@ -245,7 +246,8 @@ def check_ranges(config: Config) -> None:
                 "critic.lr": config.critic.lr, "trainer.threads": t.threads,
                 "rollout.reward_timeout": config.rollout.reward_timeout,
                 "trainer.worker_prompts": t.worker_prompts,
-                "engine.memory_budget_bytes": config.engine.memory_budget_bytes}
+                "engine.memory_budget_bytes": config.engine.memory_budget_bytes,
+                "engine.memory_budget_tokens": config.engine.memory_budget_tokens}
     positive.update({k: v for k, v in optional.items() if v is not None})
     for key, value in positive.items():
         if not value > 0:
@@ -264,6 +266,8 @@ def check_ranges(config: Config) -> None:
         raise ConfigError(f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise ConfigError(f"trainer.betas={t.betas} must be two numbers in [0, 1)")
+    if config.engine.memory_budget_tokens is not None and config.engine.memory_budget_bytes is not None:
+        raise ConfigError("engine.memory_budget_tokens and engine.memory_budget_bytes are the same budget: set one")
 
 
 def get(config: Any, key: str) -> Any:

@@ -80,7 +80,8 @@ def build_train_engine(config: EngineConfig, temperature: float = 1.0,
     head = head or PolicyHead(temperature=temperature, chunk_rows=config.head_chunk_rows)
     if config.name == "dfs":
         return DfsEngine(head=head, chunk_tokens=config.chunk_tokens, batch_tokens=config.batch_tokens,
-                         recompute=config.recompute, memory_budget_bytes=config.memory_budget_bytes)  # type: ignore[arg-type]
+                         recompute=config.recompute, memory_budget_tokens=config.memory_budget_tokens,  # type: ignore[arg-type]
+                         memory_budget_bytes=config.memory_budget_bytes)
     if config.name == "packed":
         return PackedEngine(head=head, max_tokens=config.max_tokens)
     return FlatEngine(head=head, max_tokens=config.max_tokens)

@@ -1,0 +1,209 @@
+"""How the DFS engine walks a prefix tree: which nodes run together in one model call, and what is kept.
+
+A *unit* is one model call: nodes of the forest hanging below one node of the walk's path (its
+`parent`), packed one after another in a single row without padding. A unit is an upper part of
+that forest (a node's parent is in the unit or is `parent`): whole small subtrees, and the top
+nodes of subtrees too large to fit, whose remaining children are *open* and get their own units
+below. So one call can hold siblings (a GRPO group), cousins at the same depth, and small
+subtrees whole (a random tree's many short nodes), each attending only to its ancestors.
+
+Memory: a unit's autograd graph costs about the same per token whatever the unit, so the planner
+counts *graph tokens*: what is held at once (the running unit plus the kept graphs of open units
+on the path) stays within `capacity`. An open unit either keeps its graph while its descendants
+run (they get the capacity it leaves) or is run again on the way up (recomputed: one more forward
+of it, the full capacity below). A cost model in token-equivalents (`PlanCost`) decides, and
+decides nothing else: packing fills each call up to the capacity, since bigger calls only save
+per-call cost.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from treerl.tree.prefix_tree import ROOT, PrefixTree
+
+Recompute = Literal["auto", "always", "never"]
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """Relative costs the planner weighs, in units of one token's forward + backward.
+
+    `call`: the fixed cost of one forward + backward model call (small GEMMs and kernel launches
+    under-use the device; every call reads all weights and writes every weight gradient);
+    `forward_call` the same for a forward without a graph (a unit run on the way down that will be
+    recomputed); `forward_token` one token's forward alone. Measured on a 2-core CPU with
+    small-qwen3 (`treerl bench`); the CUDA figures are estimates until measured on a GPU.
+    """
+
+    call: float = 48.0
+    forward_call: float = 14.0
+    forward_token: float = 0.33
+
+    @classmethod
+    def for_device(cls, device_type: str) -> PlanCost:
+        """The default for a device type ("cpu", "cuda", ...)."""
+        if device_type == "cpu":
+            return cls()
+        return cls(call=1024.0, forward_call=384.0, forward_token=0.33)
+
+
+@dataclass
+class Unit:
+    """Nodes (preorder) run as one call below the path node `parent`; `below[o]`: the units under open node `o`."""
+
+    parent: int
+    nodes: list[int]
+    tokens: int  # rows of the call (run tokens)
+    open: list[int] = field(default_factory=list)  # nodes with children in later units, preorder
+    keep: bool = False  # keep the graph while `below` runs (else recompute it on the way up)
+    below: dict[int, list[Unit]] = field(default_factory=dict)
+
+
+class WalkPlan:
+    """The units of one walk over `tree`, in order (a tree of units: `Unit.below`)."""
+
+    def __init__(self, tree: PrefixTree, run: list[int], capacity: int, unit_tokens: int, recompute: Recompute,
+                 cost: PlanCost):
+        """`run[n]`: rows node n needs; `capacity`: graph tokens held at once (clamped to the largest node: one
+        node always runs); `unit_tokens`: most rows of one call (0: one node per call)."""
+        if recompute not in ("auto", "always", "never"):
+            raise ValueError(f"recompute must be 'auto', 'always' or 'never', got {recompute!r}")
+        self.tree, self.run, self.recompute, self.cost = tree, run, recompute, cost
+        self.unit_tokens = unit_tokens
+        self.size = list(run)  # run tokens of each node's subtree
+        self.largest = list(run)  # largest single node in each subtree
+        for node in reversed(tree.nodes[1:]):  # preorder reversed: children before parents
+            if node.parent > ROOT:
+                self.size[node.parent] += self.size[node.index]
+                self.largest[node.parent] = max(self.largest[node.parent], self.largest[node.index])
+        self.capacity = max(capacity, max(run[1:], default=0))
+        self.units = self._plan()
+
+    # ------------------------------------------------------------------ planning
+    def _plan(self) -> list[Unit]:
+        """Top-down: fill each forest's units, decide keep or recompute, then plan below their open nodes."""
+        top: list[Unit] = []
+        work = [(ROOT, list(self.tree.nodes[ROOT].children), self.capacity, top)]
+        while work:
+            parent, roots, room, into = work.pop()
+            later = []
+            while roots:
+                nodes, roots = self._fill(roots, room)
+                unit = Unit(parent, sorted(nodes), sum(self.run[i] for i in nodes))
+                taken = set(unit.nodes)
+                outside = {o: [c for c in self.tree.nodes[o].children if c not in taken] for o in unit.nodes}
+                unit.open = [o for o in unit.nodes if outside[o]]
+                if unit.open:
+                    below = [c for o in unit.open for c in outside[o]]
+                    unit.keep = self._keep(unit.tokens, below, room)
+                    for o in unit.open:
+                        unit.below[o] = []
+                        later.append((o, outside[o], room - unit.tokens if unit.keep else room, unit.below[o]))
+                into.append(unit)
+            work.extend(reversed(later))
+        return top
+
+    def _fill(self, roots: list[int], room: int) -> tuple[list[int], list[int]]:
+        """One unit: an upper part of the forest under `roots`, shallow first, of at most `room` rows.
+
+        A subtree that fits goes in whole; else its top node does (if it fits) and its children
+        compete for what is left. The first node goes in whatever its size. Returns the unit's nodes
+        and the roots left for the next unit.
+        """
+        room = min(room, self.unit_tokens)
+        taken: list[int] = []
+        left: list[int] = []
+        is_root = set(roots)
+        queue = deque(roots)
+        while queue:
+            x = queue.popleft()
+            if self.size[x] <= max(room, 0):  # one-token leaves (no rows) always join their parent's unit
+                taken.extend(self._subtree(x))
+                room -= self.size[x]
+            elif self.run[x] <= room or not taken:
+                taken.append(x)
+                room -= self.run[x]
+                queue.extend(self.tree.nodes[x].children)
+            elif x in is_root:
+                left.append(x)
+        return taken, left
+
+    def _subtree(self, x: int) -> list[int]:
+        out, stack = [], [x]
+        while stack:
+            i = stack.pop()
+            out.append(i)
+            stack.extend(self.tree.nodes[i].children)
+        return out
+
+    def _keep(self, tokens: int, below: list[int], room: int) -> bool:
+        """Keep the unit's graph while the subtrees `below` run in what it leaves, or recompute it (cheaper?)."""
+        if self.recompute != "auto":
+            return self.recompute == "never"
+        left = room - tokens
+        if left < max(self.largest[c] for c in below):
+            return False  # keeping it would not leave room for a node below: over budget
+        total = sum(self.size[c] for c in below)
+        keep = total + self.cost.call * self._calls(total, left)
+        again = total + self.cost.call * self._calls(total, room) + self.cost.forward_call + self.cost.forward_token * tokens
+        return keep <= again
+
+    def _calls(self, tokens: int, room: int) -> int:
+        """About how many calls `tokens` rows take with `room` rows per call."""
+        per_call = max(1, min(room, self.unit_tokens))
+        return max(1, math.ceil(tokens / per_call))
+
+    # ------------------------------------------------------------------ reading the plan
+    def walk(self):
+        """Events in walk order: ("enter", unit, None), ("push" / "pop", unit, open node), ("exit", unit, None)."""
+        stack: list[tuple[str, Unit, int | None]] = [("visit", u, None) for u in reversed(self.units)]
+        while stack:
+            event, unit, node = stack.pop()
+            if event != "visit":
+                yield event, unit, node
+                continue
+            yield "enter", unit, None
+            stack.append(("exit", unit, None))
+            for o in reversed(unit.open):
+                stack.append(("pop", unit, o))
+                stack.extend(("visit", u, None) for u in reversed(unit.below[o]))
+                stack.append(("push", unit, o))
+
+    def all_units(self) -> list[Unit]:
+        """Every unit, in walk order."""
+        return [unit for event, unit, _ in self.walk() if event == "enter"]
+
+    def chain(self, unit: Unit, node: int) -> list[int]:
+        """The unit's nodes from its top down to `node` (what the path must hold below `node`)."""
+        out = []
+        while node != unit.parent:
+            out.append(node)
+            node = self.tree.nodes[node].parent
+        return out[::-1]
+
+    def peak_graph_tokens(self) -> int:
+        """Most graph tokens held at once over the walk (the running unit and kept graphs on the path)."""
+        kept, peak = 0, 0
+        for event, unit, _ in self.walk():
+            if event == "enter":
+                peak = max(peak, kept + unit.tokens)
+                if unit.open and unit.keep:
+                    kept += unit.tokens
+            elif event == "exit" and unit.open:
+                if unit.keep:
+                    kept -= unit.tokens
+                peak = max(peak, kept + unit.tokens)  # a recomputed unit's graph on the way up
+        return peak
+
+    def estimated_cost(self) -> float:
+        """The cost model's estimate of the walk, in token-equivalents."""
+        total = 0.0
+        for unit in self.all_units():
+            total += unit.tokens + self.cost.call
+            if unit.open and not unit.keep:
+                total += self.cost.forward_call + self.cost.forward_token * unit.tokens
+        return total
