@@ -136,7 +136,24 @@ MODEL = [
          r"model path '.*model': weight model.norm.weight holds NaN or inf"),
     Case("vocabulary smaller than the tokenizer", lambda tmp, a: train(f"model.path={small_vocabulary(tmp)}")(tmp, a),
          r"the tokenizer has \d+ tokens but the model's vocabulary only 50"),
+    Case("a model the engines cannot reproduce", lambda tmp, a: train(f"model.path={longrope_model(tmp)}")(tmp, a),
+         r"Phi3ForCausalLM \(phi3\): RoPE type 'longrope' changes its frequencies with the length of each call"),
 ]
+
+
+def longrope_model(tmp: Path) -> Path:
+    """Phi-3 whose long RoPE switches at 4 tokens: every engine refuses sequences past the switch."""
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    tokenizer = builtin_tokenizer()
+    config = Phi3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        original_max_position_embeddings=4, pad_token_id=tokenizer.pad_token_id,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4})
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "phi3")
+    tokenizer.save_pretrained(tmp / "phi3")
+    return tmp / "phi3"
 
 
 def nan_weight(model: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -32,11 +33,15 @@ def main() -> None:
     torch.set_num_threads(1)
     run = Run.start(load_config(None, [*SETTINGS, f"trainer.output_dir={out}", f"algo.loss={loss}"]))
     rng = random.Random(seed)
+    started = time.perf_counter()  # kill times scale with how long a save takes on this machine, now
+    run.save(0)
+    save_seconds = time.perf_counter() - started
+    shutil.rmtree(os.path.join(out, "checkpoints"))
     sys.stdout.flush()
     os.write(1, b"ready\n")
     for line in sys.stdin:
         first = int(line.split()[1])
-        delay = rng.uniform(0.02, 0.5)
+        delay = rng.uniform(0.2, 3.0) * save_seconds  # most rounds finish a save or two, then die inside one
         pid = os.fork()
         if pid == 0:  # the writer: checkpoints until killed
             step = first

@@ -32,13 +32,14 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from treerl.attention.kernels import AttentionSpec
+from treerl.errors import UserError
 
 ATTENTION_NAME = "treerl"
 CALL_KWARG = "treerl_call"
 
 
-class UnsupportedModel(NotImplementedError):
-    """A model or setting the tree engines cannot reproduce exactly; raised before any output."""
+class UnsupportedModel(UserError, NotImplementedError):
+    """A model or setting the engines cannot reproduce exactly; raised before any output (the CLI: one line, exit 2)."""
 
 
 @dataclass(frozen=True)

@@ -136,9 +136,15 @@ def check_batch(model: PreTrainedModel, head: Head, sequences: Seq[Sequence], tr
         vocab_size=model.get_input_embeddings().num_embeddings,
         max_positions=getattr(config, "max_position_embeddings", None),
     )
+    check_model(model, head, tree, max(len(s) for s in sequences))
+
+
+def check_model(model: PreTrainedModel, head: Head, tree: bool, longest: int) -> None:
+    """The model and its settings, for sequences of up to `longest` tokens: a run checks this once at start."""
+    check_known_model(model)
     if tree:
         check_tree_model(model)
-    check_rope_lengths(model, sequences)
+    check_rope_lengths(model, longest)
     head.check(model)
 
 

@@ -12,13 +12,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator
-from collections.abc import Sequence as Seq
 
 import torch
 from transformers import PreTrainedModel
 
 from treerl.attention import UnsupportedModel, all_configs, check_layer_types
-from treerl.tree import Sequence
 
 # Config keys of dropout probabilities a model applies in training mode (hidden, attention, embeddings...).
 _DROPOUT_WORDS = ("dropout", "pdrop")
@@ -131,9 +129,8 @@ def check_no_dropout(model: PreTrainedModel) -> None:
                 )
 
 
-def check_rope_lengths(model: PreTrainedModel, sequences: Seq[Sequence]) -> None:
+def check_rope_lengths(model: PreTrainedModel, longest: int) -> None:
     """RoPE whose frequencies depend on the call's length gives a token different embeddings in different calls."""
-    longest = max(len(s) for s in sequences)
     for module in model.modules():
         rope_type = getattr(module, "rope_type", None)
         if rope_type is None:
@@ -142,12 +139,15 @@ def check_rope_lengths(model: PreTrainedModel, sequences: Seq[Sequence]) -> None
         for kind in kinds:
             if "dynamic" not in kind and kind != "longrope":
                 continue
+            # longrope switches to its long factors past `limit` positions; dynamic NTK keeps its original
+            # frequencies only below `limit` (transformers' dynamic_rope_update)
             limit = _original_length(module)
-            if limit is None or longest >= limit:
+            most = None if limit is None else limit if kind == "longrope" else limit - 1
+            if most is None or longest > most:
                 raise UnsupportedModel(
                     f"{model_name(model)}: RoPE type {kind!r} changes its frequencies with the length of each call "
-                    f"(beyond {limit} tokens), so a token's embedding would depend on how the batch is split; "
-                    f"the longest sequence has {longest} tokens. Keep sequences under {limit} tokens or use a "
+                    f"(beyond {most} tokens), so a token's embedding would depend on how the batch is split; "
+                    f"sequences reach {longest} tokens. Keep sequences to {most} tokens or use a "
                     "RoPE type without length dependence"
                 )
 

@@ -61,6 +61,7 @@ def train_async(config: Config) -> AsyncTrainResult:
     run = Run.start(config, temperature=config.rollout.temperature)  # its thread count leaves the workers theirs
     pool = None
     try:
+        run.check_model(config.rollout.max_context_tokens)
         if run.env.world_size > 1:
             raise ConfigError("trainer.mode=async runs the trainer in one process (its rollout workers are its "
                               "children); data parallel training is synchronous only")

@@ -85,6 +85,7 @@ def train(config: Config) -> TrainResult:
     run = Run.start(config, temperature=config.rollout.temperature)
     rollouts: list[Rollout] = []
     try:
+        run.check_model(config.rollout.max_context_tokens)
         sampler = build_engine(config.rollout, run.policy, autocast=autocast_dtype(config.trainer.precision))
         sampler.version = run.start_step
         rollout = Rollout(config.rollout, run.tokenizer, sampler)

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import random
+import sys
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -48,6 +49,7 @@ from treerl.dist import (
     tree_features,
 )
 from treerl.engine import AutocastEngine, DfsEngine, Engine, FlatEngine, LossFn, PackedEngine, PolicyHead, ValueHead
+from treerl.engine.base import check_model
 from treerl.engine.support import check_no_dropout
 from treerl.errors import TrainingStopped
 from treerl.models import add_lora, base_fingerprint, build_model, check_model_dir, is_lora
@@ -310,6 +312,13 @@ class Run:
                                          wandb_name=trainer.wandb_name, run_config=yaml.safe_load(to_yaml(self.config)))
         return self._logger
 
+    def check_model(self, longest: int) -> None:
+        """Refuse, before any compute or output, a model (or critic) the engine cannot train exactly."""
+        parts = [(self.policy, self.engine)] + ([(self.critic.model, self.critic.engine)] if self.critic else [])
+        for model, engine in parts:
+            inner = engine.engine if isinstance(engine, AutocastEngine) else engine
+            check_model(model, inner.head, not isinstance(inner, FlatEngine), longest)
+
     def trainables(self) -> dict[str, Trainable]:
         """What a checkpoint holds: the policy ("") and, with PPO, the critic."""
         parts = {"": Trainable(self.policy, self.optimizer, self.scheduler)}
@@ -452,12 +461,16 @@ class Run:
             tqdm.write(message)
 
     def finish(self) -> None:
-        """Close the outputs, put back the signal handlers and torch's thread count."""
+        """Close the outputs, put back the signal handlers and torch's thread count.
+
+        Called from `finally`: while an exception unwinds this rank, no barrier (the other ranks may be
+        inside a collective this rank will never join; its exit ends them instead of a silent hang).
+        """
         self.stop.restore()
         torch.set_num_threads(self.threads_before)
         if self._logger is not None:
             self._logger.close()
-        if dist.is_available() and dist.is_initialized():
+        if dist.is_available() and dist.is_initialized() and sys.exc_info()[0] is None:
             dist.barrier()
 
     # ------------------------------------------------------------------ internals

@@ -57,6 +57,7 @@ def sft(config: Config) -> SFTResult:
         stats = PrefixTree.build([s for c in conversations for s in c.sequences]).stats()
         run.print(f"{len(conversations)} conversations, {stats.sequences} paths, {stats.flat_tokens} tokens "
                   f"({stats.compression:.2f}x shared as a tree)")
+        run.check_model(max(len(s) for c in conversations for s in c.sequences))
         loss_start = evaluate(run, held, run.start_step, "start")
         losses = []
         for step in run.steps():
