@@ -11,6 +11,7 @@ model and optimizer.
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from dataclasses import asdict, dataclass, field
@@ -59,6 +60,18 @@ def _engine(name: str, sequence_tokens: int, compute: torch.dtype | None) -> Eng
     return AutocastEngine(engine, compute) if compute is not None else engine
 
 
+def _timed_step(engine: Engine, model: torch.nn.Module, batch: list, optimizer: torch.optim.Optimizer,
+                seconds: list[float]) -> None:
+    """One training step (forward_backward, then the optimizer's step); its wall time appended to `seconds`."""
+    started = time.perf_counter()
+    engine.forward_backward(model, batch, _loss)
+    optimizer.step()
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds.append(time.perf_counter() - started)
+
+
 def precision_rows(config: PrecisionBenchConfig) -> list[dict]:
     """One row per (variant, engine): parameters, step time, peak memory above the weights."""
     unknown = sorted(set(config.variants) - set(VARIANTS)) + sorted(set(config.engines) - {"flat", "dfs"})
@@ -81,16 +94,7 @@ def precision_rows(config: PrecisionBenchConfig) -> list[dict]:
             trainable = [p for p in model.parameters() if p.requires_grad]
             optimizer = build_optimizer(trainable, TrainerConfig())
             seconds: list[float] = []
-
-            def step() -> None:
-                started = time.perf_counter()
-                engine.forward_backward(model, batch, _loss)
-                optimizer.step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                seconds.append(time.perf_counter() - started)
-
-            peak = peak_memory(step, device)
+            peak = peak_memory(functools.partial(_timed_step, engine, model, batch, optimizer, seconds), device)
             rows.append(dict(
                 variant=variant, engine=name, precision=precision, lora_rank=config.lora_rank if lora else 0,
                 gradient_checkpointing=checkpointing, samples=config.samples, flat_tokens=sum(map(len, batch)),
@@ -111,13 +115,10 @@ def precision_markdown(rows: list[dict]) -> str:
     for r in rows:
         fp32 = next((x for x in rows if x["variant"] == "fp32" and x["engine"] == r["engine"]), None)
         flat = next((x for x in rows if x["variant"] == r["variant"] and x["engine"] == "flat"), None)
-        def vs(key: str) -> str:
-            return f"{r[key] / fp32[key]:.2f}x" if fp32 else "-"
-
+        time_vs, memory_vs = (f"{r[key] / fp32[key]:.2f}x" if fp32 else "-" for key in ("seconds", "peak_bytes"))
         speedup = f"{flat['seconds'] / r['seconds']:.2f}x" if flat and r["engine"] != "flat" else "-"
         lines.append(f"| {r['variant']} | {r['engine']} | {r['trainable']:,} | {r['weight_bytes'] / 2**20:,.1f} | "
-                     f"{r['seconds']:.1f} | {r['peak_bytes'] / 2**20:,.1f} | {vs('seconds')} | {vs('peak_bytes')} | "
-                     f"{speedup} |")
+                     f"{r['seconds']:.1f} | {r['peak_bytes'] / 2**20:,.1f} | {time_vs} | {memory_vs} | {speedup} |")
     return "\n".join(lines)
 
 
