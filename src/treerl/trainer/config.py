@@ -98,7 +98,7 @@ class TrainerConfig:
     mode: str = "sync"  # sync: collect a batch, then update on it | async: rollout workers generate while the trainer updates
     steps: int = 500  # training steps (one rollout batch, or one SFT batch, each)
     seed: int = 0  # seeds torch / numpy / random and the minibatch shuffling
-    precision: str = "fp32"  # fp32 | bf16-mixed (bfloat16 compute, float32 master weights, optimizer state and gradient reduction) | bf16 (pure bfloat16); docs/training.md#precision
+    precision: str = "fp32"  # fp32 | bf16-mixed (bfloat16 compute, float32 master weights, optimizer state and gradient reduction) | bf16 (pure bfloat16); docs/training.md#precision-lora-and-gradient-checkpointing
 
     # Optimisation (AdamW).
     lr: float = 1e-3  # peak learning rate
