@@ -7,6 +7,7 @@ tests and the CPU demo, real-size ones for GPU benchmarks) start from random wei
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -138,6 +139,58 @@ def tied_names(model: torch.nn.Module) -> set[str]:
     for name, param in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(param), []).append(name)
     return {name for names in by_id.values() if len(names) > 1 for name in names}
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+ADAPTER_FILE = "adapter_model.safetensors"  # what peft's save_pretrained writes, beside adapter_config.json
+
+
+def add_lora(model: PreTrainedModel, rank: int, alpha: float, target_modules: str = "all-linear") -> PreTrainedModel:
+    """`model` wrapped with LoRA adapters (peft): only the adapters require gradients, the base is frozen.
+
+    `target_modules`: "all-linear" (every linear layer but the output head) or comma-separated module names.
+    No adapter dropout: the tree engines and the sampler must compute one function.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise UserError("model.lora.rank > 0 needs peft: pip install 'treerl[lora]'") from None
+    names = target_modules.strip()
+    targets: str | list[str] = names if names == "all-linear" else [n.strip() for n in names.split(",") if n.strip()]
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none",
+                        task_type="CAUSAL_LM")
+    try:
+        with warnings.catch_warnings():  # peft still asks transformers for the deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(model, config)
+    except ValueError as e:  # no module matched, or a module type peft cannot adapt
+        raise UserError(f"model.lora.target_modules={target_modules!r}: {_first_line(e)}") from None
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """Whether `model` is a peft model with adapters (its checkpoints hold only the adapters)."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def adapter_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each adapter parameter's name in peft's saved files -> its name in `model.state_dict()` (peft's own mapping)."""
+    from peft.utils import get_peft_model_state_dict
+
+    state = dict(model.state_dict())
+    saved = get_peft_model_state_dict(model, state_dict=state)
+    by_tensor = {id(tensor): name for name, tensor in state.items()}
+    return {saved_name: by_tensor[id(tensor)] for saved_name, tensor in saved.items()}
+
+
+def base_fingerprint(model: torch.nn.Module) -> list[float]:
+    """Sum and norm (float64) of every frozen parameter: tells whether adapters are loaded onto the base they were
+    trained on (a changed file at model.path, another model.seed or shape) without keeping a copy of it."""
+    values = []
+    for _, param in sorted(model.named_parameters()):
+        if not param.requires_grad:
+            values += [float(torch.sum(param, dtype=torch.float64)),
+                       float(torch.linalg.vector_norm(param, dtype=torch.float64))]
+    return values
 
 
 def _first_line(error: BaseException) -> str:

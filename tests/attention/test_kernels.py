@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treerl.attention.kernels import AttentionSpec, Part, attend, attend_backward, backend, merge
+from treerl.attention.kernels import AttentionSpec, Part, attend, attend_backward, backend, fused_backend, merge
 
 
 def naive(q, k, v, spec: AttentionSpec, part: Part, sink: torch.Tensor | None = None):
@@ -72,3 +72,47 @@ def test_merged_parts_with_a_sink_equal_one_softmax():
     anc = attend(q, k[:, :, :6], v[:, :, :6], spec, Part(q_start=6, k_start=0, causal=False))
     out, _ = merge([own[:2], anc[:2]], sink.view(1, 2, 1))
     assert torch.allclose(out, whole, atol=1e-12)
+
+
+def test_each_device_and_dtype_gets_a_fused_kernel_where_pytorch_has_one():
+    """CUDA float32 runs the memory-efficient kernel (no [L, S] score matrix), not the math version."""
+    assert fused_backend("cuda", torch.float32) == "cuda-efficient"
+    assert fused_backend("cuda", torch.bfloat16) == fused_backend("cuda", torch.float16) == "cuda-flash"
+    assert fused_backend("cpu", torch.float64) == fused_backend("cpu", torch.bfloat16) == "cpu-flash"
+    assert fused_backend("cuda", torch.float64) == "math"  # no fused CUDA kernel takes float64
+
+
+def test_the_math_version_computes_in_float32_under_autocast():
+    """autocast would run its matmuls in bfloat16; the exact version keeps its own (float32) precision."""
+    torch.manual_seed(2)
+    spec, part = AttentionSpec(scale=0.3, softcap=2.0), PARTS[0]
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    reference = naive(q.double(), k.double(), v.double(), spec, part)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, lse, saved = attend(q, k, v, spec, part, kind="math")
+        dq, dk, dv = attend_backward(torch.ones_like(out), q, k, v, out, lse, saved, spec, part, kind="math")
+    assert out.dtype == torch.float32 and torch.allclose(out.double(), reference, atol=1e-5)
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+    expected = torch.autograd.grad(naive(qd, kd, vd, spec, part).sum(), (qd, kd, vd))
+    for ours, theirs in zip((dq, dk, dv), expected):
+        assert torch.allclose(ours.double(), theirs, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("part", PARTS, ids=["own", "ancestors"])
+def test_cuda_float32_efficient_kernel_equals_the_math_version(part):
+    torch.manual_seed(3)
+    spec = AttentionSpec(scale=0.125)
+    length, keys = 40, 40 if part.causal else 70
+    q = torch.randn(2, 4, length, 64, device="cuda")
+    k, v = torch.randn(2, 4, keys, 64, device="cuda"), torch.randn(2, 4, keys, 64, device="cuda")
+    assert backend(q, spec, part, keys) == "cuda-efficient"
+    out, lse, saved = attend(q, k, v, spec, part)
+    ref_out, ref_lse, _ = attend(q, k, v, spec, part, kind="math")
+    assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
+    dout = torch.randn_like(out)
+    grads = attend_backward(dout, q, k, v, out, lse, saved, spec, part)
+    expected = attend_backward(dout, q, k, v, ref_out, ref_lse, (), spec, part, kind="math")
+    for ours, theirs in zip(grads, expected):
+        assert torch.allclose(ours, theirs, atol=1e-4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treerl.engine.head import LogitTransform, _ChunkedLogprobEntropy
+from treerl.engine.head import LogitTransform, logprobs_and_entropy
 
 PLAIN = LogitTransform()
 TRANSFORMS = [PLAIN, LogitTransform(scale=0.25), LogitTransform(softcap=1.5), LogitTransform(scale=3.0, softcap=2.0)]
@@ -30,7 +30,7 @@ def test_values_and_gradients_match_plain_log_softmax(transform):
         lp, ent = _reference(hidden, weight, bias, targets, t, transform)
         expected = torch.autograd.grad((lp * w_lp).sum() + (ent * w_ent).sum(), [hidden, weight, bias])
         for chunk in (1, 3, 100):
-            lp2, ent2 = _ChunkedLogprobEntropy.apply(hidden, weight, bias, targets, transform, t, chunk)
+            lp2, ent2 = logprobs_and_entropy(hidden, weight, bias, targets, transform, t, chunk)
             torch.testing.assert_close(lp2, lp, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(ent2, ent, rtol=1e-12, atol=1e-12)
             got = torch.autograd.grad((lp2 * w_lp).sum() + (ent2 * w_ent).sum(), [hidden, weight, bias])
@@ -44,11 +44,89 @@ def test_gradcheck(transform):
     hidden = torch.randn(4, 3, dtype=torch.float64, generator=g, requires_grad=True)
     weight = torch.randn(6, 3, dtype=torch.float64, generator=g, requires_grad=True)
     targets = torch.randint(0, 6, (4,), generator=g)
-    assert torch.autograd.gradcheck(lambda h, w: _ChunkedLogprobEntropy.apply(h, w, None, targets, transform, 0.8, 3), (hidden, weight))
+    assert torch.autograd.gradcheck(lambda h, w: logprobs_and_entropy(h, w, None, targets, transform, 0.8, 3), (hidden, weight))
 
 
 def test_low_precision_hidden_computes_in_float32():
     hidden = torch.randn(3, 4).bfloat16()
     weight = torch.randn(9, 4).bfloat16()
-    lp, ent = _ChunkedLogprobEntropy.apply(hidden, weight, None, torch.tensor([0, 1, 2]), PLAIN, 1.0, 2)
+    lp, ent = logprobs_and_entropy(hidden, weight, None, torch.tensor([0, 1, 2]), PLAIN, 1.0, 2)
     assert lp.dtype == ent.dtype == torch.float32
+
+
+def _head_inputs(dtype=torch.float64, vocab: int = 50, rows: int = 9, width: int = 6, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, width, generator=g).to(dtype).requires_grad_()
+    weight = torch.nn.Parameter(torch.randn(vocab, width, generator=g).to(dtype))
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    return hidden, weight, targets
+
+
+def _vocab_sized(fn, weight: torch.Tensor) -> list[int]:
+    """Sizes of the tensors allocated while `fn` runs that hold exactly [vocab, hidden] elements of a float dtype
+    (torch's profiler allocation events; kernels' own workspaces have other sizes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    sizes = {weight.numel() * n for n in (2, 4, 8)}
+    return [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() in sizes]
+
+
+def test_backward_adds_into_weight_grad_in_place_without_a_vocab_sized_buffer():
+    """Engines call .backward(): the head adds its weight gradient into .grad chunk by chunk, allocating no
+    [vocab, hidden] buffer (the first call creates .grad itself, as autograd would)."""
+    hidden, weight, targets = _head_inputs(vocab=4000, width=24)
+    expected = torch.autograd.grad(logprobs_and_entropy(hidden, weight, None, targets, chunk_rows=4)[0].sum(), weight)[0]
+    logprobs_and_entropy(hidden, weight, None, targets, chunk_rows=4, in_place=True)[0].sum().backward()
+    grad = weight.grad
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+    loss = logprobs_and_entropy(hidden, weight, None, targets, chunk_rows=4, in_place=True)[0].sum()
+    assert _vocab_sized(loss.backward, weight) == []
+    assert weight.grad is grad  # accumulated into, not replaced
+    torch.testing.assert_close(grad, 2 * expected, rtol=1e-12, atol=1e-12)
+    loss = logprobs_and_entropy(hidden, weight, None, targets, chunk_rows=4)[0].sum()  # in_place=False: returned
+    assert _vocab_sized(loss.backward, weight) == [weight.numel() * 8]  # (what the check above would see)
+
+
+def test_autograd_grad_and_hooks_still_get_the_gradient():
+    """Where autograd itself must see the weight's gradient (torch.autograd.grad, a hook), it is returned."""
+    hidden, weight, targets = _head_inputs()
+    expected = torch.autograd.grad(logprobs_and_entropy(hidden, weight, None, targets, chunk_rows=4)[0].sum(), weight)[0]
+    got = torch.autograd.grad(logprobs_and_entropy(hidden, weight, None, targets, chunk_rows=4, in_place=True)[0].sum(),
+                              weight)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert weight.grad is None
+    seen = []
+    weight.register_hook(lambda g: seen.append(g.clone()))
+    logprobs_and_entropy(hidden, weight, None, targets, chunk_rows=4, in_place=True)[0].sum().backward()
+    assert len(seen) == 1 and torch.allclose(seen[0], expected)
+    torch.testing.assert_close(weight.grad, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_under_autocast_the_matmuls_run_in_bfloat16_and_the_gradient_lands_in_float32():
+    """bf16-mixed: logits from bfloat16-rounded operands (as the model's own LM head under autocast), softmax and
+    gradients in float32, no float32 copy of the weight per chunk."""
+    hidden, weight, targets = _head_inputs(dtype=torch.float32, vocab=3000, width=16)
+    weight.grad = torch.zeros_like(weight)  # as after an earlier call
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logprobs, _ = logprobs_and_entropy(hidden, weight, None, targets, chunk_rows=2, in_place=True)
+        own = torch.nn.functional.linear(hidden, weight)  # what the model's lm_head gives under autocast
+    expected = torch.log_softmax(own.float(), -1).gather(1, targets[:, None])[:, 0]
+    assert logprobs.dtype == torch.float32
+    torch.testing.assert_close(logprobs, expected, rtol=0, atol=1e-5)
+    full = torch.log_softmax(hidden @ weight.T, -1).gather(1, targets[:, None])[:, 0]
+    assert (logprobs - full).abs().max() > 1e-4  # really computed from bfloat16 operands
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        vocab_sized = _vocab_sized(lambda: logprobs.sum().backward(), weight)
+    assert weight.grad.dtype == torch.float32 and hidden.grad.dtype == torch.float32
+    assert vocab_sized == [weight.numel() * 2]  # one bfloat16 copy per call for the hidden gradient; nothing else
+
+
+def test_a_bfloat16_weight_is_never_copied_to_float32():
+    hidden, weight, targets = _head_inputs(dtype=torch.bfloat16, vocab=3000, width=16)
+    weight.grad = torch.zeros_like(weight)
+    logprobs, entropy = logprobs_and_entropy(hidden, weight, None, targets, chunk_rows=2, in_place=True)
+    assert logprobs.dtype == entropy.dtype == torch.float32
+    assert _vocab_sized(lambda: (logprobs.sum() + entropy.sum()).backward(), weight) == []
+    assert weight.grad.dtype == torch.bfloat16

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow  # two processes importing torch + transformers: ~
 
 STRATEGIES = ("ddp", "fsdp2")
 LOW_PRECISION = {"float32": 1e-5, "bfloat16": 2e-2}  # dtype -> relative tolerance of the final weights
+PRECISION = {"float32": "trainer.precision=fp32", "bfloat16": "trainer.precision=bf16"}  # (pure bfloat16)
 PPO = ["algo.loss=ppo", "algo.kl_coef=0.0",  # with a critic: its values, GAE and its updates under data parallelism
        "trainer.save_every=1", "trainer.keep_checkpoints=0"]
 SETTINGS = [
@@ -46,7 +47,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         assert resumed.steps == 3
         train(_config(os.path.join(out_dir, f"ppo-{strategy}"), f"trainer.data_parallel={strategy}", *PPO))
     for dtype in LOW_PRECISION:  # FSDP2 reduces float32 / bfloat16 gradients with a plain SUM on gloo
-        train(_config(os.path.join(out_dir, f"fsdp2-{dtype}"), "trainer.data_parallel=fsdp2", f"model.dtype={dtype}"))
+        train(_config(os.path.join(out_dir, f"fsdp2-{dtype}"), "trainer.data_parallel=fsdp2", f"model.dtype={dtype}",
+                      PRECISION[dtype]))
     for strategy in STRATEGIES:  # a NaN loss stops every rank after the same step (none waits for the others)
         with pytest.raises(TrainingStopped, match="non-finite policy loss .* at step 1"):
             sft(load_config(None, ["trainer.lr=1e30", "trainer.steps=3", "trainer.warmup_steps=0",
@@ -66,7 +68,7 @@ def runs(tmp_path_factory):
     train(_config(str(out / "single")))
     train(_config(str(out / "ppo-single"), *PPO))
     for dtype in LOW_PRECISION:
-        train(_config(str(out / f"single-{dtype}"), f"model.dtype={dtype}"))
+        train(_config(str(out / f"single-{dtype}"), f"model.dtype={dtype}", PRECISION[dtype]))
     return out
 
 
@@ -97,7 +99,7 @@ def build_initial(dtype: str) -> dict[str, torch.Tensor]:
     """The random-init weights every run starts from (tiny-qwen3, seed 0, the demo tokenizer's vocabulary)."""
     from treerl.trainer.run import load_policy
 
-    model, _ = load_policy(_config("unused", f"model.dtype={dtype}").model, torch.device("cpu"))
+    model, _ = load_policy(_config("unused", f"model.dtype={dtype}", PRECISION[dtype]).model, torch.device("cpu"))
     return model.state_dict()
 
 

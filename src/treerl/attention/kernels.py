@@ -9,10 +9,12 @@ What a layer's scores are is an `AttentionSpec`: the scale, and the features som
 at a contiguous run of absolute positions (`q_start`, `k_start`), which is all a window or a
 chunk needs.
 
-Backends: PyTorch's flash kernels (CPU: any float dtype; CUDA: fp16/bf16) for plain scores, and
-an exact math version with an explicit mask for everything else (soft-capping, a window or
-chunk that binds, fp32 on CUDA). All take `q [B, H, L, D]`, `k [B, H, S, D]`, `v [B, H, S, Dv]`
-with equal head counts (callers expand grouped K/V heads). `attend` returns `out [B, H, L, Dv]`,
+Backends, for plain scores: PyTorch's flash kernels (CPU: any float dtype; CUDA: fp16/bf16) and,
+for float32 on CUDA, its memory-efficient kernel (which also returns the log-sum-exp), so no
+backend builds a `[L, S]` score matrix. Everything else (soft-capping, a window or chunk that
+binds, float64 on CUDA) runs an exact math version with an explicit mask, in at least float32
+whatever autocast says. All take `q [B, H, L, D]`, `k [B, H, S, D]`, `v [B, H, S, Dv]` with equal
+head counts (callers expand grouped K/V heads). `attend` returns `out [B, H, L, Dv]`,
 `lse [B, H, L]` and what the backend's backward needs besides.
 """
 
@@ -85,12 +87,19 @@ class AttentionSpec:
 
 
 def backend(q: torch.Tensor, spec: AttentionSpec, part: Part, k_len: int) -> str:
-    """Which kernel runs: flash where the scores are plain, the exact math version otherwise."""
+    """Which kernel runs: a fused one where the scores are plain, the exact math version otherwise."""
     plain = spec.softcap is None and not spec.binds(part, q.shape[-2], k_len)
-    if plain and q.device.type == "cpu":
+    return fused_backend(q.device.type, q.dtype) if plain else "math"
+
+
+def fused_backend(device_type: str, dtype: torch.dtype) -> str:
+    """The fused kernel PyTorch has for plain scores on this device and dtype ("math" where it has none)."""
+    if device_type == "cpu":
         return "cpu-flash"
-    if plain and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         return "cuda-flash"
+    if device_type == "cuda" and dtype == torch.float32:
+        return "cuda-efficient"
     return "math"
 
 
@@ -98,14 +107,22 @@ def attend(q, k, v, spec: AttentionSpec, part: Part, kind: str | None = None):
     """softmax(scores(q, k)) v over the visible keys, the row log-sum-exp of the scores, and backward state."""
     kind = kind or backend(q, spec, part, k.shape[-2])
     if kind == "math":
-        scores = _scores(q, k, spec, part)
-        lse = torch.logsumexp(scores, dim=-1)  # -inf where a query sees no key of this part
-        probs = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None]).to(v.dtype)
-        return probs @ v, lse, ()
+        with _no_autocast(q):
+            scores = _scores(q, k, spec, part)
+            lse = torch.logsumexp(scores, dim=-1)  # -inf where a query sees no key of this part
+            probs = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None]).to(v.dtype)
+            return probs @ v, lse, ()
     q, k, v, dv = _same_head_dim(q, k, v)
     if kind == "cpu-flash":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, part.causal, scale=spec.scale)
         return out[..., :dv], lse, ()
+    if kind == "cuda-efficient":
+        # Untested on hardware in this repository (no GPU in CI). The kernel pads the log-sum-exp's rows to a
+        # multiple of 32; its backward reads the merged one at that padded shape (see attend_backward).
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, part.causal, scale=spec.scale
+        )
+        return out[..., :dv], lse[..., : q.shape[-2]], (seed, offset, lse.shape[-1])
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, part.causal, False, scale=spec.scale
     )
@@ -116,7 +133,8 @@ def attend_backward(dout, q, k, v, out, lse, saved: tuple, spec: AttentionSpec, 
     """Gradients w.r.t. q, k, v of one part, given the merged output and log-sum-exp."""
     kind = kind or backend(q, spec, part, k.shape[-2])
     if kind == "math":
-        return _math_backward(dout, q, k, v, out, lse, spec, part)
+        with _no_autocast(q):
+            return _math_backward(dout, q, k, v, out, lse, spec, part)
     dqk, dv_dim = q.shape[-1], v.shape[-1]
     q, k, v, _ = _same_head_dim(q, k, v)
     dout, out = _pad_last(dout, q.shape[-1]), _pad_last(out, q.shape[-1])
@@ -124,12 +142,24 @@ def attend_backward(dout, q, k, v, out, lse, saved: tuple, spec: AttentionSpec, 
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, part.causal, scale=spec.scale
         )
+    elif kind == "cuda-efficient":
+        seed, offset, lse_rows = saved
+        lse = F.pad(lse.float(), (0, lse_rows - lse.shape[-1])).contiguous()
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), None, out.contiguous(), lse, seed,
+            offset, 0.0, [True, True, True, False], part.causal, scale=spec.scale
+        )
     else:
         cum_q, cum_k, max_q, max_k, seed, offset = saved
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, part.causal, seed, offset, scale=spec.scale
         )
     return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_dim]
+
+
+def _no_autocast(x: torch.Tensor):
+    """The math version computes in the dtypes it chooses (at least float32), not in autocast's."""
+    return torch.autocast(x.device.type, enabled=False)
 
 
 def _same_head_dim(q, k, v):

@@ -1,5 +1,6 @@
 """`treerl bench`: engines side by side on the same trees; `--profile`: where each engine's time goes;
-`--balance`: data-parallel assignment; `--async`: synchronous vs asynchronous RL training."""
+`--balance`: data-parallel assignment; `--async`: synchronous vs asynchronous RL training;
+`--precision`: one training step per precision."""
 
 from __future__ import annotations
 
@@ -9,7 +10,23 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from treerl.bench.precision import VARIANTS as PRECISION_VARIANTS
+from treerl.bench.precision import PrecisionBenchConfig
 from treerl.bench.run import ENGINES, BenchConfig, describe, memory_scaling, run_bench, workload_names
+
+
+def run_precision_bench(config: PrecisionBenchConfig, out: Path) -> None:
+    """`--precision`: the table, printed and written to out/precision.{json,md}."""
+    from treerl.bench.precision import describe as describe_precision
+    from treerl.bench.precision import precision_markdown, precision_rows
+
+    rows = precision_rows(config)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "precision.json").write_text(json.dumps({"settings": describe_precision(config), "rows": rows}, indent=1))
+    table = precision_markdown(rows)
+    (out / "precision.md").write_text(table + "\n")
+    print(table)
+    Console().print(f"written to {out}/precision.{{json,md}}")
 
 
 def bench(
@@ -33,6 +50,13 @@ def bench(
     seeds: str = typer.Option("0", help="--async: comma-separated seeds, one sync and one async run each"),
     target: float | None = typer.Option(None, help="--async: reward to reach (default: 0.9 x sync's final reward)"),
     threads: int = typer.Option(1, help="--async: torch threads of the trainer in both modes"),
+    precision: bool = typer.Option(False, "--precision", help="one training step per precision, with LoRA and "
+                                   "gradient checkpointing, flat vs dfs, on G samples of one prompt (--shape)"),
+    variants: str = typer.Option(",".join(PRECISION_VARIANTS), help="--precision: comma-separated variants"),
+    prompt_tokens: int = typer.Option(1024, help="--precision: tokens of the shared prompt"),
+    response_tokens: int = typer.Option(32, help="--precision: tokens of each sample"),
+    samples: int = typer.Option(8, help="--precision: samples G of the prompt"),
+    lora_rank: int = typer.Option(16, help="--precision: rank of the LoRA variant"),
     out: Path = typer.Option(Path("outputs/bench"), help="where JSON, markdown and PNG go"),
 ) -> None:
     """Measure what prefix sharing buys: time, memory and speedup over flat, against the FLOP ideal."""
@@ -58,6 +82,12 @@ def bench(
         (out / "profile.md").write_text(profile_markdown(rows) + "\n")
         print(profile_markdown(rows))
         console.print(f"written to {out}/profile.{{json,md}}")
+        return
+    if precision:
+        run_precision_bench(PrecisionBenchConfig(
+            shape=shape, vocab_size=vocab_size or None, device=device, prompt_tokens=prompt_tokens,
+            response_tokens=response_tokens, samples=samples, lora_rank=lora_rank, variants=variants.split(","),
+            engines=[e for e in engines.split(",") if e in ("flat", "dfs")] or ["flat", "dfs"]), out)
         return
     if balance:
         from treerl.bench.balance import balance_tables

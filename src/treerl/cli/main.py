@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from treerl.cli import bench_cmd, inspect_cmd, serve_cmd, train_cmd
+from treerl.cli import bench_cmd, export_cmd, inspect_cmd, serve_cmd, train_cmd
 from treerl.errors import TrainingStopped, UserError
 
 app = typer.Typer(
@@ -50,6 +50,7 @@ def main() -> None:
 
 
 app.command("bench")(reported(bench_cmd.bench))
+app.command("export")(reported(export_cmd.export))
 app.command("inspect")(reported(inspect_cmd.inspect))
 app.command("serve")(reported(serve_cmd.serve))
 app.command("train")(reported(train_cmd.train))

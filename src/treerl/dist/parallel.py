@@ -21,6 +21,15 @@ divided by the global denominator (e.g. the loss tokens of the whole global batc
 gradient is exactly the single-process one.
 Memory under FSDP2 is therefore ZeRO-2-like during a step (full parameters, sharded gradients
 and optimizer state) and fully sharded between steps.
+
+Mixed precision (`mixed_precision=torch.bfloat16`, trainer.precision=bf16-mixed): the parameters
+the optimizer steps stay float32 (the master weights). FSDP2 gathers them as bfloat16
+(`MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`), so the full parameters held
+during a step take half the memory, and accumulates and reduces gradients in float32. DDP and a
+single process have no such policy: the trainer runs every engine call under `torch.autocast`
+instead (treerl.engine.AutocastEngine), which computes the same matmuls in bfloat16 from the
+float32 parameters, and gradients land, and are all-reduced, in float32. The two differ only in
+rounding: under FSDP2 the elementwise parts (norms, residual stream) also see bfloat16 weights.
 """
 
 from __future__ import annotations
@@ -93,7 +102,8 @@ def _sum_hook(state, bucket):  # no annotations: DDP checks them, and this modul
 class DataParallel:
     """A transformers model trained data-parallel: engines get `.model`, the optimizer `.parameters()`."""
 
-    def __init__(self, model: PreTrainedModel, strategy: Strategy = "ddp", **fsdp_kwargs) -> None:
+    def __init__(self, model: PreTrainedModel, strategy: Strategy = "ddp", mixed_precision: torch.dtype | None = None,
+                 **fsdp_kwargs) -> None:
         if strategy not in ("none", "ddp", "fsdp2"):
             raise ValueError(f"strategy must be 'none', 'ddp' or 'fsdp2', got {strategy!r}")
         if strategy != "none" and not dist.is_initialized():
@@ -106,6 +116,11 @@ class DataParallel:
             self.wrapper = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
             self.wrapper.register_comm_hook(None, _sum_hook)
         elif strategy == "fsdp2":
+            if mixed_precision is not None:
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+
+                fsdp_kwargs.setdefault("mp_policy", MixedPrecisionPolicy(param_dtype=mixed_precision,
+                                                                         reduce_dtype=torch.float32))
             self._fully_shard(**fsdp_kwargs)
 
     def _fully_shard(self, **fsdp_kwargs) -> None:

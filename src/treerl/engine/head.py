@@ -12,10 +12,14 @@ else is refused, so every engine's log-probs equal the model's.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
 import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from transformers import PreTrainedModel
 
 from treerl.attention import UnsupportedModel
@@ -105,56 +109,138 @@ def verify_logit_transform(model: PreTrainedModel, transform: LogitTransform) ->
 
 
 class _ChunkedLogprobEntropy(torch.autograd.Function):
-    """log softmax(f(h W^T + b) / t)[target] and the entropy of that softmax, row chunk by row chunk (f: the model's logit transform)."""
+    """log softmax(f(h W^T + b) / t)[target] and the entropy of that softmax, row chunk by row chunk (f: the model's logit transform).
+
+    Matmuls run in the compute dtype (autocast's where it is on, as the model's own LM head would
+    under it; else the weight's), the softmax and everything after it in at least float32. The
+    weight is cast to the compute dtype at most once per call, never per chunk. The weight's
+    gradient is accumulated chunk by chunk with `addmm_`: straight into `weight.grad` when autograd
+    would only add it there (`in_place`, see `_grad_target`), so a call allocates no
+    `[vocab, hidden]` buffer at all; otherwise into one buffer that is returned.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, transform: LogitTransform, temperature: float, chunk_rows: int):
-        dtype = torch.promote_types(hidden.dtype, torch.float32)
+    def forward(ctx, hidden, weight, bias, targets, transform: LogitTransform, temperature: float, chunk_rows: int,
+                in_place: bool = False):
+        compute = compute_dtype(weight)
+        dtype = torch.promote_types(compute, torch.float32)
         n = hidden.shape[0]
         logprobs = hidden.new_empty(n, dtype=dtype)
         entropy = hidden.new_empty(n, dtype=dtype)
-        for lo in range(0, n, chunk_rows):
-            hi = min(lo + chunk_rows, n)
-            logits, _ = _logits(hidden[lo:hi], weight, bias, transform, temperature, dtype)
-            lse = torch.logsumexp(logits, dim=-1)
-            logprobs[lo:hi] = logits.gather(1, targets[lo:hi, None])[:, 0] - lse
-            probs = torch.exp(logits - lse[:, None])
-            entropy[lo:hi] = lse - (probs * logits).sum(-1)
+        with _no_autocast(hidden):
+            w, b = weight.to(compute), None if bias is None else bias.to(compute)
+            for lo in range(0, n, chunk_rows):
+                hi = min(lo + chunk_rows, n)
+                logits, _ = _logits(hidden[lo:hi].to(compute), w, b, transform, temperature, dtype)
+                lse = torch.logsumexp(logits, dim=-1)
+                logprobs[lo:hi] = logits.gather(1, targets[lo:hi, None])[:, 0] - lse
+                probs = torch.exp(logits - lse[:, None])
+                entropy[lo:hi] = lse - (probs * logits).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, entropy)
-        ctx.transform, ctx.temperature, ctx.chunk_rows = transform, temperature, chunk_rows
+        ctx.transform, ctx.temperature, ctx.chunk_rows, ctx.compute, ctx.in_place = (
+            transform, temperature, chunk_rows, compute, in_place)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, bias, targets, entropy = ctx.saved_tensors
-        transform, t, chunk_rows = ctx.transform, ctx.temperature, ctx.chunk_rows
+        transform, t, chunk_rows, compute = ctx.transform, ctx.temperature, ctx.chunk_rows, ctx.compute
         dtype = entropy.dtype
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=dtype) if ctx.needs_input_grad[1] else None
+        target = _grad_target(weight) if ctx.needs_input_grad[1] and ctx.in_place else None
+        grad_weight = None
+        if ctx.needs_input_grad[1] and target is None:
+            grad_weight = target = torch.zeros_like(weight)
         grad_bias = torch.zeros_like(bias, dtype=dtype) if bias is not None and ctx.needs_input_grad[2] else None
-        for lo in range(0, hidden.shape[0], chunk_rows):
-            hi = min(lo + chunk_rows, hidden.shape[0])
-            logits, slope = _logits(hidden[lo:hi], weight, bias, transform, t, dtype)
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            probs = torch.exp(logits - lse)
-            # d logp[y] / d z = onehot(y) - p ;  d H / d z = -p (z - E_p[z]),  E_p[z] = lse - H
-            g_lp = grad_logprobs[lo:hi, None].to(dtype)
-            g_ent = grad_entropy[lo:hi, None].to(dtype)
-            grad_logits = -probs * (g_lp + g_ent * (logits - (lse - entropy[lo:hi, None])))
-            grad_logits.scatter_add_(1, targets[lo:hi, None], g_lp)
-            grad_logits *= slope  # through the temperature and the model's logit scale / soft-cap
-            h = hidden[lo:hi].to(dtype)
-            if grad_hidden is not None:
-                grad_hidden[lo:hi] = (grad_logits @ weight.to(dtype)).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight += grad_logits.T @ h
-            if grad_bias is not None:
-                grad_bias += grad_logits.sum(0)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+        lock = _LOCK if target is not None and grad_weight is None else contextlib.nullcontext()
+        with _no_autocast(hidden):
+            w, b = weight.to(compute), None if bias is None else bias.to(compute)
+            for lo in range(0, hidden.shape[0], chunk_rows):
+                hi = min(lo + chunk_rows, hidden.shape[0])
+                h = hidden[lo:hi].to(compute)
+                logits, slope = _logits(h, w, b, transform, t, dtype)
+                lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+                probs = torch.exp(logits - lse)
+                # d logp[y] / d z = onehot(y) - p ;  d H / d z = -p (z - E_p[z]),  E_p[z] = lse - H
+                g_lp = grad_logprobs[lo:hi, None].to(dtype)
+                g_ent = grad_entropy[lo:hi, None].to(dtype)
+                grad_logits = -probs * (g_lp + g_ent * (logits - (lse - entropy[lo:hi, None])))
+                grad_logits.scatter_add_(1, targets[lo:hi, None], g_lp)
+                grad_logits *= slope  # through the temperature and the model's logit scale / soft-cap
+                if grad_hidden is not None:
+                    grad_hidden[lo:hi] = (grad_logits.to(compute) @ w).to(hidden.dtype)
+                if target is not None:
+                    with lock:
+                        _add_product(target, grad_logits, h)
+                if grad_bias is not None:
+                    grad_bias += grad_logits.sum(0)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype the LM head's matmuls run in: autocast's where it is on for the weight's device, else the weight's."""
+    device = weight.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
+def _no_autocast(x: torch.Tensor):
+    """The head casts explicitly: autocast would otherwise also recast its float32 softmax math."""
+    return torch.autocast(x.device.type, enabled=False)
+
+
+_LOCK = threading.Lock()  # in-place accumulation into a .grad from several threads' backward passes
+
+
+def _grad_target(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight.grad` (created as zeros if None) when this backward would only add the weight's gradient to it.
+
+    That holds for a plain `.backward()` reaching a leaf with no hooks on it (engines call
+    `.backward()`); not under `torch.autograd.grad`, with `inputs=` that leave the weight out, or
+    when a hook would see or change the gradient: then the gradient is returned to autograd.
+    """
+    if not weight.is_leaf or weight._backward_hooks or getattr(weight, "_post_accumulate_grad_hooks", None):
+        return None
+    if torch.is_grad_enabled() or weight.grad is not None and (weight.grad.dtype != weight.dtype or weight.grad.is_sparse):
+        return None
+    try:
+        accumulates = torch._C._will_engine_execute_node(get_gradient_edge(weight).node)
+    except RuntimeError:  # "... currently running autograd.grad()": the gradient is returned, not accumulated
+        return None
+    if not accumulates:
+        return None
+    with _LOCK:
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+    return weight.grad
+
+
+def _add_product(target: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
+    """target += grad_logits^T h: operands in h's (compute) dtype, sums in target's.
+
+    bf16-mixed (float32 gradient, bfloat16 compute): on CUDA one bfloat16 GEMM accumulating into the
+    float32 gradient (`out_dtype`); CPU has no such GEMM, so the float32 logits gradient and the
+    hidden states widened to float32 are multiplied instead (more exact, never less).
+    """
+    if target.dtype == h.dtype:
+        target.addmm_(grad_logits.to(h.dtype).T, h)
+    elif target.is_cuda and _mixed_gemm(target.device):  # untested on hardware in this repository
+        torch.addmm(target, grad_logits.to(h.dtype).T, h, out_dtype=target.dtype, out=target)
+    else:
+        target.addmm_(grad_logits.to(target.dtype).T, h.to(target.dtype))
+
+
+@functools.cache
+def _mixed_gemm(device: torch.device) -> bool:
+    """Whether this device's PyTorch has the bfloat16 -> float32 accumulating GEMM (`addmm(..., out_dtype=)`)."""
+    out = torch.zeros(2, 2, device=device)
+    try:
+        torch.addmm(out, torch.ones(2, 2, device=device, dtype=torch.bfloat16),
+                    torch.ones(2, 2, device=device, dtype=torch.bfloat16), out_dtype=torch.float32, out=out)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool((out == 2).all())
 
 
 def _logits(h, weight, bias, transform: LogitTransform, temperature: float, dtype: torch.dtype):
@@ -165,6 +251,18 @@ def _logits(h, weight, bias, transform: LogitTransform, temperature: float, dtyp
     if temperature != 1.0:
         logits, slope = logits / temperature, slope / temperature
     return logits, slope
+
+
+def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                         transform: LogitTransform = LogitTransform(), temperature: float = 1.0, chunk_rows: int = 1024,
+                         in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row log-prob of `targets` and entropy under softmax(transform(hidden W^T + b) / temperature).
+
+    `in_place`: the weight's gradient may be added straight into `weight.grad` (see `_grad_target`);
+    only for a weight that nothing else in the graph uses (an LM head not tied to the embeddings),
+    since autograd's own accumulation of another use would not be ordered with it across threads.
+    """
+    return _ChunkedLogprobEntropy.apply(hidden, weight, bias, targets, transform, temperature, chunk_rows, in_place)
 
 
 @dataclass
@@ -190,9 +288,9 @@ class PolicyHead:
     def __call__(self, model: PreTrainedModel, hidden: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """Rows of `hidden` `[N, d]` and the token each row predicts -> `{"logprobs": [N], "entropy": [N]}`."""
         lm_head = model.get_output_embeddings()
-        logprobs, entropy = _ChunkedLogprobEntropy.apply(
-            hidden, lm_head.weight, lm_head.bias, targets, logit_transform(model), self.temperature, self.chunk_rows
-        )
+        untied = lm_head.weight is not model.get_input_embeddings().weight
+        logprobs, entropy = logprobs_and_entropy(hidden, lm_head.weight, lm_head.bias, targets, logit_transform(model),
+                                                 self.temperature, self.chunk_rows, in_place=untied)
         return {"logprobs": logprobs, "entropy": entropy}
 
 

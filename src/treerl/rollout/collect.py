@@ -18,6 +18,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treerl.rollout.agent import AgentWorkflow, load_agent
@@ -44,15 +45,17 @@ class RolloutBatch:
     stats: RolloutStats = field(default_factory=RolloutStats)
 
 
-def build_engine(config: RolloutConfig, model: PreTrainedModel | None = None) -> InferenceEngine:
+def build_engine(config: RolloutConfig, model: PreTrainedModel | None = None,
+                 autocast: torch.dtype | None = None) -> InferenceEngine:
     """A client of `config.server_url` if set (its API key from the environment variable TREERL_API_KEY, never from
-    the config, which checkpoints store), else the embedded engine sampling with `model`."""
+    the config, which checkpoints store), else the embedded engine sampling with `model` (under autocast to
+    `autocast`, as the trainer's engines compute: trainer.precision=bf16-mixed)."""
     if config.server_url:
         return CompletionsClient(config.server_url, model=config.server_model, timeout=config.request_timeout,
                                  server_type=config.server_type, api_key=os.environ.get(API_KEY_ENV))
     if model is None:
         raise ValueError("rollout: no rollout.server_url, so the embedded engine needs the model")
-    return EmbeddedEngine(model)
+    return EmbeddedEngine(model, autocast=autocast)
 
 
 class Rollout:

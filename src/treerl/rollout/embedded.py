@@ -3,6 +3,10 @@
 Each distinct prompt is prefilled once; its KV cache is then repeated `n` times and the `n`
 samples decode together, so the prompt of a GRPO group is computed once, not `n` times. Prompts
 are left-padded into one batch; finished rows are dropped from the cache as they stop.
+
+`autocast` (trainer.precision=bf16-mixed): the model computes under `torch.autocast` to that dtype,
+as the trainer's engines do, so a token's behaviour log-prob and the one the loss recomputes come
+from the same function (importance ratio 1 on-policy, up to kernel rounding).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from treerl.engine import autocast
 from treerl.errors import TrainingStopped
 from treerl.rollout.inference import Completion, SamplingParams, check_prompts
 
@@ -28,6 +33,7 @@ class EmbeddedEngine:
     model: PreTrainedModel
     version: int = 0  # policy version of the current weights; the trainer sets it after each update
     max_rows: int = 256  # sampled rows decoded at once (prompts x n); more prompts are split into chunks
+    autocast: torch.dtype | None = None  # compute under torch.autocast to this dtype (bf16-mixed); None: as stored
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  cancelled: Callable[[], bool] | None = None) -> list[list[Completion]]:
@@ -44,8 +50,9 @@ class EmbeddedEngine:
         self.model.eval()
         try:
             results: list[list[Completion]] = []
-            for lo in range(0, len(prompts), per_chunk):
-                results.extend(self._generate(prompts[lo : lo + per_chunk], params, generator, cancelled))
+            with autocast(self.model, self.autocast):
+                for lo in range(0, len(prompts), per_chunk):
+                    results.extend(self._generate(prompts[lo : lo + per_chunk], params, generator, cancelled))
             return results
         finally:
             self.model.train(was_training)

@@ -31,6 +31,7 @@ from treerl.algo import AlgoConfig
 from treerl.rollout import EmbeddedEngine, Rollout
 from treerl.trainer.config import Config, ConfigError
 from treerl.trainer.pool import RolloutPool
+from treerl.trainer.precision import autocast_dtype
 from treerl.trainer.rl import TrainResult, evaluation_rollout, learn, load_reference, train_loop
 from treerl.trainer.run import Run
 from treerl.trainer.weights import SharedWeights
@@ -64,7 +65,8 @@ def train_async(config: Config) -> AsyncTrainResult:
         if run.env.world_size > 1:
             raise ConfigError("trainer.mode=async runs the trainer in one process (its rollout workers are its "
                               "children); data parallel training is synchronous only")
-        sampler = EmbeddedEngine(run.policy, version=run.start_step)  # evaluation only
+        sampler = EmbeddedEngine(run.policy, version=run.start_step,  # evaluation only
+                                 autocast=autocast_dtype(config.trainer.precision))
         task = Rollout(config.rollout, run.tokenizer, sampler).task
         weights = SharedWeights.of(run.policy, version=run.start_step)
         pool = RolloutPool(config, task, weights, version=run.start_step)

@@ -4,6 +4,8 @@ Layout of `output_dir/checkpoints/step_000123/` (123 = steps completed):
 
     config.json, generation_config.json,   the policy: a transformers checkpoint, loadable as `model.path=...`
     model.safetensors, tokenizer files     (the config carries the tokenizer's eos id, so generate stops there)
+                                           (LoRA: adapter_config.json + adapter_model.safetensors, peft's
+                                           format, instead; `treerl export` merges them into the base)
     trainer_state.pt                       optimizer, LR schedule, RNG states, step, loop state
     config.yaml                            the run's resolved config
     critic/                                PPO's critic the same way (model files + trainer_state.pt)
@@ -43,6 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -54,7 +58,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from treerl.errors import CheckpointError, TrainingStopped
-from treerl.models import first_nonfinite, read_weights, tied_names
+from treerl.models import ADAPTER_FILE, adapter_names, first_nonfinite, is_lora, read_weights, tied_names
 
 log = logging.getLogger("treerl.trainer")
 
@@ -236,8 +240,10 @@ def save_checkpoint(
 
 
 def full_weights(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """The full (unsharded) weights on CPU; a collective under FSDP2, so every rank calls it."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """The full (unsharded) weights on CPU, only the adapters of a LoRA model (its base never changes); a
+    collective under FSDP2, so every rank calls it."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=is_lora(model)))
 
 
 def write_pretrained(
@@ -363,6 +369,8 @@ def load_checkpoint(path: Path, parts: dict[str, Trainable]) -> tuple[int, dict[
 
 def load_weights(folder: Path, model: PreTrainedModel) -> None:
     """A checkpoint part's safetensors weights into `model` (sharded or not); every name and shape must fit."""
+    if is_lora(model):
+        return load_adapters(folder, model)
     weights = read_weights(folder)
     expected = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     for name, tensor in weights.items():
@@ -376,6 +384,39 @@ def load_weights(folder: Path, model: PreTrainedModel) -> None:
             f"checkpoint {folder} does not fit the model: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(incompatible.unexpected_keys)[:5]}"
         )
+
+
+def load_adapters(folder: Path, model: PreTrainedModel) -> None:
+    """A LoRA checkpoint's adapters (peft's files) into `model`'s adapters (sharded or not); each must be there."""
+    file = folder / ADAPTER_FILE
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint {folder} has no {ADAPTER_FILE}: it was not written by a run with LoRA "
+                              "(model.lora.rank > 0)")
+    try:
+        saved = load_file(file)
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{file}: unreadable safetensors ({type(e).__name__}: {e})") from None
+    names = adapter_names(model)
+    trainable = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                     ignore_frozen_params=True))
+    if set(saved) != set(names) or any(tuple(saved[k].shape) != tuple(trainable[names[k]].shape) for k in saved):
+        raise CheckpointError(f"checkpoint {folder}: its adapters do not fit the model's (different "
+                              "model.lora settings or base model)")
+    set_model_state_dict(model, {names[k]: v for k, v in saved.items()},
+                         options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def check_same_base(path: Path, saved: list[float] | None, current: list[float] | None, rtol: float = 1e-6) -> None:
+    """A LoRA checkpoint's adapters only make sense on the base they were trained on: compare its fingerprint
+    (treerl.models.base_fingerprint) with the base built now."""
+    if saved is None or current is None:
+        return
+    same = len(saved) == len(current) and all(abs(a - b) <= rtol * max(abs(a), abs(b), 1.0)
+                                              for a, b in zip(saved, current))
+    if not same:
+        raise CheckpointError(f"checkpoint {path}: its LoRA adapters were trained on another base model (the weights "
+                              "at model.path changed, or model.shape / model.seed differ); load it with the base it "
+                              "was trained on")
 
 
 def read_state(file: Path) -> dict[str, Any]:

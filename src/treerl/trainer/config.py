@@ -26,6 +26,7 @@ from treerl.errors import UserError
 from treerl.models import SHAPES
 from treerl.rollout import RolloutConfig
 from treerl.rollout.config import AGENT_TASKS
+from treerl.trainer.precision import canonical, parameter_dtype
 from treerl.tree.io import MAX_LINE_BYTES
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -44,17 +45,28 @@ class ConfigError(UserError):
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (pip install 'treerl[lora]'): only they train; the reference policy is the base without them."""
+
+    rank: int = 0  # adapter rank r; 0: no LoRA, every parameter trains
+    alpha: float = 32.0  # the adapters' output is scaled by alpha / rank
+    target_modules: str = "all-linear"  # all-linear (every linear layer but the LM head), or module names: q_proj,v_proj
+
+
+@dataclass
 class ModelConfig:
     """The policy: a local transformers checkpoint, or a named shape with random weights."""
 
     path: str | None = None  # local checkpoint directory (config + weights, e.g. a save_pretrained dir); never downloaded
     shape: str = "tiny-qwen3"  # when path is null: a shape of treerl.models.SHAPES, randomly initialised
     tokenizer_path: str | None = None  # null: the tokenizer saved with model.path; with no path, the built-in one
-    dtype: str = "float32"  # parameters and optimizer state: float32 | bfloat16 | float16 | float64
+    dtype: str | None = None  # parameters and optimizer state; null: as trainer.precision says (float32, or bfloat16 for bf16); float64 with fp32 for exactness tests
     device: str = "auto"  # auto: this rank's GPU when CUDA is available, else cpu
     seed: int = 0  # random initialisation of a shape (the same seed gives the same weights)
     attn_implementation: str = "sdpa"  # transformers attention for the flat engine and sampling (sdpa | eager | ...)
     trust_remote_code: bool = False  # run Python code shipped with model.path (auto_map); only for code you trust
+    gradient_checkpointing: bool = False  # recompute each decoder layer in backward instead of keeping its activations (less memory, ~1 more forward)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.rank > 0)
 
 
 @dataclass
@@ -87,6 +99,7 @@ class TrainerConfig:
     mode: str = "sync"  # sync: collect a batch, then update on it | async: rollout workers generate while the trainer updates
     steps: int = 500  # training steps (one rollout batch, or one SFT batch, each)
     seed: int = 0  # seeds torch / numpy / random and the minibatch shuffling
+    precision: str = "fp32"  # fp32 | bf16-mixed (bfloat16 compute, float32 master weights, optimizer state and gradient reduction) | bf16 (pure bfloat16); docs/training.md#precision-lora-and-gradient-checkpointing
 
     # Optimisation (AdamW).
     lr: float = 1e-3  # peak learning rate
@@ -183,16 +196,19 @@ class Config:
             raise ConfigError(str(e)) from None
         check_choices(self)
         check_ranges(self)
+        check_precision(self)
 
 
 def check_choices(config: Config) -> None:
     """Options that take one of a few names."""
     choices = {
-        "model.dtype": DTYPES, "engine.name": ENGINES, "engine.recompute": RECOMPUTE,
+        "engine.name": ENGINES, "engine.recompute": RECOMPUTE,
         "trainer.data_parallel": DATA_PARALLEL, "trainer.lr_schedule": LR_SCHEDULES,
         "sft.chat_format": CHAT_FORMATS, "trainer.mode": MODES, "trainer.on_update": ON_UPDATE,
         "trainer.nonfinite": NONFINITE,
     }
+    if config.model.dtype is not None:
+        choices["model.dtype"] = DTYPES
     if config.model.path is None:
         choices["model.shape"] = tuple(SHAPES)
     for key, allowed in choices.items():
@@ -202,6 +218,10 @@ def check_choices(config: Config) -> None:
     if config.trainer.mode == "async" and config.rollout.task in AGENT_TASKS:
         raise ConfigError(f"rollout.task={config.rollout.task} runs agents through the proxy of the synchronous loop; "
                           "use trainer.mode=sync")
+    if config.model.lora.rank and config.rollout.server_url:
+        raise ConfigError("model.lora.rank > 0 with rollout.server_url: pushing the policy to an inference server "
+                          "each step is not implemented for LoRA; sample with the embedded engine (no server_url), "
+                          "and serve the result with `treerl export`")
     if config.trainer.mode == "async" and config.rollout.server_url:
         raise ConfigError("trainer.mode=async samples with its own rollout workers; rollout.server_url needs trainer.mode=sync")
     if config.algo.resolved().advantage == "gae" and config.trainer.mode == "async":
@@ -215,6 +235,19 @@ def check_choices(config: Config) -> None:
     if config.trainer.mode == "async" and timeout is not None and not timeout < config.trainer.worker_timeout:
         raise ConfigError(f"rollout.reward_timeout={timeout} must be < trainer.worker_timeout="
                           f"{config.trainer.worker_timeout} (a worker waiting on a reward would be taken for hung)")
+
+
+def check_precision(config: Config) -> None:
+    """trainer.precision (an alias becomes its own name) and model.dtype must agree; fills model.dtype when unset,
+    so everything after this reads the parameter dtype from model.dtype."""
+    try:
+        config.trainer.precision = canonical(config.trainer.precision)
+        config.model.dtype = parameter_dtype(config.trainer.precision, config.model.dtype)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    lora = config.model.lora
+    if lora.rank and not lora.target_modules.strip():
+        raise ConfigError("model.lora.target_modules is empty: name the modules to adapt (q_proj,v_proj) or all-linear")
 
 
 def check_finite(section: Any, prefix: str = "") -> None:
@@ -253,6 +286,7 @@ def check_ranges(config: Config) -> None:
         if not value > 0:
             raise ConfigError(f"{key}={value} must be > 0")
     non_negative = {
+        "model.lora.rank": config.model.lora.rank, "model.lora.alpha": config.model.lora.alpha,
         "trainer.weight_decay": t.weight_decay, "trainer.warmup_steps": t.warmup_steps,
         "trainer.eval_prompts": t.eval_prompts, "trainer.eval_every": t.eval_every, "trainer.save_every": t.save_every,
         "trainer.keep_checkpoints": t.keep_checkpoints, "engine.batch_tokens": config.engine.batch_tokens,

@@ -61,14 +61,23 @@ def _linked(text: str) -> str:
 
 def section_table(name: str, section: object) -> list[str]:
     """One markdown table: key, default, meaning."""
-    cls = type(section)
-    doc = (inspect.getdoc(cls) or "").splitlines()[0]
-    comments = field_comments(cls)
+    doc = (inspect.getdoc(type(section)) or "").splitlines()[0]
     lines = [f"## `{name}`", "", doc, "", "| key | default | meaning |", "| --- | --- | --- |"]
-    for f in fields(cls):
+    return lines + section_rows(name, section) + [""]
+
+
+def section_rows(name: str, section: object) -> list[str]:
+    """A row per key; a nested section (model.lora) gives its keys' rows in its place."""
+    comments = field_comments(type(section))
+    rows = []
+    for f in fields(type(section)):
+        value = getattr(section, f.name)
+        if is_dataclass(value):
+            rows += section_rows(f"{name}.{f.name}", value)
+            continue
         meaning = comments.get(f.name, "").replace("|", "\\|")
-        lines.append(f"| `{name}.{f.name}` | {_value(getattr(section, f.name))} | {meaning} |")
-    return lines + [""]
+        rows.append(f"| `{name}.{f.name}` | {_value(value)} | {meaning} |")
+    return rows
 
 
 def render() -> str:

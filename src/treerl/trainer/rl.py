@@ -18,12 +18,13 @@ mismatch. With an inference server (`rollout.server_url`) rank 0 collects and br
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,12 @@ from treerl.algo import (
 from treerl.algo.policy import kl_penalty
 from treerl.dist import Assignment
 from treerl.engine import LossFn, SequenceView
+from treerl.models import is_lora
 from treerl.rollout import CompletionsClient, InferenceEngine, Rollout, RolloutBatch, RolloutStats, build_engine
 from treerl.trainer.checkpoint import full_weights, write_pretrained_atomically
 from treerl.trainer.config import Config
 from treerl.trainer.metrics import tree_metrics
+from treerl.trainer.precision import autocast_dtype
 from treerl.trainer.run import Run, load_policy
 from treerl.trainer.update import update
 from treerl.tree import Sequence
@@ -83,7 +86,7 @@ def train(config: Config) -> TrainResult:
     rollouts: list[Rollout] = []
     try:
         run.check_model(config.rollout.max_context_tokens)
-        sampler = build_engine(config.rollout, run.policy)
+        sampler = build_engine(config.rollout, run.policy, autocast=autocast_dtype(config.trainer.precision))
         sampler.version = run.start_step
         rollout = Rollout(config.rollout, run.tokenizer, sampler)
         rollouts.append(rollout)
@@ -131,7 +134,7 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
     return result
 
 
-def train_step(run: Run, rollout: Rollout, reference: torch.nn.Module | None, step: int) -> dict[str, float]:
+def train_step(run: Run, rollout: Rollout, reference: Reference | None, step: int) -> dict[str, float]:
     """One step: collect, prepare, update; returns its metrics."""
     started = time.perf_counter()
     batch = collect(run, rollout, step)
@@ -143,7 +146,7 @@ def train_step(run: Run, rollout: Rollout, reference: torch.nn.Module | None, st
     return metrics
 
 
-def learn(run: Run, batch: RolloutBatch, reference: torch.nn.Module | None, step: int,
+def learn(run: Run, batch: RolloutBatch, reference: Reference | None, step: int,
           proximal_in_loss: bool = False) -> dict[str, float]:
     """Prepare and update on one batch (or skip the step if every sample was dropped); the step's metrics.
 
@@ -259,15 +262,39 @@ def report_dropped(run: Run, step: int, stats: RolloutStats) -> None:
 
 
 # ---------------------------------------------------------------------- batch preparation
-def load_reference(config: Config, run: Run) -> torch.nn.Module:
-    """The frozen initial policy that the KL penalty measures against (a full copy on every rank)."""
+@dataclass
+class Reference:
+    """The policy the KL penalty measures against: the initial policy, frozen.
+
+    A full copy of it (`copy`), or with LoRA the policy itself with its adapters switched off
+    (`adapters_of`): its base is the initial policy, and no second model is held in memory.
+    """
+
+    copy: torch.nn.Module | None = None
+    adapters_of: Run | None = None
+
+    @contextlib.contextmanager
+    def model(self) -> Iterator[torch.nn.Module]:
+        """The reference model, for the duration of the block."""
+        if self.copy is not None:
+            yield self.copy
+            return
+        assert self.adapters_of is not None
+        with self.adapters_of.dp.gathered() as policy, policy.disable_adapter():
+            yield policy
+
+
+def load_reference(config: Config, run: Run) -> Reference:
+    """The frozen initial policy (with LoRA: the base under the adapters; else a full copy on every rank)."""
+    if is_lora(run.policy):
+        return Reference(adapters_of=run)
     model, _ = load_policy(config.model, next(run.policy.parameters()).device)
     model.eval()
     model.requires_grad_(False)
-    return model
+    return Reference(copy=model)
 
 
-def prepare(run: Run, sequences: list[Sequence], reference: torch.nn.Module | None,
+def prepare(run: Run, sequences: list[Sequence], reference: Reference | None,
             proximal_in_loss: bool = False) -> None:
     """Fill the log-prob fields the loss reads, then the advantages; every check before the first update.
 
@@ -289,7 +316,8 @@ def prepare(run: Run, sequences: list[Sequence], reference: torch.nn.Module | No
             for name in policy_fields[1:]:
                 seq.fields[name] = seq.fields[policy_fields[0]].clone()
     if reference is not None and mine:
-        fill_fields(run.engine, reference, mine, {"logprobs": "ref_logprobs"})
+        with reference.model() as model:
+            fill_fields(run.engine, model, mine, {"logprobs": "ref_logprobs"})
     if run.critic is not None and mine:  # V(s_t) for GAE, and V_old for the clipped value loss
         with run.critic.dp.gathered() as critic:
             fill_fields(run.critic.engine, critic, mine, {"values": "values"})

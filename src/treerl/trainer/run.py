@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treerl.algo import build_critic
+from treerl.attention import UnsupportedModel
 from treerl.dist import (
     Assignment,
     CostModel,
@@ -47,14 +48,16 @@ from treerl.dist import (
     init_distributed,
     tree_features,
 )
-from treerl.engine import DfsEngine, Engine, FlatEngine, LossFn, PackedEngine, PolicyHead, ValueHead
+from treerl.engine import AutocastEngine, DfsEngine, Engine, FlatEngine, LossFn, PackedEngine, PolicyHead, ValueHead
 from treerl.engine.base import check_model
+from treerl.engine.support import check_no_dropout
 from treerl.errors import TrainingStopped
-from treerl.models import build_model, check_model_dir
+from treerl.models import add_lora, base_fingerprint, build_model, check_model_dir, is_lora
 from treerl.rollout import load_tokenizer
 from treerl.trainer.checkpoint import (
     CRITIC_DIR,
     Trainable,
+    check_same_base,
     checkpoint_dir,
     load_checkpoint,
     prune_checkpoints,
@@ -63,6 +66,7 @@ from treerl.trainer.checkpoint import (
 from treerl.trainer.config import Config, ConfigError, EngineConfig, ModelConfig, TrainerConfig, to_yaml
 from treerl.trainer.metrics import MetricsLogger, json_number, sum_over_ranks
 from treerl.trainer.optim import build_optimizer, build_scheduler
+from treerl.trainer.precision import autocast_dtype
 from treerl.trainer.resume import apply_hyperparameters, choose_start
 from treerl.trainer.stopping import StopSignals
 from treerl.tree import Sequence
@@ -74,21 +78,27 @@ COST_WINDOW = 256  # most recent measured micro-batches the cost model is fitted
 COST_MIN_SAMPLES = 8
 
 
-def build_train_engine(config: EngineConfig, temperature: float = 1.0,
-                       head: PolicyHead | ValueHead | None = None) -> Engine:
-    """The engine `engine.name` names; its log-probs are those of softmax(logits / temperature) (or `head`'s outputs)."""
+def build_train_engine(config: EngineConfig, temperature: float = 1.0, head: PolicyHead | ValueHead | None = None,
+                       precision: str = "fp32") -> Engine:
+    """The engine `engine.name` names; its log-probs are those of softmax(logits / temperature) (or `head`'s outputs).
+    Under trainer.precision=bf16-mixed every call of it runs under autocast."""
     head = head or PolicyHead(temperature=temperature, chunk_rows=config.head_chunk_rows)
+    engine: Engine
     if config.name == "dfs":
-        return DfsEngine(head=head, chunk_tokens=config.chunk_tokens, batch_tokens=config.batch_tokens,
-                         recompute=config.recompute, memory_budget_tokens=config.memory_budget_tokens,  # type: ignore[arg-type]
-                         memory_budget_bytes=config.memory_budget_bytes)
-    if config.name == "packed":
-        return PackedEngine(head=head, max_tokens=config.max_tokens)
-    return FlatEngine(head=head, max_tokens=config.max_tokens)
+        engine = DfsEngine(head=head, chunk_tokens=config.chunk_tokens, batch_tokens=config.batch_tokens,
+                           recompute=config.recompute, memory_budget_tokens=config.memory_budget_tokens,  # type: ignore[arg-type]
+                           memory_budget_bytes=config.memory_budget_bytes)
+    elif config.name == "packed":
+        engine = PackedEngine(head=head, max_tokens=config.max_tokens)
+    else:
+        engine = FlatEngine(head=head, max_tokens=config.max_tokens)
+    compute = autocast_dtype(precision)
+    return AutocastEngine(engine, compute) if compute is not None else engine
 
 
 def load_policy(config: ModelConfig, device: torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The model and tokenizer of `model.*`: a local checkpoint (checked first), or a random-init shape."""
+    """The model and tokenizer of `model.*`: a local checkpoint (checked first), or a random-init shape; with
+    gradient checkpointing and LoRA adapters if configured."""
     if config.path is not None:
         check_model_dir(config.path, "model.path")
     tokenizer_path = config.tokenizer_path or config.path
@@ -97,14 +107,32 @@ def load_policy(config: ModelConfig, device: torch.device) -> tuple[PreTrainedMo
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=config.trust_remote_code)
     model = build_model(
         path=config.path, shape=config.shape, vocab_size=None if config.path else len(tokenizer),
-        dtype=getattr(torch, config.dtype), device=device, seed=config.seed,
+        dtype=getattr(torch, config.dtype or "float32"), device=device, seed=config.seed,
         attn_implementation=config.attn_implementation, trust_remote_code=config.trust_remote_code,
     )
     model.eval()  # dropout off: the sampled and the trained policy must be one function, and recomputation exact
     vocab = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > vocab:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only {vocab}")
+    if config.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if config.lora.rank:
+        model = add_lora(model, config.lora.rank, config.lora.alpha, config.lora.target_modules)
     return model, tokenizer
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each decoder layer in backward (every engine is exact with it). transformers checkpoints only in
+    training mode, which is the same function as eval mode only without dropout: a model with dropout is refused.
+    Non-reentrant, so layers whose inputs need no gradient (a frozen base under LoRA) still pass one back."""
+    if not model.supports_gradient_checkpointing:
+        raise ConfigError(f"model.gradient_checkpointing=true: {type(model).__name__} does not support it")
+    try:
+        check_no_dropout(model)
+    except UnsupportedModel as e:
+        raise ConfigError(f"model.gradient_checkpointing=true needs the model in training mode: {e}") from None
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
 
 
 def device_for(config: ModelConfig, env: DistEnv) -> torch.device:
@@ -185,14 +213,16 @@ def build_run_critic(config: Config, strategy: str, vocab_size: int, device: tor
                          trust_remote_code=config.model.trust_remote_code)
     model.eval()  # no dropout: the values the advantages use and the ones trained are one function
     schedule = dataclasses.replace(config.trainer, lr=config.critic.lr or config.trainer.lr)
-    return Critic(*make_trainable(model, strategy, schedule), build_train_engine(config.engine, head=ValueHead()))
+    engine = build_train_engine(config.engine, head=ValueHead(), precision=config.trainer.precision)
+    return Critic(*make_trainable(model, strategy, schedule), engine)
 
 
 def make_trainable(model: PreTrainedModel, strategy: str, trainer: TrainerConfig,
                    ) -> tuple[DataParallel, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """A model's data-parallel wrapper, then AdamW over what this rank steps, and its LR schedule."""
-    dp = DataParallel(model, strategy)  # type: ignore[arg-type]
-    optimizer = build_optimizer(dp.parameters(), trainer)
+    """A model's data-parallel wrapper (FSDP2 gathers bfloat16 parameters under bf16-mixed), then AdamW over what
+    this rank steps and trains (LoRA: the adapters only), and its LR schedule."""
+    dp = DataParallel(model, strategy, mixed_precision=autocast_dtype(trainer.precision))  # type: ignore[arg-type]
+    optimizer = build_optimizer([p for p in dp.parameters() if p.requires_grad], trainer)
     return dp, optimizer, build_scheduler(optimizer, trainer)
 
 
@@ -244,16 +274,19 @@ class Run:
         start = on_main(env, lambda: choose_start(config))  # before anything is built or written
         seed_everything(config.trainer.seed)
         model, tokenizer = load_policy(config.model, device)
+        base = base_fingerprint(model) if is_lora(model) else None  # before sharding: the full frozen weights
         strategy = config.trainer.data_parallel
         if strategy == "auto":
             strategy = "ddp" if env.world_size > 1 else "none"
         dp, optimizer, scheduler = make_trainable(model, strategy, config.trainer)
-        run = cls(config, env, tokenizer, dp, optimizer, scheduler, build_train_engine(config.engine, temperature),
-                  run_id=start.run_id, loop_state={"skipped_steps": 0, "nonfinite_skipped": 0, "cost_samples": []})
+        engine = build_train_engine(config.engine, temperature, precision=config.trainer.precision)
+        run = cls(config, env, tokenizer, dp, optimizer, scheduler, engine, run_id=start.run_id,
+                  loop_state={"skipped_steps": 0, "nonfinite_skipped": 0, "cost_samples": [], "lora_base": base})
         if config.algo.resolved().advantage == "gae":
             run.critic = build_run_critic(config, strategy, len(tokenizer), device)
         if start.path is not None:
             run.start_step, loop_state = load_checkpoint(start.path, run.trainables())
+            check_same_base(start.path, loop_state.get("lora_base"), base)
             run.loop_state.update(loop_state)
             run._saved = run.start_step
             apply_hyperparameters(run.trainables()[""], config.trainer.lr, config.trainer)
@@ -284,7 +317,8 @@ class Run:
         """Refuse, before any compute or output, a model (or critic) the engine cannot train exactly."""
         parts = [(self.policy, self.engine)] + ([(self.critic.model, self.critic.engine)] if self.critic else [])
         for model, engine in parts:
-            check_model(model, engine.head, not isinstance(engine, FlatEngine), longest)
+            inner = engine.engine if isinstance(engine, AutocastEngine) else engine
+            check_model(model, inner.head, not isinstance(inner, FlatEngine), longest)
 
     def trainables(self) -> dict[str, Trainable]:
         """What a checkpoint holds: the policy ("") and, with PPO, the critic."""

@@ -37,6 +37,7 @@ from treerl.rollout import EmbeddedEngine, Rollout, RolloutStats
 from treerl.rollout.tasks.base import Prompt, rng_for
 from treerl.trainer.config import Config
 from treerl.trainer.interruptible import InterruptibleEngine
+from treerl.trainer.precision import autocast_dtype
 from treerl.trainer.run import load_policy
 from treerl.trainer.weights import SharedWeights
 from treerl.tree import Sequence
@@ -103,7 +104,8 @@ def worker_main(slot: int, config: Config, weights: SharedWeights, jobs: Connect
     try:
         model, tokenizer = load_policy(config.model, torch.device("cpu"))
         model.register_forward_pre_hook(beat)
-        engine = EmbeddedEngine(model, version=weights.pull(model, have=-1))
+        engine = EmbeddedEngine(model, version=weights.pull(model, have=-1),
+                                autocast=autocast_dtype(config.trainer.precision))
 
         def refresh() -> None:
             engine.version = weights.pull(model, engine.version)
