@@ -239,8 +239,6 @@ def test_every_table_row_has_the_headers_cells():
 
 # Written by treerl itself (bench outputs, tests/zoo.py's table), not documents to read.
 OUTPUT_FILES = {"bench.md", "balance.md", "async_compare.md", "table.md"}
-# Being rewritten on another branch (issue 14: docs/benchmarks.md's engine section); drop when merged.
-PENDING = {("docs/benchmarks.md", "DESIGN.md")}
 
 
 def test_every_cited_document_exists():
@@ -251,7 +249,7 @@ def test_every_cited_document_exists():
             continue
         where = str(path.relative_to(ROOT))
         for name in set(re.findall(r"[\w./-]*\w\.md\b", path.read_text())):
-            if Path(name).name in OUTPUT_FILES or (where, name) in PENDING:
+            if Path(name).name in OUTPUT_FILES:
                 continue
             candidates = [ROOT / name, ROOT / "docs" / name, path.parent / name]
             assert any(c.exists() for c in candidates), f"{where} cites {name}, which is not in the repository"
