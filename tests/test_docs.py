@@ -257,7 +257,7 @@ def test_every_cited_document_exists():
 
 def test_algo_defaults_differ_from_treerl_trains_only_where_algorithms_md_says():
     from treerl.algo import AlgoConfig
-    from treerl.trainer.config import Config
+    from treerl.trainer.core.config import Config
 
     library, demo = dataclasses.asdict(AlgoConfig()), dataclasses.asdict(Config().algo)
     differing = {key for key in library if library[key] != demo[key]}

@@ -1,6 +1,6 @@
 """The layer rule of docs/design.md: a module imports only from its own layer and the layers below it.
 
-    tree < attention < engine < algo < dist < rollout < trainer < bench < cli
+    tree < attention < engine < algo < distributed < rollout < trainer < bench < cli
 
 Beside the layers: `errors` (imports nothing from treerl), `models` (imports `errors` only; any layer
 may use it) and `testing` (checks for users' losses: imports `engine`, `tree`, `errors`, `models`;
@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "treerl"
-LAYERS = ["tree", "attention", "engine", "algo", "dist", "rollout", "trainer", "bench", "cli"]
+LAYERS = ["tree", "attention", "engine", "algo", "distributed", "rollout", "trainer", "bench", "cli"]
 ANYONE_MAY_IMPORT = {"errors", "models"}
 BESIDE = {"errors": set(), "models": {"errors"}, "testing": {"tree", "attention", "engine", "errors", "models"}}
 
@@ -78,6 +78,50 @@ def test_the_check_sees_an_upward_import(tmp_path):
     found = violations(tmp_path / "treerl")
     assert found == ["treerl/engine/bad.py:2 imports treerl.trainer",
                      "treerl/engine/relative.py:1 imports treerl.rollout"], found
+
+
+# Inside the trainer: `core` below `rl.learn`, which the three loops build on; no loop imports another.
+TRAINER_PARTS = {"core": {"core"}, "rl.learn": {"core"}, "rl.sync": {"core", "rl.learn"},
+                 "asynchronous": {"core", "rl.learn", "asynchronous"}, "sft": {"core", "sft"}}
+
+
+def trainer_part(module: str) -> str | None:
+    """`treerl.trainer.rl.sync` -> `rl.sync`; `treerl.trainer.core.run` -> `core`; the package itself -> None."""
+    parts = module.split(".")[2:]
+    if not parts or parts[0] == "__init__":
+        return None
+    return ".".join(parts[:2]) if parts[0] == "rl" else parts[0]
+
+
+def trainer_violations(package: Path = PACKAGE) -> list[str]:
+    """Every import inside the trainer that crosses its parts the wrong way, as `file:line imports module`."""
+    out = []
+    for path in sorted((package / "trainer").rglob("*.py")):
+        name = ".".join(("treerl", *path.relative_to(package).with_suffix("").parts))
+        importer = trainer_part(name)
+        if importer is None or importer == "rl.__init__":
+            continue
+        for line, module in imports(path, package):
+            imported = trainer_part(module) if module.startswith("treerl.trainer.") else None
+            if imported is not None and imported not in TRAINER_PARTS[importer]:
+                out.append(f"{path.relative_to(package.parent)}:{line} imports {module}")
+    return out
+
+
+def test_the_trainer_loops_import_only_what_they_share():
+    assert sorted(trainer_part(f"treerl.trainer.{p}") for p in ("core.run", "rl.learn", "rl.sync", "sft.data")) == [
+        "core", "rl.learn", "rl.sync", "sft"]
+    assert trainer_violations() == []
+
+
+def test_the_trainer_check_sees_a_loop_importing_another(tmp_path):
+    """The control: the synchronous loop importing the asynchronous one (the old cycle) is reported."""
+    rl = tmp_path / "treerl" / "trainer" / "rl"
+    rl.mkdir(parents=True)
+    (rl / "sync.py").write_text("def f():\n    from treerl.trainer.asynchronous.loop import train_async\n")
+    (rl / "learn.py").write_text("from treerl.trainer.core.run import Run\n")
+    assert trainer_violations(tmp_path / "treerl") == [
+        "treerl/trainer/rl/sync.py:2 imports treerl.trainer.asynchronous.loop"]
 
 
 def drawn_layers(text: str) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrain
 
 from treerl.errors import ModelPathError, UserError
 
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # the parameter dtypes a model may be built or loaded in
 ARCHITECTURES = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}
 
 # Named shapes: (architecture, overrides). "tiny" ones are for tests and the CPU demo.
@@ -80,6 +82,46 @@ def build_model(
         raise ModelPathError(f"model path {str(path)!r}: weight {bad} holds NaN or inf; training from it would only "
                              "produce NaN")
     return model.to(device)
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """The sizes that memory budgets and FLOP counts are computed from (one reading of the config for all)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int  # MLP width
+    layers: int
+    vocab: int
+
+
+def model_geometry(config) -> ModelGeometry:
+    """The text model's geometry, from configs of any family (GPT-2's n_inner, OPT's ffn_dim, per-layer sizes)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = _size(c, "hidden_size", "n_embd", "d_model")
+    heads = _size(c, "num_attention_heads", "n_head") or 1
+    return ModelGeometry(
+        hidden=hidden, heads=heads, kv_heads=_size(c, "num_key_value_heads") or heads,
+        head_dim=_size(c, "head_dim") or hidden // heads,
+        ffn=_size(c, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden,  # GPT-2, OPT: the usual 4x width
+        layers=_size(c, "num_hidden_layers", "n_layer"), vocab=_size(c, "vocab_size"),
+    )
+
+
+def _size(config, *names: str) -> int:
+    """The first of `names` the config sets, as one number (the largest, where it varies by layer)."""
+    for name in names:
+        try:
+            value = getattr(config, name, None)
+        except Exception:  # noqa: BLE001 - per-layer configs refuse a global read (Gemma-4)
+            value = [getattr(layer, name, 0) or 0 for layer in getattr(config, "per_layer_config", [])]
+        if isinstance(value, (list, tuple)):
+            value = max(value, default=0)
+        if value:
+            return int(value)
+    return 0
 
 
 def load_config(path: str, trust_remote_code: bool = False) -> object:

@@ -6,7 +6,7 @@ batch to see that the tree engines train it exactly like the flat reference.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from treerl.engine.base import Engine, LossFn
 from treerl.engine.support import dict_outputs
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 
 @dataclass
@@ -26,7 +26,7 @@ class EngineRun:
     grads: dict[str, torch.Tensor]
 
 
-def run_engine(engine: Engine, model: PreTrainedModel, sequences: Seq[Sequence], loss_fn: LossFn) -> EngineRun:
+def run_engine(engine: Engine, model: PreTrainedModel, sequences: Sequence[TokenSequence], loss_fn: LossFn) -> EngineRun:
     """No-grad outputs, then one forward_backward from zeroed gradients."""
     outputs = engine.forward(model, sequences)
     model.zero_grad(set_to_none=True)
@@ -37,7 +37,7 @@ def run_engine(engine: Engine, model: PreTrainedModel, sequences: Seq[Sequence],
 
 
 @torch.no_grad()
-def model_outputs(model: PreTrainedModel, sequence: Sequence, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+def model_outputs(model: PreTrainedModel, sequence: TokenSequence, temperature: float = 1.0) -> dict[str, torch.Tensor]:
     """The model's own log-probs and entropy for one sequence alone: `log_softmax(model(tokens).logits)`.
 
     What every engine must reproduce (position 0 predicts nothing and holds 0, as in the engines).
@@ -58,7 +58,7 @@ def model_outputs(model: PreTrainedModel, sequence: Sequence, temperature: float
 
 
 def assert_matches_model(
-    model: PreTrainedModel, sequences: Seq[Sequence], outputs: list[dict[str, torch.Tensor]], tol: float = 1e-6
+    model: PreTrainedModel, sequences: Sequence[TokenSequence], outputs: list[dict[str, torch.Tensor]], tol: float = 1e-6
 ) -> float:
     """Raise if an engine's outputs differ from the model's own forward on each sequence alone; return the worst error."""
     worst = 0.0
@@ -98,7 +98,7 @@ def compare_runs(run: EngineRun, reference: EngineRun) -> dict[str, float]:
 
 def assert_engines_agree(
     model: PreTrainedModel,
-    sequences: Seq[Sequence],
+    sequences: Sequence[TokenSequence],
     loss_fn: LossFn,
     engine: Engine,
     reference: Engine,

@@ -10,7 +10,7 @@ from treerl.algo import LossNormalizer, fill_fields
 from treerl.engine import FlatEngine
 from treerl.engine.head import ValueHead
 from treerl.testing import relative_error
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 from treerl.tree.workloads import random_trees
 
 VOCAB = 64
@@ -26,7 +26,7 @@ def make_batch(
     sharing: float = 3.0,
     noise: float = 0.3,
     zero_masks: bool = False,
-) -> list[Sequence]:
+) -> list[TokenSequence]:
     """A random tree whose sequences carry their own mask, advantages, rewards and log-probs.
 
     Sequences that share tokens still get different field values there. Behaviour, proximal and
@@ -57,7 +57,7 @@ def make_batch(
     return batch
 
 
-def add_critic_fields(critic: torch.nn.Module, batch: list[Sequence], seed: int) -> None:
+def add_critic_fields(critic: torch.nn.Module, batch: list[TokenSequence], seed: int) -> None:
     """Old values (the critic's own, perturbed) and returns, for the value loss."""
     gen = torch.Generator().manual_seed(seed)
     fill_fields(FlatEngine(head=ValueHead()), critic, batch, {"values": "values"})
@@ -67,14 +67,14 @@ def add_critic_fields(critic: torch.nn.Module, batch: list[Sequence], seed: int)
         seq.fields["returns"] = torch.randn(n, generator=gen, dtype=torch.float64)
 
 
-def counted_by_hand(batch: list[Sequence]) -> LossNormalizer:
+def counted_by_hand(batch: list[TokenSequence]) -> LossNormalizer:
     """The flat reference's normaliser, counted here from the masks (not by `LossNormalizer.from_sequences`)."""
     masks = [seq.fields["loss_mask"] for seq in batch]
     return LossNormalizer(tokens=float(sum(int(torch.count_nonzero(m)) for m in masks)),
                           sequences=sum(1 for m in masks if bool(m.any())))
 
 
-def counted_per_part(parts: list[list[Sequence]]) -> LossNormalizer:
+def counted_per_part(parts: list[list[TokenSequence]]) -> LossNormalizer:
     """What a tree engine's caller uses: each part (micro-batch, rank) counted on its own, then added."""
     total = LossNormalizer.from_sequences(parts[0])
     for part in parts[1:]:
@@ -83,7 +83,7 @@ def counted_per_part(parts: list[list[Sequence]]) -> LossNormalizer:
 
 
 def train_step(
-    engine, model, parts: list[list[Sequence]], loss_fn
+    engine, model, parts: list[list[TokenSequence]], loss_fn
 ) -> tuple[float, dict[str, float], dict[str, torch.Tensor]]:
     """Zero the gradients, run forward_backward on each part; the summed loss, metrics and gradients.
 

@@ -15,7 +15,7 @@ from treerl.algo import (
     turn_returns,
 )
 from treerl.algo.advantages import step_discounts, turn_spans, whiten
-from treerl.tree import BatchError, Sequence
+from treerl.tree import BatchError, TokenSequence
 
 
 def test_group_advantages_by_hand() -> None:
@@ -95,9 +95,9 @@ def test_turns_and_per_turn_rewards() -> None:
     assert step_discounts(mask, 0.9, 0.5).tolist() == pytest.approx([0, 0.9, 0.45, 0, 0, 0.45, 0, 0.9, 0.45])
 
 
-def multi_turn(reward) -> Sequence:
+def multi_turn(reward) -> TokenSequence:
     mask = torch.tensor([0, 1, 1, 0, 0, 1, 0, 1, 1], dtype=torch.float32)
-    return Sequence(torch.arange(9), {"loss_mask": mask}, {"reward": reward, "group": 0})
+    return TokenSequence(torch.arange(9), {"loss_mask": mask}, {"reward": reward, "group": 0})
 
 
 def test_returns_discount_across_turns() -> None:
@@ -130,7 +130,7 @@ def test_reinforce_pp_whitens_over_the_whole_batch_with_kl_in_the_reward() -> No
 
 
 def test_compute_advantages_gae_writes_returns() -> None:
-    seq = Sequence(
+    seq = TokenSequence(
         torch.arange(3),
         {"loss_mask": torch.tensor([0.0, 1.0, 1.0]), "values": torch.tensor([0.0, 0.5, 0.25])},
         {"reward": 1.0},
@@ -146,7 +146,7 @@ def test_compute_advantages_gae_writes_returns() -> None:
 )
 def test_compute_advantages_group_estimators(loss: str, per_sequence: list) -> None:
     batch = [
-        Sequence(torch.arange(4), {"loss_mask": torch.tensor([0.0, 0.0, 1.0, 1.0])}, {"reward": r, "group": g})
+        TokenSequence(torch.arange(4), {"loss_mask": torch.tensor([0.0, 0.0, 1.0, 1.0])}, {"reward": r, "group": g})
         for r, g in [(1.0, "p"), (0.0, "p"), (3.0, "q")]
     ]
     if loss == "rloo":
@@ -171,7 +171,7 @@ def test_group_baseline_counts_each_multi_turn_trajectory_once(loss: str) -> Non
     calls = {"t0": 3, "t1": 1, "t2": 1}  # t0 made three calls: counted per sequence it would drag the mean to 1
     rewards = {"t0": 1.0, "t1": 0.0, "t2": 0.0}
     batch = [
-        Sequence(torch.arange(4), {"loss_mask": torch.tensor([0.0, 0.0, 1.0, 1.0])},
+        TokenSequence(torch.arange(4), {"loss_mask": torch.tensor([0.0, 0.0, 1.0, 1.0])},
                  {"reward": rewards[t], "group": "episode", "trajectory": t}, name=f"{t}/turn{k}")
         for t, n in calls.items() for k in range(n)
     ]
@@ -191,7 +191,7 @@ def test_group_baseline_counts_each_multi_turn_trajectory_once(loss: str) -> Non
 
 def test_sequences_of_one_trajectory_must_share_its_reward() -> None:
     batch = [
-        Sequence(torch.arange(3), {"loss_mask": torch.tensor([0.0, 1.0, 1.0])},
+        TokenSequence(torch.arange(3), {"loss_mask": torch.tensor([0.0, 1.0, 1.0])},
                  {"reward": r, "group": "g", "trajectory": "t"}, name=f"call{k}")
         for k, r in enumerate([1.0, 0.5])
     ]

@@ -9,12 +9,12 @@ import torch
 
 from treerl.algo import AlgoConfig, LossNormalizer, build_loss, compute_advantages, validate_batch
 from treerl.engine import DfsEngine
-from treerl.tree import BatchError, Sequence
+from treerl.tree import BatchError, TokenSequence
 
 
-def good_sequence(name: str = "s") -> Sequence:
+def good_sequence(name: str = "s") -> TokenSequence:
     n = 5
-    return Sequence(
+    return TokenSequence(
         torch.arange(n),
         {
             "loss_mask": torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0]),
@@ -27,7 +27,7 @@ def good_sequence(name: str = "s") -> Sequence:
     )
 
 
-def batch_with(field: str, value, position: int = 2) -> list[Sequence]:
+def batch_with(field: str, value, position: int = 2) -> list[TokenSequence]:
     bad = good_sequence("bad")
     if field in bad.fields:
         bad.fields[field][position] = value

@@ -24,7 +24,7 @@ from treerl.engine.base import SequenceView, split_loss
 from treerl.engine.head import ValueHead
 from treerl.errors import ModelPathError
 from treerl.models import build_model
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 
 @pytest.mark.parametrize("shifted", [True, False])
@@ -73,7 +73,7 @@ def test_value_loss_by_hand() -> None:
     # V = 1.0, old 0.5, R = 0.9, clip 0.2: unclipped 0.01, clipped (0.7 - 0.9)^2 = 0.04 wins -> 0.02, no gradient.
     # V = 0.6, old 0.5, R = 1.0: inside the clip, 0.5 * 0.16 = 0.08, gradient V - R = -0.4. Mean over 2 tokens.
     values = torch.tensor([0.0, 1.0, 0.6], dtype=torch.float64, requires_grad=True)
-    seq = Sequence(
+    seq = TokenSequence(
         torch.arange(3),
         {
             "loss_mask": torch.tensor([0.0, 1.0, 1.0]),
@@ -94,7 +94,7 @@ def test_gae_from_tree_values_end_to_end(policy, critic) -> None:
     batch = make_batch(policy, seed=9, sequences=5, length=10)
     results = []
     for engine in [FlatEngine(head=ValueHead()), DfsEngine(head=ValueHead())]:
-        copies = [Sequence(s.tokens, dict(s.fields), dict(s.info), s.name) for s in batch]
+        copies = [TokenSequence(s.tokens, dict(s.fields), dict(s.info), s.name) for s in batch]
         fill_fields(engine, critic, copies, {"values": "values"})
         compute_advantages(AlgoConfig(loss="ppo", gamma=0.95, lam=0.9), copies)
         results.append(torch.cat([torch.cat([s.fields["advantages"], s.fields["returns"]]) for s in copies]))
@@ -103,13 +103,13 @@ def test_gae_from_tree_values_end_to_end(policy, critic) -> None:
 
 def test_value_head_rejects_models_it_cannot_run(policy) -> None:
     with pytest.raises(NotImplementedError, match="a value head needs `model.score`"):
-        FlatEngine(head=ValueHead()).forward(policy, [Sequence(torch.arange(3))])
+        FlatEngine(head=ValueHead()).forward(policy, [TokenSequence(torch.arange(3))])
     dropped = build_critic(shape="tiny-qwen3")
     dropped.dropout.p = 0.1
     with pytest.raises(NotImplementedError, match="value dropout p=0.1"):  # every engine, the flat one too
-        FlatEngine(head=ValueHead()).forward(dropped, [Sequence(torch.arange(3))])
+        FlatEngine(head=ValueHead()).forward(dropped, [TokenSequence(torch.arange(3))])
     with pytest.raises(NotImplementedError, match="dropout p=0.1"):
-        DfsEngine(head=ValueHead()).forward(dropped, [Sequence(torch.arange(3))])
+        DfsEngine(head=ValueHead()).forward(dropped, [TokenSequence(torch.arange(3))])
 
 
 def test_critic_loads_a_causal_lm_body_from_a_local_path(tmp_path) -> None:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from treerl.algo import AlgoConfig, LossNormalizer, build_loss
 from treerl.algo.config import AGGREGATIONS, KL_ESTIMATORS, LOSSES
 from treerl.engine import DfsEngine, FlatEngine
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 TREE_ENGINES = {
     "dfs": DfsEngine(),
@@ -42,17 +42,17 @@ def full_config(loss: str, aggregation: str, kl_estimator: str = "k3") -> AlgoCo
     )
 
 
-def reference(policy, config: AlgoConfig, batch: list[Sequence]):
+def reference(policy, config: AlgoConfig, batch: list[TokenSequence]):
     """FlatEngine on the whole batch, with a normaliser counted by hand."""
     return train_step(FlatEngine(), policy, [batch], build_loss(config, counted_by_hand(batch)))
 
 
-def step(engine, policy, config: AlgoConfig, parts: list[list[Sequence]]):
+def step(engine, policy, config: AlgoConfig, parts: list[list[TokenSequence]]):
     """`engine` on `parts` with a loss of its own, normalised by the parts' counts added."""
     return train_step(engine, policy, parts, build_loss(config, counted_per_part(parts)))
 
 
-def split(batch: list[Sequence], seed: int) -> list[list[Sequence]]:
+def split(batch: list[TokenSequence], seed: int) -> list[list[TokenSequence]]:
     """The batch shuffled and cut in two non-empty parts (one part if it has one sequence)."""
     order = list(batch)
     random.Random(seed).shuffle(order)
@@ -100,14 +100,14 @@ def test_duplicates_and_prefixes_with_different_fields(policy, loss: str) -> Non
     """Identical sequences and a sequence that is a prefix of another, each with its own fields."""
     base = make_batch(policy, seed=7, sequences=2, length=10, sharing=1.0)
     long = base[0]
-    twin = Sequence(
+    twin = TokenSequence(
         long.tokens.clone(),
         {k: v.flip(0) * 0.5 if k == "advantages" else v.clone() for k, v in long.fields.items()},
         dict(long.info, reward=5.0),
         name="twin",
     )
     twin.fields["old_logprobs"] = (twin.fields["old_logprobs"] - 0.2).clamp(max=0.0)
-    prefix = Sequence(
+    prefix = TokenSequence(
         long.tokens[:6].clone(),
         {k: v[:6].clone() + (0.3 if k == "advantages" else 0.0) for k, v in long.fields.items()},
         dict(long.info),

@@ -10,7 +10,7 @@ import torch
 from treerl.algo import AlgoConfig, LossNormalizer, build_loss
 from treerl.algo.policy import kl_penalty
 from treerl.engine.base import SequenceView, split_loss
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 LN = math.log
 
@@ -26,7 +26,7 @@ def make_view(
         "logprobs": torch.tensor(logprobs, dtype=torch.float64, requires_grad=True),
         "entropy": torch.tensor(entropy or [0.0] * n, dtype=torch.float64, requires_grad=True),
     }
-    return SequenceView(0, Sequence(torch.arange(n), tensors, info or {}), outputs)
+    return SequenceView(0, TokenSequence(torch.arange(n), tensors, info or {}), outputs)
 
 
 def evaluate(config: AlgoConfig, view: SequenceView, normalizer: LossNormalizer | None = None):

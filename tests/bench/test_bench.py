@@ -15,7 +15,7 @@ from treerl.bench.profile import bucket, profile_markdown
 from treerl.bench.run import ENGINES, BenchConfig, make_workload, profile_engines, run_bench
 from treerl.cli.main import app
 from treerl.models import model_config
-from treerl.tree import PrefixTree, Sequence
+from treerl.tree import PrefixTree, TokenSequence
 
 
 def test_flops_of_a_hand_counted_tree():
@@ -24,7 +24,7 @@ def test_flops_of_a_hand_counted_tree():
     d, layers = 64, 2
     assert per_token == 2 * (layers * (d * 64 * 2 + d * 32 * 2 + 3 * d * 128) + d * 10)
     assert per_key == 4 * 4 * 16 * layers
-    seqs = [Sequence(torch.tensor([1, 2, 3])), Sequence(torch.tensor([1, 2, 4, 5]))]
+    seqs = [TokenSequence(torch.tensor([1, 2, 3])), TokenSequence(torch.tensor([1, 2, 4, 5]))]
     flat, tree = tree_flops(PrefixTree.build(seqs), config)
     assert flat == 7 * per_token + (1 + 2 + 3 + 1 + 2 + 3 + 4) * per_key
     assert tree == 5 * per_token + (1 + 2 + 3 + 3 + 4) * per_key  # [1 2] [3] [4 5]
@@ -117,12 +117,12 @@ def test_balance_cost_model_is_fitted_from_measured_steps(monkeypatch):
     """Step times that are an exact combination of the tree features: the fit finds it (R^2 = 1); with noise
     added, R^2 is what its definition gives. (Real CPU timings of a tiny model are too noisy to assert a fit.)"""
     from treerl.bench import balance
-    from treerl.dist import CostModel
+    from treerl.distributed import CostModel
 
     truth = CostModel(weights=(1e-3, 2e-6, 0.0, 0.0, 5e-5, 1e-7))
     config = BenchConfig(shape="tiny-qwen3", vocab_size=128, scale=1 / 128)
     for noise in (0.0, 0.3):
-        measured: list[tuple[list[Sequence], float]] = []
+        measured: list[tuple[list[TokenSequence], float]] = []
 
         def timed(engine, model, batch, device, measured=measured, noise=noise):  # the true cost +/- noise, recorded
             measured.append((batch, truth(batch) * (1 + noise * (-1) ** len(measured))))

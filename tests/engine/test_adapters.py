@@ -9,7 +9,7 @@ from support import fresh_model
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
 from treerl.models import add_lora
 from treerl.testing import assert_engines_agree, run_engine
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 pytest.importorskip("peft")
 
@@ -25,11 +25,11 @@ def _lora_model(target_modules: str = "all-linear"):
     return model
 
 
-def _batch(vocab: int = 64) -> list[Sequence]:
+def _batch(vocab: int = 64) -> list[TokenSequence]:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (9,), generator=g)
     tokens = [torch.cat([prompt, torch.randint(0, vocab, (n,), generator=g)]) for n in (4, 6, 3, 5)]
-    return [Sequence(t, fields={"advantages": torch.randn(len(t), generator=g, dtype=torch.float64)}) for t in tokens]
+    return [TokenSequence(t, fields={"advantages": torch.randn(len(t), generator=g, dtype=torch.float64)}) for t in tokens]
 
 
 def _loss(view):

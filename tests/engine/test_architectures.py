@@ -28,7 +28,7 @@ from zoo import CAUSAL_LM_TYPES, ZooSkip, build_tiny, ordinary_ids
 from treerl.attention import UnsupportedModel
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
 from treerl.testing import compare_runs, model_outputs, relative_error, run_engine
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 ENGINES = {"FlatEngine": FlatEngine(), "DfsEngine": DfsEngine(chunk_tokens=4), "PackedEngine": PackedEngine()}
@@ -45,14 +45,14 @@ class Outcome:
     detail: str  # worst error, or the reason
 
 
-def _batch(model: torch.nn.Module) -> list[Sequence]:
+def _batch(model: torch.nn.Module) -> list[TokenSequence]:
     """A shared prompt with three branches (one of them a chain), a prefix of the prompt, a lone sequence."""
     seeds = iter(range(100))
     tokens = lambda n: ordinary_ids(model, (n,), next(seeds)).tolist()
     prompt = tokens(9)
     lists = [prompt + tokens(4), prompt + tokens(7), prompt + tokens(3) + tokens(6), prompt[:6], tokens(11)]
     g = torch.Generator().manual_seed(0)
-    return [Sequence(torch.tensor(t), fields={"advantages": torch.randn(len(t), generator=g, dtype=torch.float64)})
+    return [TokenSequence(torch.tensor(t), fields={"advantages": torch.randn(len(t), generator=g, dtype=torch.float64)})
             for t in lists]
 
 

@@ -8,7 +8,7 @@ from support import tiny_model
 
 from treerl.bench.memory import peak_memory
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
-from treerl.tree import BatchError, Sequence
+from treerl.tree import BatchError, TokenSequence
 from treerl.tree.workloads import grpo_groups
 
 ENGINES = [FlatEngine(), DfsEngine(), DfsEngine(recompute="always", chunk_tokens=4), PackedEngine()]
@@ -22,7 +22,7 @@ def test_flat_reference_matches_plain_transformers(model):
     """The reference is what `model(input_ids).logits` and log_softmax give, sequence by sequence."""
     g = torch.Generator().manual_seed(0)
     seqs = [
-        Sequence(torch.randint(0, 64, (n,), generator=g), fields={"advantages": torch.randn(n, generator=g, dtype=torch.float64)})
+        TokenSequence(torch.randint(0, 64, (n,), generator=g), fields={"advantages": torch.randn(n, generator=g, dtype=torch.float64)})
         for n in (5, 9, 1, 3)
     ]
     outputs = FlatEngine(max_tokens=12).forward(model, seqs)
@@ -46,12 +46,12 @@ def test_flat_reference_matches_plain_transformers(model):
 
 
 BAD = [
-    (Sequence(torch.tensor([], dtype=torch.long)), "sequence 1: field 'tokens' is empty"),
-    (Sequence(torch.arange(5), fields={"advantages": torch.zeros(4)}), "sequence 1: field 'advantages' has shape (4,)"),
-    (Sequence(torch.tensor([3, 64])), "sequence 1: field 'tokens' has id 64 at position 1, outside the vocabulary [0, 64)"),
-    (Sequence(torch.zeros(40000, dtype=torch.long)), "more than the model's maximum of 32768 positions"),
-    (Sequence(torch.arange(3), fields={"advantages": torch.tensor([0.0, float("inf"), 0.0])}), "field 'advantages' is inf at token 1"),
-    (Sequence(torch.arange(3), info={"reward": float("nan")}), "sequence 1: field 'reward' is nan"),
+    (TokenSequence(torch.tensor([], dtype=torch.long)), "sequence 1: field 'tokens' is empty"),
+    (TokenSequence(torch.arange(5), fields={"advantages": torch.zeros(4)}), "sequence 1: field 'advantages' has shape (4,)"),
+    (TokenSequence(torch.tensor([3, 64])), "sequence 1: field 'tokens' has id 64 at position 1, outside the vocabulary [0, 64)"),
+    (TokenSequence(torch.zeros(40000, dtype=torch.long)), "more than the model's maximum of 32768 positions"),
+    (TokenSequence(torch.arange(3), fields={"advantages": torch.tensor([0.0, float("inf"), 0.0])}), "field 'advantages' is inf at token 1"),
+    (TokenSequence(torch.arange(3), info={"reward": float("nan")}), "sequence 1: field 'reward' is nan"),
 ]
 
 
@@ -61,7 +61,7 @@ def test_bad_input_is_named_before_any_compute(engine, bad, message):
     model = tiny_model("tiny-qwen3")
     calls = []
     hook = model.get_input_embeddings().register_forward_hook(lambda *a: calls.append(1))
-    good = Sequence(torch.arange(4), fields={"advantages": torch.zeros(4)})
+    good = TokenSequence(torch.arange(4), fields={"advantages": torch.zeros(4)})
     try:
         for run in (lambda b: engine.forward(model, b), lambda b: engine.forward_backward(model, b, _loss)):
             with pytest.raises(BatchError) as err:
@@ -106,7 +106,7 @@ def test_default_memory_stays_near_the_one_path_walk():
     tokens = torch.randint(0, 512, (8 * 60,), generator=gen)
     # the whole chain, and at each turn a reply that forks from it: nodes of 60 tokens, one sequence of 480
     forks = [torch.cat([tokens[: 60 * k], torch.randint(0, 512, (10,), generator=gen)]) for k in range(1, 8)]
-    chain = [Sequence(t, fields={"advantages": torch.randn(len(t), generator=gen)}) for t in [tokens, *forks]]
+    chain = [TokenSequence(t, fields={"advantages": torch.randn(len(t), generator=gen)}) for t in [tokens, *forks]]
 
     def peak(engine):
         out = peak_memory(lambda: engine.forward_backward(model, chain, _loss))
@@ -120,7 +120,7 @@ def test_default_memory_stays_near_the_one_path_walk():
 
 def test_one_memory_budget_at_a_time():
     model = tiny_model("tiny-qwen3")
-    seqs = [Sequence(torch.arange(4), fields={"advantages": torch.zeros(4)})]
+    seqs = [TokenSequence(torch.arange(4), fields={"advantages": torch.zeros(4)})]
     with pytest.raises(ValueError, match="set one memory budget, not memory_budget_tokens and memory_budget_bytes"):
         DfsEngine(memory_budget_tokens=10, memory_budget_bytes=10).forward_backward(model, seqs, _loss)
     with pytest.raises(ValueError, match="memory_budget_tokens must be > 0"):

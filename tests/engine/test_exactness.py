@@ -15,19 +15,19 @@ from support import ARCHS, tiny_model
 
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine, PolicyHead
 from treerl.testing import assert_engines_agree
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 from treerl.tree.plan import PlanCost
 
 VOCAB = 64
 
 
-def _with_data(tokens: list[int], rng: random.Random, name: str) -> Sequence:
+def _with_data(tokens: list[int], rng: random.Random, name: str) -> TokenSequence:
     """Each sequence gets its own advantages and behaviour log-probs, even on shared tokens."""
     n = len(tokens)
     g = torch.Generator().manual_seed(rng.randrange(2**31))
     mask = (torch.rand(n, generator=g) < 0.8).double()
     mask[0] = 0.0
-    return Sequence(
+    return TokenSequence(
         torch.tensor(tokens),
         fields={
             "loss_mask": mask,

@@ -33,7 +33,7 @@ from transformers import (
 from treerl.attention import UnsupportedModel
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
 from treerl.testing import assert_engines_agree, assert_matches_model, compare_runs, run_engine
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 VOCAB = 64
 SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -75,9 +75,9 @@ def feature_model(name: str) -> torch.nn.Module:
     return _MODELS[name]
 
 
-def _sequences(token_lists: list[list[int]], seed: int) -> list[Sequence]:
+def _sequences(token_lists: list[list[int]], seed: int) -> list[TokenSequence]:
     g = torch.Generator().manual_seed(seed)
-    return [Sequence(torch.tensor(t), fields={"advantages": torch.randn(len(t), generator=g, dtype=torch.float64)})
+    return [TokenSequence(torch.tensor(t), fields={"advantages": torch.randn(len(t), generator=g, dtype=torch.float64)})
             for t in token_lists]
 
 
@@ -85,7 +85,7 @@ def _loss(view):
     return -(view.logprobs * view.fields["advantages"]).sum() - 0.1 * view.entropy.sum()
 
 
-def _grpo_like(seed: int) -> list[Sequence]:
+def _grpo_like(seed: int) -> list[TokenSequence]:
     rng = random.Random(seed)
     prompt = [rng.randrange(VOCAB) for _ in range(9)]
     lists = [prompt + [rng.randrange(VOCAB) for _ in range(n)] for n in (4, 7, 11, 0)]

@@ -13,7 +13,7 @@ from support import fresh_model
 from treerl.attention import UnsupportedModel, kernels
 from treerl.engine import AutocastEngine, DfsEngine, FlatEngine, PackedEngine
 from treerl.testing import assert_engines_agree, assert_matches_model, compare_runs, run_engine
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 TREE_ENGINES = {
     "dfs": DfsEngine(),
@@ -25,14 +25,14 @@ TREE_ENGINES = {
 ORACLE = FlatEngine(layout="sequences")  # the model's own attention, one sequence per call
 
 
-def _batch(seed: int = 0, vocab: int = 64) -> list[Sequence]:
+def _batch(seed: int = 0, vocab: int = 64) -> list[TokenSequence]:
     """Two groups sharing prompts, one sequence a prefix of another, and a lone sequence."""
     g = torch.Generator().manual_seed(seed)
     rand = lambda n: torch.randint(0, vocab, (n,), generator=g)
     a, b = rand(7), rand(5)
     tokens = [torch.cat([a, rand(4)]), torch.cat([a, rand(6)]), torch.cat([a, rand(2), rand(3)]), a[:5],
               torch.cat([b, rand(3)]), torch.cat([b, rand(3)]), rand(9)]
-    return [Sequence(t, fields={"advantages": torch.randn(len(t), generator=g, dtype=torch.float64)}) for t in tokens]
+    return [TokenSequence(t, fields={"advantages": torch.randn(len(t), generator=g, dtype=torch.float64)}) for t in tokens]
 
 
 def _loss(view):

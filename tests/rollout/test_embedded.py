@@ -8,7 +8,7 @@ import torch
 from treerl.engine import FlatEngine, PolicyHead
 from treerl.rollout import EmbeddedEngine, SamplingParams
 from treerl.rollout.embedded import sample
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 PROMPTS = ["3+4=", "12+7=", "a longer prompt, to pad the others"]
 
@@ -29,7 +29,7 @@ def test_logprobs_equal_flat_engine_recomputation(policy, tokenizer, temperature
     for prompt, group in zip(prompts, groups):
         assert len(group) == 3
         for completion in group:
-            sequences.append(Sequence(prompt + completion.tokens))
+            sequences.append(TokenSequence(prompt + completion.tokens))
             behaviour.append((len(prompt), torch.tensor(completion.logprobs, dtype=torch.float64)))
     recomputed = FlatEngine(head=PolicyHead(temperature=temperature)).forward(policy, sequences)
     for (start, logprobs), out in zip(behaviour, recomputed):
@@ -95,7 +95,7 @@ def test_chunks_of_rows_give_the_same_logprob_semantics(policy, tokenizer):
     """max_rows splits the prompts into chunks; every completion still matches the recomputation."""
     prompts = _prompts(tokenizer)
     groups = EmbeddedEngine(policy, max_rows=2).generate(prompts, SamplingParams(n=2, max_new_tokens=4, seed=3))
-    sequences = [Sequence(p + c.tokens) for p, g in zip(prompts, groups) for c in g]
+    sequences = [TokenSequence(p + c.tokens) for p, g in zip(prompts, groups) for c in g]
     recomputed = FlatEngine().forward(policy, sequences)
     starts = [len(p) for p in prompts for _ in range(2)]
     for s, c, out in zip(starts, [c for g in groups for c in g], recomputed):

@@ -18,7 +18,7 @@ from treerl.rollout.stats import RolloutStats
 from treerl.rollout.tasks.base import Prompt
 from treerl.rollout.tool_parsers import ToolCall, get_tool_parser, parse_hermes
 from treerl.testing import assert_engines_agree
-from treerl.tree import PrefixTree, Sequence
+from treerl.tree import PrefixTree, TokenSequence
 
 LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "a record",
                                            "parameters": {"type": "object", "properties": {"id": {"type": "integer"}}}}}
@@ -101,7 +101,7 @@ def test_tool_episode_through_the_openai_client_forms_the_expected_tree(serve, s
         assert call.prompt[: len(first)] == first  # the recorded tokens, not a re-rendering
         assert call.completion.versions == [5] * len(call.completion.tokens)
     assert calls[1].prompt == calls[2].prompt
-    sequences = [Sequence(torch.tensor(c.prompt + c.completion.tokens)) for c in calls]
+    sequences = [TokenSequence(torch.tensor(c.prompt + c.completion.tokens)) for c in calls]
     stats = PrefixTree.build(sequences).stats()
     lengths = [len(c.prompt) + len(c.completion.tokens) for c in calls]
     assert stats.flat_tokens == sum(lengths)
@@ -160,7 +160,7 @@ def test_recorded_tokens_and_logprobs_are_what_the_model_sampled(serve, policy, 
         assert [t.logprob for t in choice.logprobs.content] == call.completion.logprobs
         assert (choice.message.content or "") == chat.reply_text(call.completion.tokens)
         assert call.completion.versions == [3] * len(call.completion.tokens)
-    sequences = [Sequence(torch.tensor(c.prompt + c.completion.tokens)) for c in calls]
+    sequences = [TokenSequence(torch.tensor(c.prompt + c.completion.tokens)) for c in calls]
     recomputed = FlatEngine(head=PolicyHead(temperature=0.8)).forward(policy, sequences)
     for call, out in zip(calls, recomputed):
         torch.testing.assert_close(out["logprobs"][len(call.prompt):],

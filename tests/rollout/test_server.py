@@ -9,7 +9,7 @@ from support import treerl_serve
 from treerl.engine import FlatEngine, PolicyHead
 from treerl.models import build_model
 from treerl.rollout import CompletionsClient, EmbeddedEngine, SamplingParams, ServerError
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def test_split_requests_keep_prompt_order_and_logprob_semantics(server, tokenize
     prompts = _prompts(tokenizer)
     params = SamplingParams(n=2, max_new_tokens=8, temperature=0.7, seed=4)
     groups = CompletionsClient(server, prompts_per_request=1).generate(prompts, params)
-    sequences = [Sequence(p + c.tokens) for p, g in zip(prompts, groups) for c in g]
+    sequences = [TokenSequence(p + c.tokens) for p, g in zip(prompts, groups) for c in g]
     recomputed = FlatEngine(head=PolicyHead(temperature=0.7)).forward(same_model, sequences)
     starts = [len(p) for p in prompts for _ in range(2)]
     for start, c, out in zip(starts, [c for g in groups for c in g], recomputed, strict=True):

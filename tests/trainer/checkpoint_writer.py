@@ -22,7 +22,7 @@ import time
 import torch
 
 from treerl.trainer import load_config
-from treerl.trainer.run import Run
+from treerl.trainer.core.run import Run
 
 SETTINGS = ["trainer.progress=false", "trainer.tensorboard=false", "trainer.eval_prompts=0", "trainer.threads=1",
             "trainer.steps=1000000", "trainer.keep_checkpoints=2", "trainer.resume=auto", "algo.kl_coef=0.0"]

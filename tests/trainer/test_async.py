@@ -18,13 +18,13 @@ from treerl.models import build_model
 from treerl.rollout import EmbeddedEngine, SamplingParams
 from treerl.rollout.tasks import build_task
 from treerl.trainer import ConfigError, train
-from treerl.trainer import pool as pool_module
-from treerl.trainer.async_rl import decoupled
-from treerl.trainer.interruptible import InterruptibleEngine
-from treerl.trainer.pool import RolloutPool
-from treerl.trainer.run import load_policy
-from treerl.trainer.weights import SharedWeights
-from treerl.tree import Sequence
+from treerl.trainer.asynchronous import pool as pool_module
+from treerl.trainer.asynchronous.interruptible import InterruptibleEngine
+from treerl.trainer.asynchronous.loop import decoupled
+from treerl.trainer.asynchronous.pool import RolloutPool
+from treerl.trainer.asynchronous.weights import SharedWeights
+from treerl.trainer.core.run import load_policy
+from treerl.tree import TokenSequence
 
 ASYNC = ["trainer.mode=async", "rollout.group_size=2"]
 
@@ -38,7 +38,7 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def check_behaviour_logprobs(seq: Sequence, snapshots: dict[int, dict], model: torch.nn.Module) -> None:
+def check_behaviour_logprobs(seq: TokenSequence, snapshots: dict[int, dict], model: torch.nn.Module) -> None:
     """Each generated token's behaviour log-prob is that of the weights of the version it is tagged with."""
     versions = seq.fields["versions"]
     for version in versions[versions >= 0].unique().tolist():
@@ -83,7 +83,7 @@ def test_an_interrupted_reply_resumes_on_the_new_weights_with_per_token_versions
         for completion in group:
             assert completion.finish_reason == "length" and len(completion.tokens) == 8  # no stop tokens: full budget
             assert completion.versions == [0] * 3 + [1] * 5
-            seq = Sequence(prompt + completion.tokens, {
+            seq = TokenSequence(prompt + completion.tokens, {
                 "old_logprobs": torch.tensor([0.0] * len(prompt) + completion.logprobs, dtype=torch.float64),
                 "versions": torch.tensor([-1] * len(prompt) + completion.versions)})
             check_behaviour_logprobs(seq, snapshots, build_model(seed=2, dtype=torch.float64))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from treerl.trainer import train
-from treerl.trainer.checkpoint import (
+from treerl.trainer.core.checkpoint import (
     MANIFEST,
     checkpoint_dir,
     prune_checkpoints,
@@ -20,7 +20,7 @@ from treerl.trainer.checkpoint import (
     step_dirs,
     verify_checkpoint,
 )
-from treerl.trainer.run import Run
+from treerl.trainer.core.run import Run
 
 
 def rows(output_dir: Path) -> list[dict]:

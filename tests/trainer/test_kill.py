@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from treerl.trainer.checkpoint import latest_checkpoint, step_dirs, verify_checkpoint
-from treerl.trainer.run import Run
+from treerl.trainer.core.checkpoint import latest_checkpoint, step_dirs, verify_checkpoint
+from treerl.trainer.core.run import Run
 
 pytestmark = pytest.mark.slow  # 20 kills and 20 resumes per loss: ~30 s on 2 cores
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from treerl.trainer.metrics import MetricsLogger
+from treerl.trainer.core.metrics import MetricsLogger
 
 
 @pytest.mark.slow

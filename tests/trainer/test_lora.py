@@ -18,17 +18,17 @@ from treerl.models import ADAPTER_FILE
 from treerl.rollout import Rollout, build_engine
 from treerl.testing import model_outputs
 from treerl.trainer import train
-from treerl.trainer.checkpoint import checkpoint_dir, load_weights
-from treerl.trainer.rl import load_reference, policy_loss, prepare
-from treerl.trainer.run import Run, load_policy
-from treerl.tree import Sequence
+from treerl.trainer.core.checkpoint import checkpoint_dir, load_weights
+from treerl.trainer.core.run import Run, load_policy
+from treerl.trainer.rl.learn import load_reference, policy_loss, prepare
+from treerl.tree import TokenSequence
 
 pytest.importorskip("peft")
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "trainer.lr=0.05", "algo.loss=grpo"]
 
 
-def _logprobs(model, sequences: list[Sequence]) -> torch.Tensor:
+def _logprobs(model, sequences: list[TokenSequence]) -> torch.Tensor:
     return torch.cat([o["logprobs"] for o in FlatEngine().forward(model, sequences)])
 
 
@@ -85,7 +85,7 @@ def test_export_merges_the_adapters_into_a_model_from_pretrained_loads(tiny_conf
     load_weights(saved, trained)
     base, _ = load_policy(tiny_config(name="base").model, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
-    sequence = Sequence(torch.randint(0, merged.config.vocab_size, (12,), generator=g))
+    sequence = TokenSequence(torch.randint(0, merged.config.vocab_size, (12,), generator=g))
     want, got = model_outputs(trained, sequence)["logprobs"], model_outputs(merged, sequence)["logprobs"]
     assert torch.allclose(got, want, atol=1e-5)
     assert not torch.allclose(model_outputs(base, sequence)["logprobs"], want, atol=1e-4)  # the adapters trained

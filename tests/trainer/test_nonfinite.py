@@ -11,10 +11,10 @@ from treerl.errors import ModelPathError, TrainingStopped
 from treerl.models import build_model, first_nonfinite, read_weights
 from treerl.rollout import builtin_tokenizer
 from treerl.trainer import SFT_DEFAULTS, sft
-from treerl.trainer.checkpoint import checkpoint_dir, step_dirs, verify_checkpoint
-from treerl.trainer.rl import policy_loss
-from treerl.trainer.run import Run
-from treerl.tree import Sequence
+from treerl.trainer.core.checkpoint import checkpoint_dir, step_dirs, verify_checkpoint
+from treerl.trainer.core.run import Run
+from treerl.trainer.rl.learn import policy_loss
+from treerl.tree import TokenSequence
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ def test_a_skipped_step_leaves_weights_and_optimizer_untouched(tiny_config, monk
     run = Run.start(tiny_config("trainer.nonfinite=skip", "model.dtype=float64"))
     try:
         mask = torch.tensor([0.0] + [1.0] * 8)
-        batch = [Sequence(list(range(3, 12)), {"loss_mask": mask, "advantages": torch.ones(9),
+        batch = [TokenSequence(list(range(3, 12)), {"loss_mask": mask, "advantages": torch.ones(9),
                                                "old_logprobs": torch.zeros(9)}, {"group": "g"})]
         loss = policy_loss(run.config.algo.resolved(), batch)
         before = snapshot(run.policy)
@@ -105,7 +105,7 @@ def test_a_skipped_step_leaves_weights_and_optimizer_untouched(tiny_config, monk
 def test_the_critic_is_guarded_too(tiny_config):
     run = Run.start(tiny_config("algo.loss=ppo", "algo.kl_coef=0.0"))
     try:
-        batch = [Sequence(list(range(3, 12)), {"loss_mask": torch.tensor([0.0] + [1.0] * 8)}, {"group": "g"})]
+        batch = [TokenSequence(list(range(3, 12)), {"loss_mask": torch.tensor([0.0] + [1.0] * 8)}, {"group": "g"})]
         before = snapshot(run.critic.model)
 
         def nan_loss(view):

@@ -11,9 +11,9 @@ import torch
 from treerl.rollout import Rollout, build_engine
 from treerl.testing import compare_runs, relative_error, run_engine
 from treerl.trainer import ConfigError
-from treerl.trainer.rl import policy_loss, prepare
-from treerl.trainer.run import Run, build_train_engine, load_policy
-from treerl.tree import Sequence
+from treerl.trainer.core.run import Run, build_train_engine, load_policy
+from treerl.trainer.rl.learn import policy_loss, prepare
+from treerl.tree import TokenSequence
 
 COMMON = ["algo.kl_coef=0.0", "algo.loss=grpo", "trainer.recompute_logprobs=true", "trainer.lr=1e-2"]
 
@@ -96,7 +96,7 @@ def test_gradient_checkpointing_switch_recomputes_and_is_exact_with_every_engine
     plain, _ = load_policy(tiny_config(*overrides, name="plain").model, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (8,), generator=g)
-    batch = [Sequence(torch.cat([prompt, torch.randint(0, model.config.vocab_size, (n,), generator=g)]),
+    batch = [TokenSequence(torch.cat([prompt, torch.randint(0, model.config.vocab_size, (n,), generator=g)]),
                       fields={"advantages": torch.randn(8 + n, generator=g, dtype=torch.float64)}) for n in (3, 5, 4)]
     calls = {"checkpointed": 0, "plain": 0}
     for name, m in (("checkpointed", model), ("plain", plain)):  # count the MLP's runs (hooks skip recomputation)

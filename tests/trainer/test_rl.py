@@ -15,9 +15,9 @@ from treerl.errors import CheckpointError, UserError
 from treerl.rollout import CompletionsClient, Rollout, SamplingParams, build_engine
 from treerl.testing import relative_error
 from treerl.trainer import ConfigError, train
-from treerl.trainer.checkpoint import checkpoint_dir, latest_checkpoint, read_weights
-from treerl.trainer.rl import policy_loss, prepare, update_critic
-from treerl.trainer.run import Run
+from treerl.trainer.core.checkpoint import checkpoint_dir, latest_checkpoint, read_weights
+from treerl.trainer.core.run import Run
+from treerl.trainer.rl.learn import policy_loss, prepare, update_critic
 
 
 def metrics_rows(output_dir: str | Path) -> list[dict]:

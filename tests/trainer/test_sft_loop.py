@@ -10,7 +10,7 @@ import torch
 from treerl.errors import DataError
 from treerl.rollout import load_tokenizer
 from treerl.trainer import SFT_DEFAULTS, ConfigError, sft
-from treerl.trainer.sft_data import SFTData, chat_format, example_path, load_conversations, paths
+from treerl.trainer.sft.data import SFTData, chat_format, example_path, load_conversations, paths
 from treerl.tree import PrefixTree
 
 

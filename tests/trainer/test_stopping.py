@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from treerl.cli.main import app
 from treerl.trainer import train
-from treerl.trainer.checkpoint import latest_checkpoint, step_dirs, verify_checkpoint
-from treerl.trainer.stopping import StopSignals
+from treerl.trainer.core.checkpoint import latest_checkpoint, step_dirs, verify_checkpoint
+from treerl.trainer.core.stopping import StopSignals
 
 TRAIN = ["trainer.steps=1000", "trainer.eval_prompts=0", "rollout.prompts_per_step=2", "rollout.group_size=2",
          "trainer.progress=false", "trainer.tensorboard=false", "trainer.warmup_steps=0"]

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from treerl.trainer import ConfigError, load_config, to_yaml
-from treerl.trainer.config import all_keys, packaged_configs
-from treerl.trainer.config_docs import render
-from treerl.trainer.optim import lr_factor
-from treerl.trainer.update import minibatch_indices
-from treerl.tree import Sequence
+from treerl.trainer.core.config import all_keys, packaged_configs
+from treerl.trainer.core.config_docs import render
+from treerl.trainer.core.optim import lr_factor
+from treerl.trainer.core.update import minibatch_indices
+from treerl.tree import TokenSequence
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
@@ -74,7 +74,7 @@ def test_unknown_key_in_a_yaml_file_names_the_file(tmp_path):
 
 def test_every_key_is_documented_and_the_reference_is_up_to_date():
     text = DOCS.read_text()
-    assert text == render(), "docs/config.md is stale: python -m treerl.trainer.config_docs > docs/config.md"
+    assert text == render(), "docs/config.md is stale: python -m treerl.trainer.core.config_docs > docs/config.md"
     for key in all_keys():
         row = next(line for line in text.splitlines() if line.startswith(f"| `{key}` |"))
         assert not row.endswith("|  |"), f"{key} has no comment in its dataclass"
@@ -92,7 +92,7 @@ def test_lr_schedule():
 def test_minibatches_keep_groups_whole_and_cover_the_batch():
     import torch
 
-    batch = [Sequence(torch.arange(3 + i % 4), info={"group": f"g{i // 3}"}) for i in range(30)]
+    batch = [TokenSequence(torch.arange(3 + i % 4), info={"group": f"g{i // 3}"}) for i in range(30)]
     parts = minibatch_indices(batch, 4, torch.Generator().manual_seed(0))
     assert len(parts) == 4 and sorted(i for p in parts for i in p) == list(range(30))
     for part in parts:

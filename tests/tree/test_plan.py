@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treerl.tree import ROOT, PrefixTree, Sequence
+from treerl.tree import ROOT, PrefixTree, TokenSequence
 from treerl.tree.plan import PlanCost, WalkPlan
 
 token_lists = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=14), min_size=1, max_size=10)
@@ -15,7 +15,7 @@ token_lists = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=14), min
 
 def _plan(lists: list[list[int]], chunk: int, capacity: int, unit_tokens: int, recompute: str,
           cost: PlanCost | None = None) -> WalkPlan:
-    tree = PrefixTree.build([Sequence(torch.tensor(t)) for t in lists]).chunked(chunk)
+    tree = PrefixTree.build([TokenSequence(torch.tensor(t)) for t in lists]).chunked(chunk)
     run = [n.length - (0 if n.children else 1) for n in tree.nodes]  # shifted: a leaf's last token predicts nothing
     run[ROOT] = 0
     return WalkPlan(tree, run, capacity, unit_tokens, recompute, cost or PlanCost())  # type: ignore[arg-type]

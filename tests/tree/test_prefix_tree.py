@@ -6,13 +6,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treerl.tree import ROOT, PrefixTree, Sequence
+from treerl.tree import ROOT, PrefixTree, TokenSequence
 
 token_lists = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=10)
 
 
-def _seqs(lists: list[list[int]]) -> list[Sequence]:
-    return [Sequence(torch.tensor(t)) for t in lists]
+def _seqs(lists: list[list[int]]) -> list[TokenSequence]:
+    return [TokenSequence(torch.tensor(t)) for t in lists]
 
 
 def _rebuild(tree: PrefixTree, s: int) -> list[int]:

@@ -5,24 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treerl.tree import BatchError, Sequence, validate_sequences
+from treerl.tree import BatchError, TokenSequence, validate_sequences
 
 
-def _ok(n: int = 4, **kw) -> Sequence:
-    return Sequence(torch.arange(n), fields={"advantages": torch.zeros(n)}, **kw)
+def _ok(n: int = 4, **kw) -> TokenSequence:
+    return TokenSequence(torch.arange(n), fields={"advantages": torch.zeros(n)}, **kw)
 
 
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (Sequence(torch.tensor([], dtype=torch.long)), "sequence 1: field 'tokens' is empty"),
-        (Sequence(torch.arange(4), fields={"advantages": torch.zeros(3)}), "sequence 1: field 'advantages' has shape (3,)"),
-        (Sequence(torch.tensor([1, 99, 2])), "sequence 1: field 'tokens' has id 99 at position 1, outside the vocabulary"),
-        (Sequence(torch.tensor([1, -1])), "sequence 1: field 'tokens' has id -1 at position 1"),
-        (Sequence(torch.arange(20)), "sequence 1: field 'tokens' has 20 tokens, more than the model's maximum of 16"),
-        (Sequence(torch.arange(3), fields={"advantages": torch.tensor([0.0, float("nan"), 1.0])}), "sequence 1: field 'advantages' is nan at token 1"),
-        (Sequence(torch.arange(3), info={"reward": float("inf")}), "sequence 1: field 'reward' is inf"),
-        (Sequence(torch.arange(3), name="ep7/turn2", info={"reward": float("nan")}), "sequence 1 ('ep7/turn2'): field 'reward'"),
+        (TokenSequence(torch.tensor([], dtype=torch.long)), "sequence 1: field 'tokens' is empty"),
+        (TokenSequence(torch.arange(4), fields={"advantages": torch.zeros(3)}), "sequence 1: field 'advantages' has shape (3,)"),
+        (TokenSequence(torch.tensor([1, 99, 2])), "sequence 1: field 'tokens' has id 99 at position 1, outside the vocabulary"),
+        (TokenSequence(torch.tensor([1, -1])), "sequence 1: field 'tokens' has id -1 at position 1"),
+        (TokenSequence(torch.arange(20)), "sequence 1: field 'tokens' has 20 tokens, more than the model's maximum of 16"),
+        (TokenSequence(torch.arange(3), fields={"advantages": torch.tensor([0.0, float("nan"), 1.0])}), "sequence 1: field 'advantages' is nan at token 1"),
+        (TokenSequence(torch.arange(3), info={"reward": float("inf")}), "sequence 1: field 'reward' is inf"),
+        (TokenSequence(torch.arange(3), name="ep7/turn2", info={"reward": float("nan")}), "sequence 1 ('ep7/turn2'): field 'reward'"),
     ],
 )
 def test_bad_sequences_are_named(bad, message):

@@ -33,9 +33,9 @@ from treerl.algo.advantages import (
 from treerl.algo.checks import validate_batch
 from treerl.algo.config import AlgoConfig
 from treerl.algo.critic import build_critic, build_value_loss
+from treerl.algo.fields import fill_fields
 from treerl.algo.loss import build_loss
 from treerl.algo.normalizer import LossNormalizer
-from treerl.algo.recompute import fill_fields
 
 __all__ = [
     "AlgoConfig",

@@ -19,18 +19,17 @@ whitening statistic spans it.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable
-from collections.abc import Sequence as Seq
+from collections.abc import Hashable, Sequence
 
 import torch
 
 from treerl.algo.checks import check_mask_and_logprobs, check_reward, require_field
 from treerl.algo.config import AlgoConfig
 from treerl.algo.policy import kl_penalty
-from treerl.tree import BatchError, Sequence, validate_sequences
+from treerl.tree import BatchError, TokenSequence, validate_sequences
 
 
-def _groups(groups: Seq[Hashable]) -> dict[Hashable, list[int]]:
+def _groups(groups: Sequence[Hashable]) -> dict[Hashable, list[int]]:
     members: dict[Hashable, list[int]] = defaultdict(list)
     for i, g in enumerate(groups):
         members[g].append(i)
@@ -38,7 +37,7 @@ def _groups(groups: Seq[Hashable]) -> dict[Hashable, list[int]]:
 
 
 def group_advantages(
-    rewards: torch.Tensor, groups: Seq[Hashable], scale_std: bool = True, eps: float = 1e-6
+    rewards: torch.Tensor, groups: Sequence[Hashable], scale_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
     """GRPO: (r - mean of the group) / (std of the group + eps); Dr. GRPO: without the std (unbiased std, n - 1).
 
@@ -54,7 +53,7 @@ def group_advantages(
     return out
 
 
-def rloo_advantages(rewards: torch.Tensor, groups: Seq[Hashable]) -> torch.Tensor:
+def rloo_advantages(rewards: torch.Tensor, groups: Sequence[Hashable]) -> torch.Tensor:
     """RLOO: r_i minus the mean reward of the OTHER members of its group (groups need >= 2 members)."""
     out = torch.zeros_like(rewards, dtype=torch.float64)
     for group, members in _groups(groups).items():
@@ -78,7 +77,7 @@ def turn_spans(mask: torch.Tensor) -> list[tuple[int, int]]:
     return spans
 
 
-def turn_returns(rewards: Seq[float], discount: float) -> list[float]:
+def turn_returns(rewards: Sequence[float], discount: float) -> list[float]:
     """G_k = r_k + discount * G_{k+1}: the discounted return from each turn on."""
     returns, running = [], 0.0
     for r in reversed(rewards):
@@ -87,7 +86,7 @@ def turn_returns(rewards: Seq[float], discount: float) -> list[float]:
     return returns[::-1]
 
 
-def token_rewards(mask: torch.Tensor, reward: float | Seq[float]) -> torch.Tensor:
+def token_rewards(mask: torch.Tensor, reward: float | Sequence[float]) -> torch.Tensor:
     """Rewards per token: turn k's reward on its last trained token (a number: on the last trained token)."""
     spans = turn_spans(mask)
     out = torch.zeros(mask.shape, dtype=torch.float64)
@@ -143,7 +142,7 @@ def whiten(per_sequence: list[torch.Tensor], masks: list[torch.Tensor], eps: flo
     return [torch.where(m > 0, (a - mean) / (std + eps), 0.0) for a, m in zip(per_sequence, masks)]
 
 
-def compute_advantages(config: AlgoConfig, sequences: Seq[Sequence]) -> None:
+def compute_advantages(config: AlgoConfig, sequences: Sequence[TokenSequence]) -> None:
     """Fill fields `advantages` (and, for GAE, `returns`) of every sequence of the WHOLE batch, in place."""
     config = config.resolved()
     if config.advantage == "none":
@@ -165,7 +164,7 @@ def compute_advantages(config: AlgoConfig, sequences: Seq[Sequence]) -> None:
 
 
 def _group_estimate(
-    config: AlgoConfig, sequences: Seq[Sequence], rewards: list, masks: list[torch.Tensor]
+    config: AlgoConfig, sequences: Sequence[TokenSequence], rewards: list, masks: list[torch.Tensor]
 ) -> list[torch.Tensor]:
     """One advantage per trajectory from its group's trajectory rewards, on every trained token of its sequences.
 
@@ -214,7 +213,7 @@ def _group_estimate(
 
 
 def _token_estimate(
-    config: AlgoConfig, sequences: Seq[Sequence], rewards: list, masks: list[torch.Tensor]
+    config: AlgoConfig, sequences: Sequence[TokenSequence], rewards: list, masks: list[torch.Tensor]
 ) -> list[torch.Tensor]:
     """GAE (with the critic's `values`) or discounted returns, from rewards placed on tokens."""
     out = []

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 
 import torch
 
 from treerl.algo.config import AlgoConfig
-from treerl.tree import BatchError, Sequence, validate_sequences
+from treerl.tree import BatchError, TokenSequence, validate_sequences
 
 LOGPROB_FIELDS = ("old_logprobs", "prox_logprobs", "ref_logprobs")
 
@@ -35,14 +35,14 @@ def required_fields(config: AlgoConfig, critic: bool = False) -> list[str]:
     return needed
 
 
-def require_field(seq: Sequence, index: int, name: str, purpose: str) -> torch.Tensor:
+def require_field(seq: TokenSequence, index: int, name: str, purpose: str) -> torch.Tensor:
     """The field, or an error saying who lacks it and what needs it."""
     if name not in seq.fields:
         raise BatchError(f"{seq.label(index)}: field {name!r} is missing ({purpose})")
     return seq.fields[name]
 
 
-def check_loss_mask(seq: Sequence, index: int) -> None:
+def check_loss_mask(seq: TokenSequence, index: int) -> None:
     """A loss mask exists, is a non-negative weight, and leaves token 0 (which has no prediction) untrained."""
     mask = require_field(seq, index, "loss_mask", "1 on trained tokens, 0 elsewhere")
     if bool((mask < 0).any()):
@@ -57,7 +57,7 @@ def check_loss_mask(seq: Sequence, index: int) -> None:
         )
 
 
-def check_logprobs(seq: Sequence, index: int, name: str) -> None:
+def check_logprobs(seq: TokenSequence, index: int, name: str) -> None:
     """Log-probabilities are <= 0; a positive one is a probability > 1, i.e. a wrong field."""
     values = seq.fields[name]
     if bool((values > 0).any()):
@@ -68,7 +68,7 @@ def check_logprobs(seq: Sequence, index: int, name: str) -> None:
         )
 
 
-def check_sequence(config: AlgoConfig, seq: Sequence, index: int, critic: bool = False) -> None:
+def check_sequence(config: AlgoConfig, seq: TokenSequence, index: int, critic: bool = False) -> None:
     """Everything the loss of `config` needs from one sequence (lengths and NaN/inf: validate_sequences)."""
     purpose = "needed by the value loss" if critic else f"needed by algo.loss={config.loss}"
     for name in required_fields(config, critic):
@@ -76,7 +76,7 @@ def check_sequence(config: AlgoConfig, seq: Sequence, index: int, critic: bool =
     check_mask_and_logprobs(seq, index)
 
 
-def check_mask_and_logprobs(seq: Sequence, index: int) -> None:
+def check_mask_and_logprobs(seq: TokenSequence, index: int) -> None:
     """The loss mask, and every log-prob field the sequence carries."""
     check_loss_mask(seq, index)
     for name in LOGPROB_FIELDS:
@@ -84,14 +84,14 @@ def check_mask_and_logprobs(seq: Sequence, index: int) -> None:
             check_logprobs(seq, index, name)
 
 
-def validate_batch(config: AlgoConfig, sequences: Seq[Sequence], critic: bool = False) -> None:
+def validate_batch(config: AlgoConfig, sequences: Sequence[TokenSequence], critic: bool = False) -> None:
     """Check a whole batch for the (policy or value) loss of `config` before any compute."""
     validate_sequences(sequences)
     for i, seq in enumerate(sequences):
         check_sequence(config, seq, i, critic)
 
 
-def check_reward(seq: Sequence, index: int) -> float | list[float]:
+def check_reward(seq: TokenSequence, index: int) -> float | list[float]:
     """`info["reward"]`: a finite number, or a non-empty list of finite per-turn rewards."""
     if "reward" not in seq.info:
         raise BatchError(f"{seq.label(index)}: field 'reward' is missing from info (needed to compute advantages)")

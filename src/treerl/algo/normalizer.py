@@ -18,13 +18,13 @@ normalisers, or add them with `+`. A batch with no trained token at all has loss
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from treerl.algo.checks import check_loss_mask
-from treerl.tree import Sequence, validate_sequences
+from treerl.tree import TokenSequence, validate_sequences
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class LossNormalizer:
     sequences: int
 
     @classmethod
-    def from_sequences(cls, sequences: Seq[Sequence]) -> LossNormalizer:
+    def from_sequences(cls, sequences: Sequence[TokenSequence]) -> LossNormalizer:
         """Counts of `sequences` (pass the whole batch, or add the per-rank results)."""
         validate_sequences(sequences)
         tokens, count = 0.0, 0

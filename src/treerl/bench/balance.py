@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from treerl.bench.run import BenchConfig, make_workload, timed_step
-from treerl.dist import CostModel
-from treerl.dist.report import balance_markdown, balance_report, workloads
+from treerl.distributed import CostModel
+from treerl.distributed.report import balance_markdown, balance_report, workloads
 from treerl.engine import DfsEngine
 from treerl.models import build_model
 

@@ -9,25 +9,22 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from treerl.models import model_geometry
 from treerl.tree import PrefixTree
 
 
 def linear_flops_per_token(config: PretrainedConfig) -> int:
     """2 x multiply-adds of every weight matrix a token passes through (layers and LM head)."""
-    d = config.hidden_size
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or d // heads
-    attention = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2  # q, o and k, v
-    mlp = 3 * d * config.intermediate_size
-    return 2 * (config.num_hidden_layers * (attention + mlp) + d * config.vocab_size)
+    g = model_geometry(config)
+    attention = g.hidden * g.heads * g.head_dim * 2 + g.hidden * g.kv_heads * g.head_dim * 2  # q, o and k, v
+    mlp = 3 * g.hidden * g.ffn
+    return 2 * (g.layers * (attention + mlp) + g.hidden * g.vocab)
 
 
 def attention_flops_per_key(config: PretrainedConfig) -> int:
     """q.k and p.v for one query-key pair, all layers and heads."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 4 * heads * head_dim * config.num_hidden_layers
+    g = model_geometry(config)
+    return 4 * g.heads * g.head_dim * g.layers
 
 
 def tree_flops(tree: PrefixTree, config: PretrainedConfig) -> tuple[int, int]:

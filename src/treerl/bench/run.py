@@ -21,7 +21,7 @@ from treerl.bench.profile import profile_step
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
 from treerl.engine.base import Engine, SequenceView
 from treerl.models import build_model
-from treerl.tree import PrefixTree, Sequence
+from treerl.tree import PrefixTree, TokenSequence
 from treerl.tree.workloads import AgentShape, agent_trees, grpo_groups, random_trees
 
 ENGINES: dict[str, Callable[[], Engine]] = {
@@ -56,7 +56,7 @@ def workload_names() -> list[str]:
     return ["grpo", "agent", "sharing-1", "sharing-2", "sharing-4", "sharing-8"]
 
 
-def make_workload(name: str, scale: float, vocab: int, seed: int = 0) -> list[Sequence]:
+def make_workload(name: str, scale: float, vocab: int, seed: int = 0) -> list[TokenSequence]:
     """The named synthetic batch (docs/design.md, "Measurement") at `scale` times its full size."""
     s = lambda n: max(2, round(n * scale))
     if name == "grpo":  # G = 8 samples of each of 4 prompts
@@ -75,7 +75,7 @@ def _loss(view: SequenceView) -> torch.Tensor:
     return -(logp * weights).sum() - 0.01 * (view.entropy * view.fields["loss_mask"].to(logp)).sum()
 
 
-def timed_step(engine: Engine, model, batch: list[Sequence], device: torch.device) -> float:
+def timed_step(engine: Engine, model, batch: list[TokenSequence], device: torch.device) -> float:
     """Seconds of one forward_backward (device synchronised), gradients cleared after."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -130,7 +130,7 @@ def run_bench(config: BenchConfig) -> list[dict]:
     return rows
 
 
-def _model_and_batches(config: BenchConfig) -> tuple[torch.nn.Module, dict[str, list[Sequence]]]:
+def _model_and_batches(config: BenchConfig) -> tuple[torch.nn.Module, dict[str, list[TokenSequence]]]:
     """The bench's model (random weights of `shape`) and each workload's batch; unknown engines refused first."""
     unknown = sorted(set(config.engines) - set(ENGINES))
     if unknown:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from treerl.trainer.export import export_checkpoint
+from treerl.trainer.core.export import export_checkpoint
 
 
 def export(

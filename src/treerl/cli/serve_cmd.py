@@ -7,9 +7,8 @@ import ipaddress
 import typer
 
 from treerl.errors import UserError
+from treerl.models import DTYPES
 from treerl.rollout.client import API_KEY_ENV
-
-DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def serve(

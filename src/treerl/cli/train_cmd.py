@@ -22,7 +22,7 @@ def _split(args: list[str] | None) -> tuple[str | None, list[str]]:
 
 
 def _load(args: list[str] | None, base: tuple[str, ...] = ()):
-    from treerl.trainer.config import load_config
+    from treerl.trainer.core.config import load_config
 
     path, overrides = _split(args)
     return load_config(path, overrides, base=base)
@@ -30,7 +30,7 @@ def _load(args: list[str] | None, base: tuple[str, ...] = ()):
 
 def _run(config, print_config: bool, loop: Callable) -> None:
     """Run `loop(config)`; a run a signal stopped (after its checkpoint) exits with 128 + the signal's number."""
-    from treerl.trainer.config import to_yaml
+    from treerl.trainer.core.config import to_yaml
 
     if print_config:
         typer.echo(to_yaml(config), nl=False)

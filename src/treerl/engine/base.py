@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -11,7 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treerl.engine.support import check_known_model, check_rope_lengths, check_tree_model, decoder_module, last_hidden
-from treerl.tree import Node, PrefixTree, Sequence, validate_sequences
+from treerl.tree import Node, PrefixTree, TokenSequence, validate_sequences
 
 
 @dataclass
@@ -23,7 +22,7 @@ class SequenceView:
     """
 
     index: int
-    sequence: Sequence
+    sequence: TokenSequence
     outputs: dict[str, torch.Tensor]
 
     @property
@@ -90,11 +89,11 @@ class Head(Protocol):
 class Engine(Protocol):
     """One interface for every engine: same inputs, same outputs, same gradients."""
 
-    def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
+    def forward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> list[dict[str, torch.Tensor]]:
         """Per-sequence outputs aligned with tokens, without gradients."""
         ...
 
-    def forward_backward(self, model: PreTrainedModel, sequences: Seq[Sequence], loss_fn: LossFn) -> StepStats:
+    def forward_backward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence], loss_fn: LossFn) -> StepStats:
         """Accumulate into `.grad` the gradient of sum_s loss_fn(s), each sequence as if on its own."""
         ...
 
@@ -104,21 +103,44 @@ def run_length(node: Node, shifted: bool) -> int:
     return node.length - (1 if shifted and not node.children else 0)
 
 
-def head_rows(tree: PrefixTree, node: Node, shifted: bool, base: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hidden-state rows of `node`'s outputs (its first token at row `base`) and the tokens they predict.
+class OutputSlots:
+    """The one home of the fork-row output layout: which hidden-state row computes which token's outputs, and
+    where each output lands in a flat per-tree buffer (its "slot") from which every sequence reads its own.
 
-    Shifted heads: row j predicts the node's token j + 1, and its last row, once per child,
-    predicts that child's first token (fork logits); a node's own first token comes from its
-    parent's fork row. Unshifted heads: row j gives token j.
+    Slots: token j of node n has slot `base[n] + j` (the tree's tokens in node order). Shifted heads
+    (causal LMs): row j of a node predicts its token j + 1, and its last row, once per child, predicts
+    that child's first token (the fork row), so a node's first token is written by its parent; a
+    sequence's very first token is predicted by nothing and its slot stays 0. Unshifted heads (a
+    critic's values): row j gives token j.
     """
-    if not shifted:
-        return torch.arange(base, base + node.length), node.tokens
-    rows = torch.arange(base, base + node.length - 1)
-    targets = node.tokens[1:]
-    if node.children:
-        rows = torch.cat([rows, torch.full((len(node.children),), base + node.length - 1)])
-        targets = torch.cat([targets, torch.stack([tree.nodes[c].tokens[0] for c in node.children])])
-    return rows, targets
+
+    def __init__(self, tree: PrefixTree, shifted: bool) -> None:
+        self.tree, self.shifted = tree, shifted
+        self.base = [0] * len(tree.nodes)
+        total = 0
+        for node in tree.nodes:
+            self.base[node.index] = total
+            total += node.length
+        self.total = total
+
+    def node_rows(self, node: Node, first_row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, targets, slots) of `node`'s outputs when its first token's hidden state is row `first_row`."""
+        base = self.base[node.index]
+        if not self.shifted:
+            return torch.arange(first_row, first_row + node.length), node.tokens, torch.arange(base, base + node.length)
+        children = node.children
+        rows = torch.cat([torch.arange(first_row, first_row + node.length - 1),
+                          torch.full((len(children),), first_row + node.length - 1)])
+        targets = torch.cat([node.tokens[1:], torch.stack([self.tree.nodes[c].tokens[0] for c in children])
+                             if children else torch.zeros(0, dtype=torch.long)])
+        slots = torch.cat([torch.arange(base + 1, base + node.length),
+                           torch.tensor([self.base[c] for c in children], dtype=torch.long)])
+        return rows, targets, slots
+
+    def sequence(self, s: int) -> torch.Tensor:
+        """Slot of each token of sequence `s` (its first token's slot holds 0 under a shifted head)."""
+        pieces = [torch.arange(self.base[i], self.base[i] + self.tree.nodes[i].length) for i in self.tree.path(s)]
+        return torch.cat(pieces)[: len(self.tree.sequences[s])]
 
 
 def empty_outputs(model: PreTrainedModel, head: Head) -> dict[str, torch.Tensor]:
@@ -128,7 +150,7 @@ def empty_outputs(model: PreTrainedModel, head: Head) -> dict[str, torch.Tensor]
     return {name: torch.zeros(0, dtype=dtype, device=param.device) for name in head.outputs}
 
 
-def check_batch(model: PreTrainedModel, head: Head, sequences: Seq[Sequence], tree: bool) -> None:
+def check_batch(model: PreTrainedModel, head: Head, sequences: Sequence[TokenSequence], tree: bool) -> None:
     """Every check that can fail, before any compute: the batch, then the model and its settings.
 
     `tree`: the engine computes shared prefixes once (DFS, packed), which needs more of the model
@@ -164,7 +186,7 @@ def final_hidden(model: PreTrainedModel, **inputs) -> torch.Tensor:
 
 
 def sum_losses(
-    views: Iterable[tuple[int, Sequence, dict[str, torch.Tensor]]], loss_fn: LossFn, stats: StepStats
+    views: Iterable[tuple[int, TokenSequence, dict[str, torch.Tensor]]], loss_fn: LossFn, stats: StepStats
 ) -> torch.Tensor:
     """Sum of loss_fn over (index, sequence, outputs) triples; their metrics are added to `stats`."""
     losses = []

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -34,10 +34,20 @@ import torch
 from transformers import PreTrainedModel
 
 from treerl.attention import Block, PathKV, Segment, TreeCall, UnitKV, UnitLayout, engine_attention
-from treerl.engine.base import Head, LossFn, StepStats, check_batch, final_hidden, run_length, sum_losses
+from treerl.engine.base import (
+    Head,
+    LossFn,
+    OutputSlots,
+    StepStats,
+    check_batch,
+    final_hidden,
+    run_length,
+    sum_losses,
+)
 from treerl.engine.head import PolicyHead
 from treerl.engine.support import attention_layers, check_all_layers_routed
-from treerl.tree import ROOT, PrefixTree, Sequence
+from treerl.models import model_geometry
+from treerl.tree import ROOT, PrefixTree, TokenSequence
 from treerl.tree.plan import PlanCost, Unit, WalkPlan
 
 ONE_PATH_SLACK = 1.5
@@ -59,7 +69,7 @@ class DfsEngine:
     memory_budget_fraction: float | None = None  # instead: this share of the device's free memory at each step
     plan_cost: PlanCost | None = None  # None: PlanCost.for_device
 
-    def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
+    def forward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> list[dict[str, torch.Tensor]]:
         tree = self._tree(model, sequences)
         plan = self.plan(model, tree, training=False)
         walk = _Walk(self, model, tree, plan, loss_fn=None)
@@ -67,7 +77,7 @@ class DfsEngine:
             walk.run()
         return walk.sequence_outputs()
 
-    def forward_backward(self, model: PreTrainedModel, sequences: Seq[Sequence], loss_fn: LossFn) -> StepStats:
+    def forward_backward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence], loss_fn: LossFn) -> StepStats:
         started = time.perf_counter()
         tree = self._tree(model, sequences)
         walk = _Walk(self, model, tree, self.plan(model, tree, training=True), loss_fn=loss_fn)
@@ -78,7 +88,7 @@ class DfsEngine:
         walk.stats.seconds = time.perf_counter() - started
         return walk.stats
 
-    def _tree(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> PrefixTree:
+    def _tree(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> PrefixTree:
         """Check everything, then merge the batch into a tree whose nodes are at most `chunk_tokens` long."""
         check_batch(model, self.head, sequences, tree=True)
         if self.recompute not in ("auto", "always", "never"):
@@ -138,30 +148,11 @@ def free_memory(device: torch.device) -> int:
 
 def graph_bytes_per_token(model: PreTrainedModel) -> int:
     """Rough size of what autograd saves per token for one pass through the model (for byte budgets)."""
-    c = model.config.get_text_config()
-    hidden = _size(c, "hidden_size")
-    heads = _size(c, "num_attention_heads") or 1
-    kv_heads = _size(c, "num_key_value_heads") or heads
-    head_dim = _size(c, "head_dim") or hidden // heads
-    ffn = _size(c, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden  # GPT-2, OPT: the usual 4x width
-    per_layer = 3 * hidden + 5 * heads * head_dim + 4 * kv_heads * head_dim + 4 * ffn
+    g = model_geometry(model.config)
+    per_layer = 3 * g.hidden + 5 * g.heads * g.head_dim + 4 * g.kv_heads * g.head_dim + 4 * g.ffn
     elem = next(model.parameters()).element_size()
-    layers = _size(c, "num_hidden_layers") or len(attention_layers(model)) or 1
-    return (layers * per_layer + 2 * hidden) * elem
-
-
-def _size(config, *names: str) -> int:
-    """The first of `names` the config sets, as one number (the largest, where it varies by layer)."""
-    for name in names:
-        try:
-            value = getattr(config, name, None)
-        except Exception:  # noqa: BLE001 - per-layer configs refuse a global read (Gemma-4)
-            value = [getattr(layer, name, 0) or 0 for layer in getattr(config, "per_layer_config", [])]
-        if isinstance(value, (list, tuple)):
-            value = max(value, default=0)
-        if value:
-            return int(value)
-    return 0
+    layers = g.layers or len(attention_layers(model)) or 1
+    return (layers * per_layer + 2 * g.hidden) * elem
 
 
 class _HostIndex:
@@ -204,21 +195,17 @@ class _Walk:
                  loss_fn: LossFn | None):
         self.engine, self.model, self.tree, self.plan, self.loss_fn = engine, model, tree, plan, loss_fn
         self.head = engine.head
-        self.shift = 1 if self.head.shifted else 0
         self.device = _device(model)
         self.layers = attention_layers(model)
         self.path = PathKV(max(len(s) for s in tree.sequences), with_grads=loss_fn is not None)
         self.stats = StepStats(sequences=len(tree.sequences), flat_tokens=sum(len(s) for s in tree.sequences))
         self.total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self.needs_backward: set[int] = set()  # nodes on the path of a loss that depends on the outputs
-        self.slot_base = [0] * len(tree.nodes)  # node n's token j has slot slot_base[n] + j
-        total = 0
-        for node in tree.nodes:
-            self.slot_base[node.index] = total
-            total += node.length
+        self.slots = OutputSlots(tree, self.head.shifted)  # where each token's outputs land, the fork rows' included
         dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
-        self.values = {name: torch.zeros(total, dtype=dtype, device=self.device) for name in self.head.outputs}
-        self.grads = {name: torch.zeros_like(v) for name, v in self.values.items()} if loss_fn is not None else {}
+        self.slot_outputs = {name: torch.zeros(self.slots.total, dtype=dtype, device=self.device)
+                             for name in self.head.outputs}
+        self.grads = {name: torch.zeros_like(v) for name, v in self.slot_outputs.items()} if loss_fn is not None else {}
         self.inputs = self._prepare()
 
     # ------------------------------------------------------------ before the walk
@@ -226,7 +213,7 @@ class _Walk:
         """Every unit's index tensors, built on the host and copied to the device at once."""
         index = _HostIndex()
         inputs = {id(unit): self._unit_inputs(unit, index) for unit in self.plan.all_units()}
-        self.all_slots = index.add(torch.cat([self.sequence_slots(s) for s in range(len(self.tree.sequences))]))
+        self.all_slots = index.add(torch.cat([self.slots.sequence(s) for s in range(len(self.tree.sequences))]))
         device_index = index.to(self.device)
         view = lambda x: device_index[x] if isinstance(x, slice) else x
         for data in inputs.values():
@@ -249,23 +236,15 @@ class _Walk:
             segments[n] = Segment(row, run[n], node.start)
             ids.append(node.tokens[: run[n]])
             positions.append(torch.arange(node.start, node.start + run[n]))
-            base = self.slot_base[n]
-            if self.shift:  # row j predicts token j + 1; the last row (a fork) each child's first token
-                own = node.length - 1
-                rows += [torch.arange(row, row + own), torch.full((len(node.children),), row + node.length - 1)]
-                targets += [node.tokens[1:], torch.stack([tree.nodes[c].tokens[0] for c in node.children])
-                            if node.children else torch.zeros(0, dtype=torch.long)]
-                slots += [torch.arange(base + 1, base + node.length),
-                          torch.tensor([self.slot_base[c] for c in node.children], dtype=torch.long)]
-            else:
-                rows.append(torch.arange(row, row + run[n]))
-                targets.append(node.tokens[: run[n]])
-                slots.append(torch.arange(base, base + run[n]))
+            node_rows, node_targets, node_slots = self.slots.node_rows(node, row)
+            rows.append(node_rows)
+            targets.append(node_targets)
+            slots.append(node_slots)
             row += run[n]
         data = _UnitInputs(segments)
         data.ends = [s for n in unit.nodes for s in tree.nodes[n].ends]
         if data.ends:
-            data.end_slots = index.add(torch.cat([self.sequence_slots(s) for s in data.ends]))
+            data.end_slots = index.add(torch.cat([self.slots.sequence(s) for s in data.ends]))
         if row == 0:  # one-token leaves only: their outputs came from the parent's fork rows
             return data
         all_rows = torch.cat(rows)
@@ -296,13 +275,6 @@ class _Walk:
             node = self.tree.nodes[node.children[-1]]
         return node.index
 
-    def sequence_slots(self, s: int) -> torch.Tensor:
-        """Slot of each token of sequence `s` (its first token's slot holds 0: nothing predicts it)."""
-        n = len(self.tree.sequences[s])
-        pieces = [torch.arange(self.slot_base[i], self.slot_base[i] + self.tree.nodes[i].length)
-                  for i in self.tree.path(s)]
-        return torch.cat(pieces)[:n]
-
     # ------------------------------------------------------------ the walk
     def run(self) -> None:
         """Visit every unit in plan order; backward (when training) on the way back up."""
@@ -327,7 +299,7 @@ class _Walk:
         if keep:
             data.graph = outputs
         for name, out in (outputs or {}).items():
-            self.values[name].index_copy_(0, data.slots, out.detach().to(self.values[name].dtype))
+            self.slot_outputs[name].index_copy_(0, data.slots, out.detach().to(self.slot_outputs[name].dtype))
         if self.loss_fn is not None and data.ends:
             self._sequence_losses(data)
 
@@ -348,7 +320,7 @@ class _Walk:
 
     def _sequence_losses(self, data: _UnitInputs) -> None:
         """Evaluate the losses of the sequences that end in the unit; add d(loss)/d(outputs) to their slots."""
-        leaves = {name: v[data.end_slots].requires_grad_() for name, v in self.values.items()}
+        leaves = {name: v[data.end_slots].requires_grad_() for name, v in self.slot_outputs.items()}
         views, offset = [], 0
         for s in data.ends:
             n = len(self.tree.sequences[s])
@@ -385,5 +357,5 @@ class _Walk:
     def sequence_outputs(self) -> list[dict[str, torch.Tensor]]:
         """Every sequence's outputs, gathered from the slots (after a forward walk)."""
         lengths = [len(s) for s in self.tree.sequences]
-        gathered = {name: v[self.all_slots].split(lengths) for name, v in self.values.items()}
+        gathered = {name: v[self.all_slots].split(lengths) for name, v in self.slot_outputs.items()}
         return [{name: parts[i] for name, parts in gathered.items()} for i in range(len(lengths))]

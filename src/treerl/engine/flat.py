@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -27,7 +27,7 @@ from treerl.attention import Segment, TreeCall, UnitKV, UnitLayout, UnsupportedM
 from treerl.engine.base import Head, LossFn, StepStats, check_batch, final_hidden, sum_losses, to_device
 from treerl.engine.head import PolicyHead
 from treerl.engine.support import check_all_layers_routed, check_tree_model, model_name
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 Layout = Literal["auto", "packed", "sequences"]
 _ROUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> every layer runs treerl's attention
@@ -41,7 +41,7 @@ class FlatEngine:
     max_tokens: int = 8192  # tokens per packed row (a longer sequence gets a row of its own)
     layout: Layout = "auto"  # packed rows | one call per sequence through the model's own attention | auto
 
-    def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
+    def forward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> list[dict[str, torch.Tensor]]:
         check_batch(model, self.head, sequences, tree=self.layout == "packed")
         packed = self.chosen_layout(model) == "packed"
         results: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
@@ -51,7 +51,7 @@ class FlatEngine:
                     results[i] = out
         return results
 
-    def forward_backward(self, model: PreTrainedModel, sequences: Seq[Sequence], loss_fn: LossFn) -> StepStats:
+    def forward_backward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence], loss_fn: LossFn) -> StepStats:
         check_batch(model, self.head, sequences, tree=self.layout == "packed")
         packed = self.chosen_layout(model) == "packed"
         stats = StepStats(sequences=len(sequences), flat_tokens=sum(len(s) for s in sequences))
@@ -104,7 +104,7 @@ class FlatEngine:
             return False
         return True
 
-    def micro_batches(self, sequences: Seq[Sequence], packed: bool = True) -> list[list[int]]:
+    def micro_batches(self, sequences: Sequence[TokenSequence], packed: bool = True) -> list[list[int]]:
         """One sequence per call, or (packed) sequences in order, a row growing within `max_tokens` tokens."""
         if not packed:
             return [[i] for i in range(len(sequences))]
@@ -121,7 +121,7 @@ class FlatEngine:
                 size = n
         return batches
 
-    def _run(self, model: PreTrainedModel, batch: list[Sequence], packed: bool) -> list[dict[str, torch.Tensor]]:
+    def _run(self, model: PreTrainedModel, batch: list[TokenSequence], packed: bool) -> list[dict[str, torch.Tensor]]:
         """One call on `batch`; per-sequence outputs aligned with tokens (differentiable if grad is on)."""
         shift = 1 if self.head.shifted else 0
         device = model.get_input_embeddings().weight.device

@@ -17,7 +17,7 @@ token may see. Sliding windows and chunked attention narrow the mask by position
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,18 +27,18 @@ from treerl.attention import PackedCall, engine_attention
 from treerl.engine.base import (
     Head,
     LossFn,
+    OutputSlots,
     StepStats,
     check_batch,
     empty_outputs,
     final_hidden,
-    head_rows,
     run_length,
     sum_losses,
     to_device,
 )
 from treerl.engine.head import PolicyHead
 from treerl.engine.support import check_all_layers_routed
-from treerl.tree import ROOT, PrefixTree, Sequence
+from treerl.tree import ROOT, PrefixTree, TokenSequence
 
 
 @dataclass
@@ -49,7 +49,7 @@ class PackedEngine:
     max_tokens: int = 8192  # unique tokens per pack (a larger single top-level subtree is packed alone)
     flex_attention: bool = True  # on CUDA, use FlexAttention's block-sparse mask
 
-    def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
+    def forward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> list[dict[str, torch.Tensor]]:
         check_batch(model, self.head, sequences, tree=True)
         tree = PrefixTree.build(sequences)
         results: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
@@ -59,7 +59,7 @@ class PackedEngine:
                     results[s] = outputs
         return results
 
-    def forward_backward(self, model: PreTrainedModel, sequences: Seq[Sequence], loss_fn: LossFn) -> StepStats:
+    def forward_backward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence], loss_fn: LossFn) -> StepStats:
         check_batch(model, self.head, sequences, tree=True)
         started = time.perf_counter()
         tree = PrefixTree.build(sequences)
@@ -105,9 +105,9 @@ class PackedEngine:
         offsets = torch.tensor([0] + lengths).cumsum(0).tolist()
         ids = torch.cat([tree.nodes[i].tokens[:n] for i, n in zip(pack, lengths)])
         positions = torch.cat([torch.arange(tree.nodes[i].start, tree.nodes[i].start + n) for i, n in zip(pack, lengths)])
-        parts = [head_rows(tree, tree.nodes[i], shifted, offsets[k]) for k, i in enumerate(pack)]
-        rows = torch.cat([r for r, _ in parts])
-        targets = torch.cat([t for _, t in parts])
+        layout = OutputSlots(tree, shifted)
+        parts = [layout.node_rows(tree.nodes[i], offsets[k]) for k, i in enumerate(pack)]
+        rows, targets, slots = (torch.cat(column) for column in zip(*parts))
         if len(ids) == 0:
             outputs = empty_outputs(model, self.head)
         else:
@@ -116,36 +116,13 @@ class PackedEngine:
             hidden = final_hidden(model, input_ids=ids[None], position_ids=positions[None], treerl_call=call)[0]
             check_all_layers_routed(model, call.layers_called)
             outputs = self.head(model, hidden[rows], targets)
-        index = self._sequence_index(tree, pack, [len(r) for r, _ in parts])
-        padded = {name: torch.cat([out, out.new_zeros(1)]) for name, out in outputs.items()}
+        slots = to_device(slots, device)
+        by_slot = {name: out.new_zeros(layout.total).index_copy(0, slots, out) for name, out in outputs.items()}
         results = []
-        for s, idx in index.items():
-            idx = to_device(idx, device)
-            results.append((s, {name: out[idx] for name, out in padded.items()}))
+        for s in (s for i in pack for s in tree.nodes[i].ends):  # a pack holds whole subtrees: every path is in it
+            index = to_device(layout.sequence(s), device)
+            results.append((s, {name: values[index] for name, values in by_slot.items()}))
         return results
-
-    def _sequence_index(self, tree: PrefixTree, pack: list[int], row_counts: list[int]) -> dict[int, torch.Tensor]:
-        """For every sequence ending in the pack, the output row behind each of its tokens (-1: none)."""
-        shift = 1 if self.head.shifted else 0
-        first, token_rows = {}, {}
-        offset = 0
-        for index, count in zip(pack, row_counts):
-            node = tree.nodes[index]
-            own = node.length - shift
-            token_rows[index] = torch.arange(offset, offset + own)
-            for i, child in enumerate(node.children if shift else []):
-                first[child] = offset + own + i
-            offset += count
-        out = {}
-        for index in pack:
-            for s in tree.nodes[index].ends:
-                pieces = []
-                for n in tree.path(s):
-                    if shift:
-                        pieces.append(torch.tensor([first.get(n, -1)]))
-                    pieces.append(token_rows[n])
-                out[s] = torch.cat(pieces)[: len(tree.sequences[s])]
-        return out
 
     def _call(self, tree: PrefixTree, pack: list[int], lengths: list[int], positions: torch.Tensor) -> PackedCall:
         """The pack's ancestor structure: token q sees token k iff k <= q and q's node lies in k's node's subtree."""

@@ -16,15 +16,14 @@ head through their own kernels, which follow autocast: the attention gets q, k, 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from collections.abc import Sequence as Seq
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from treerl.engine.base import Engine, LossFn, StepStats
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 
 @contextlib.contextmanager
@@ -45,10 +44,10 @@ class AutocastEngine:
     engine: Engine
     dtype: torch.dtype = torch.bfloat16
 
-    def forward(self, model: PreTrainedModel, sequences: Seq[Sequence]) -> list[dict[str, torch.Tensor]]:
+    def forward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> list[dict[str, torch.Tensor]]:
         with autocast(model, self.dtype):
             return self.engine.forward(model, sequences)
 
-    def forward_backward(self, model: PreTrainedModel, sequences: Seq[Sequence], loss_fn: LossFn) -> StepStats:
+    def forward_backward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence], loss_fn: LossFn) -> StepStats:
         with autocast(model, self.dtype):
             return self.engine.forward_backward(model, sequences, loss_fn)

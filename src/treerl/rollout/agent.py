@@ -33,14 +33,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from treerl.errors import UserError
 from treerl.rollout.inference import InferenceEngine
 from treerl.rollout.proxy import ChatProxy, EpisodeLog
 from treerl.rollout.rewards import RewardFailure, check_reward, import_object
 from treerl.rollout.sequences import model_call_sequence
-from treerl.errors import UserError
 from treerl.rollout.stats import DroppedSample, RolloutStats
 from treerl.rollout.tasks.base import Prompt
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 AgentFn = Callable[[Any, dict[str, Any]], Awaitable[Any]]
 
@@ -92,7 +92,7 @@ class AgentWorkflow:
         self._ids = itertools.count()
 
     def run(self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats,
-            seed: int | None = None) -> list[Sequence]:
+            seed: int | None = None) -> list[TokenSequence]:
         """The training sequences of the episodes of `prompts`; `stats` counts what happened."""
         if engine is not self.proxy.engine:
             raise ValueError("the agent workflow samples with its proxy's engine")
@@ -100,7 +100,7 @@ class AgentWorkflow:
         self.proxy.sampler.seed = seed
         stats.prompts += len(prompts)
         episodes = run_coroutine(self._play_all(prompts))
-        sequences: list[Sequence] = []
+        sequences: list[TokenSequence] = []
         for episode in episodes:
             stats.history_mismatches += episode.log.history_mismatches
             for call in episode.log.calls:
@@ -149,7 +149,7 @@ class AgentWorkflow:
             log = self.proxy.recorder.close(episode_id)
         return Episode(prompt, sample, log, reward)
 
-    def _sequences(self, episode: Episode, reward: float) -> list[Sequence]:
+    def _sequences(self, episode: Episode, reward: float) -> list[TokenSequence]:
         """One training sequence per recorded call, each carrying the episode's reward."""
         name = f"{episode.prompt.id}/{episode.sample}"
         calls = episode.log.calls

@@ -34,14 +34,14 @@ from treerl.rollout.single_turn import SingleTurnWorkflow
 from treerl.rollout.stats import RolloutStats
 from treerl.rollout.tasks import AgentTask, SingleTurnTask, build_task
 from treerl.rollout.tasks.base import rng_for
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 
 @dataclass
 class RolloutBatch:
     """One step's training sequences and what happened while making them."""
 
-    sequences: list[Sequence]  # may be empty if every sample was dropped: skip the step
+    sequences: list[TokenSequence]  # may be empty if every sample was dropped: skip the step
     stats: RolloutStats = field(default_factory=RolloutStats)
 
 

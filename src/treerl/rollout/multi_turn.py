@@ -33,7 +33,7 @@ from treerl.rollout.rewards import RewardFailure, UserCode, check_reward
 from treerl.rollout.sequences import model_call_sequence
 from treerl.rollout.stats import DroppedSample, RolloutStats
 from treerl.rollout.tasks.base import AgentTask, Environment, Prompt
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class MultiTurnWorkflow:
 
     def run(
         self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
-    ) -> list[Sequence]:
+    ) -> list[TokenSequence]:
         """The training sequences of the episodes that start with `prompts`; `stats` counts what happened."""
         live = [Trajectory(p, self.task.environment(p), self.chat.prompt(p.messages), p.id) for p in prompts]
         stats.prompts += len(prompts)
@@ -134,7 +134,7 @@ class MultiTurnWorkflow:
         trajectory.context = context
         return "continues"
 
-    def _sequences(self, trajectory: Trajectory) -> list[Sequence]:
+    def _sequences(self, trajectory: Trajectory) -> list[TokenSequence]:
         """One sequence per model call of the trajectory, each carrying the trajectory's reward."""
         return [
             model_call_sequence(

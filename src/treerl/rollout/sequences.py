@@ -15,13 +15,13 @@ from typing import Any
 import torch
 
 from treerl.rollout.inference import Completion
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 
-def model_call_sequence(context: list[int], completion: Completion, info: dict[str, Any], name: str) -> Sequence:
+def model_call_sequence(context: list[int], completion: Completion, info: dict[str, Any], name: str) -> TokenSequence:
     """The training sequence of one model call."""
     n_context, n_reply = len(context), len(completion.tokens)
-    return Sequence(
+    return TokenSequence(
         tokens=torch.tensor(context + completion.tokens, dtype=torch.long),
         fields={
             "loss_mask": torch.cat([torch.zeros(n_context), torch.ones(n_reply)]),

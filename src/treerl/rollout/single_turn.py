@@ -10,7 +10,7 @@ from treerl.rollout.rewards import RewardFailure, UserCode, call_reward
 from treerl.rollout.sequences import model_call_sequence
 from treerl.rollout.stats import DroppedSample, RolloutStats
 from treerl.rollout.tasks.base import Prompt, SingleTurnTask
-from treerl.tree import Sequence
+from treerl.tree import TokenSequence
 
 
 @dataclass
@@ -28,7 +28,7 @@ class SingleTurnWorkflow:
 
     def run(
         self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
-    ) -> list[Sequence]:
+    ) -> list[TokenSequence]:
         """The training sequences of `prompts`; `stats` counts what was sampled, kept and dropped."""
         contexts = [self.chat.prompt(p.messages) for p in prompts]
         groups = engine.generate(contexts, replace(self.sampling, seed=seed))

@@ -1,6 +1,6 @@
 """Prefix trees: a batch of token sequences merged into a compressed trie."""
 
 from treerl.tree.prefix_tree import ROOT, Node, PrefixTree, TreeStats
-from treerl.tree.sequence import BatchError, Sequence, validate_sequences
+from treerl.tree.sequence import BatchError, TokenSequence, validate_sequences
 
-__all__ = ["ROOT", "BatchError", "Node", "PrefixTree", "Sequence", "TreeStats", "validate_sequences"]
+__all__ = ["ROOT", "BatchError", "Node", "PrefixTree", "TokenSequence", "TreeStats", "validate_sequences"]

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from treerl.errors import DataError
-from treerl.tree.sequence import Sequence
+from treerl.tree.sequence import TokenSequence
 
 MAX_LINE_BYTES = 16 * 2**20  # a longer line is refused before it is read whole (a 100 MB line is a broken file)
 
@@ -45,7 +45,7 @@ def json_lines(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
 
 
 def read_jsonl(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
-               limit_option: str = "max_line_bytes") -> list[Sequence]:
+               limit_option: str = "max_line_bytes") -> list[TokenSequence]:
     """Each line: {"tokens": [...]} plus optional per-token lists (same length) and per-sequence values."""
     sequences = []
     for line_no, row in json_lines(path, max_line_bytes, limit_option):
@@ -63,11 +63,11 @@ def read_jsonl(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
         name = str(row.pop("name", f"line{line_no}"))
         fields = {k: v for k, v in row.items() if isinstance(v, list)}
         info = {k: v for k, v in row.items() if not isinstance(v, list)}
-        sequences.append(Sequence(tokens, fields=fields, info=info, name=name))
+        sequences.append(TokenSequence(tokens, fields=fields, info=info, name=name))
     return sequences
 
 
-def write_jsonl(sequences: list[Sequence], path: str | Path) -> None:
+def write_jsonl(sequences: list[TokenSequence], path: str | Path) -> None:
     """The inverse of `read_jsonl`."""
     with open(path, "w") as f:
         for seq in sequences:

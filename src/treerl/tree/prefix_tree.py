@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from collections.abc import Sequence as Seq
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from treerl.tree.sequence import Sequence
+from treerl.tree.sequence import TokenSequence
 
 ROOT = 0
 
@@ -58,7 +57,7 @@ class TreeStats:
 class PrefixTree:
     """A batch of sequences merged into a compressed trie, visited depth-first by the engines."""
 
-    def __init__(self, sequences: Seq[Sequence], nodes: list[Node]) -> None:
+    def __init__(self, sequences: Sequence[TokenSequence], nodes: list[Node]) -> None:
         self.sequences = list(sequences)
         self.nodes = nodes
         self.end_node = [0] * len(self.sequences)
@@ -68,7 +67,7 @@ class PrefixTree:
 
     # ---------------------------------------------------------------- building
     @classmethod
-    def build(cls, sequences: Seq[Sequence]) -> PrefixTree:
+    def build(cls, sequences: Sequence[TokenSequence]) -> PrefixTree:
         """Sort the sequences, take the longest common prefix of neighbours, and build the trie in one pass."""
         token_lists = [s.tokens.tolist() for s in sequences]
         order = sorted(range(len(sequences)), key=token_lists.__getitem__)
@@ -182,7 +181,7 @@ class _RawTree:
         self.children[parent].append(index)
         return index
 
-    def split(self, index: int, at: int, sequences: Seq[Sequence]) -> None:
+    def split(self, index: int, at: int, sequences: Sequence[TokenSequence]) -> None:
         """Cut node `index` at absolute position `at`; the lower part keeps its children."""
         lower = len(self.start)
         self.start.append(at)
@@ -212,7 +211,7 @@ class _RawTree:
                     self.parent[g] = x
             stack.extend(self.children[x])
 
-    def finish(self, sequences: Seq[Sequence]) -> list[Node]:
+    def finish(self, sequences: Sequence[TokenSequence]) -> list[Node]:
         order: list[int] = []
         stack = [ROOT]
         while stack:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,7 @@ class BatchError(UserError):
 
 
 @dataclass
-class Sequence:
+class TokenSequence:
     """One training sequence.
 
     `fields` holds per-token tensors aligned with `tokens` (same length): loss mask, advantages,
@@ -47,7 +47,7 @@ def _is_number(value: Any) -> bool:
 
 
 def validate_sequences(
-    sequences: Seq[Sequence],
+    sequences: Sequence[TokenSequence],
     vocab_size: int | None = None,
     max_positions: int | None = None,
 ) -> None:
@@ -55,7 +55,7 @@ def validate_sequences(
     if len(sequences) == 0:
         raise BatchError("the batch holds no sequences")
     for i, seq in enumerate(sequences):
-        if not isinstance(seq, Sequence):
+        if not isinstance(seq, TokenSequence):
             raise BatchError(f"sequence {i}: expected treerl.tree.Sequence, got {type(seq).__name__}")
         who = seq.label(i)
         n = len(seq)

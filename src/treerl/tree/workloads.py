@@ -1,7 +1,7 @@
 """Synthetic batches with the prefix structure of real RL workloads (docs/design.md, "Measurement").
 
 Token ids are random: the engines' cost depends on the tree's shape, not on which tokens fill it.
-Every generator is seeded and returns plain `Sequence`s with a `loss_mask` on generated tokens
+Every generator is seeded and returns plain `TokenSequence`s with a `loss_mask` on generated tokens
 and random `advantages`, so the same batch can be trained on by any engine.
 """
 
@@ -12,20 +12,20 @@ from dataclasses import dataclass
 
 import torch
 
-from treerl.tree.sequence import Sequence
+from treerl.tree.sequence import TokenSequence
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def _sequence(tokens: list[int], generated_from: int, rng: random.Random, name: str) -> Sequence:
+def _sequence(tokens: list[int], generated_from: int, rng: random.Random, name: str) -> TokenSequence:
     """A sequence whose tokens from `generated_from` on are trained on, with random advantages."""
     n = len(tokens)
     mask = torch.zeros(n)
     mask[max(generated_from, 1) :] = 1.0
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    return Sequence(
+    return TokenSequence(
         tokens=torch.tensor(tokens),
         fields={"loss_mask": mask, "advantages": torch.randn(n, generator=gen)},
         name=name,
@@ -35,7 +35,7 @@ def _sequence(tokens: list[int], generated_from: int, rng: random.Random, name: 
 def grpo_groups(
     prompts: int = 2, group_size: int = 8, prompt_len: int = 512, response_len: int = 256,
     vocab: int = 1000, jitter: float = 0.0, seed: int = 0,
-) -> list[Sequence]:
+) -> list[TokenSequence]:
     """G samples per prompt: one shared prompt, G different responses of about `response_len` tokens."""
     rng = random.Random(seed)
     out = []
@@ -70,7 +70,7 @@ class AgentShape:
         )
 
 
-def agent_trees(shape: AgentShape = AgentShape(), vocab: int = 1000, seed: int = 0) -> list[Sequence]:
+def agent_trees(shape: AgentShape = AgentShape(), vocab: int = 1000, seed: int = 0) -> list[TokenSequence]:
     """Multi-turn agent episodes: every model call is a training sequence (context so far + its reply).
 
     All episodes share the system prompt; the samples of one task share the task. After the
@@ -80,7 +80,7 @@ def agent_trees(shape: AgentShape = AgentShape(), vocab: int = 1000, seed: int =
     """
     rng = random.Random(seed)
     system = _tokens(rng, shape.system_len, vocab)
-    out: list[Sequence] = []
+    out: list[TokenSequence] = []
 
     def episode(context: list[int], turn: int, name: str) -> None:
         while True:
@@ -107,7 +107,7 @@ def agent_trees(shape: AgentShape = AgentShape(), vocab: int = 1000, seed: int =
 
 def random_trees(
     sequences: int = 32, length: int = 256, sharing: float = 4.0, vocab: int = 1000, seed: int = 0,
-) -> list[Sequence]:
+) -> list[TokenSequence]:
     """Sequences of about `length` tokens whose compression T/U is about `sharing` (1.0 = none).
 
     Each new sequence copies the prefix of a random earlier one up to a random fork point

@@ -1,0 +1,182 @@
+"""A rollout worker: a process that samples prompt groups with its own copy of the policy, one chunk after another.
+
+    trainer -> worker   Chunk(jobs, version)            prompts to sample, and the policy version they need at least
+    worker  -> trainer  ("ready", pid)                  once, when the model is built
+                        ("done", [GroupResult], stats)  the training sequences of each job of a chunk
+                        ("error", traceback)            a Python error: the trainer stops with it
+    weights             SharedWeights, pulled before each chunk (and each segment, with on_update=interrupt)
+    heartbeat           a shared float per worker, set at every model forward and before every reward /
+                        environment call (each limited by rollout.reward_timeout), so a hung worker shows
+    pulse               another shared float, set every PULSE_SECONDS by a thread of its own from the start,
+                        so a stopped (SIGSTOP) or frozen process shows, busy or idle, ready or still loading
+    signals             SIGINT and SIGTERM are ignored: the trainer stops its workers when it stops
+
+Every message is pickled to bytes with the standard pickler and sent over the worker's own pipes,
+so a killed worker can break only its own pipes (a shared queue's lock held by a killed process
+would block every other worker). A thread sends the results, so sampling goes on while the
+trainer is busy and not reading.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from treerl.rollout import EmbeddedEngine, Rollout, RolloutStats
+from treerl.rollout.tasks.base import Prompt, rng_for
+from treerl.trainer.asynchronous.interruptible import InterruptibleEngine
+from treerl.trainer.asynchronous.weights import SharedWeights
+from treerl.trainer.core.config import Config
+from treerl.trainer.core.precision import autocast_dtype
+from treerl.trainer.core.run import load_policy
+from treerl.tree import TokenSequence
+
+
+@dataclass
+class Job:
+    """One prompt group to sample: a prompt with its `group_size` samples, or one multi-turn episode."""
+
+    id: int  # one per admission: a re-queued prompt gets a new id
+    index: int  # position in the prompt stream: prompt index % prompts_per_step of step index // prompts_per_step
+    prompt: Prompt
+
+
+@dataclass
+class Chunk:
+    """Jobs a worker samples in one workflow run (one engine call per turn for all of them)."""
+
+    jobs: list[Job]
+    version: int  # the trainer's policy version when it admitted them: the worker samples with this one or newer
+
+
+@dataclass
+class GroupResult:
+    """What came of one job: its training sequences (none if every sample was dropped)."""
+
+    job: int
+    packed: list[tuple]  # the sequences as numpy arrays: pickling 128 small tensors takes ~0.1 s, arrays ~2 ms
+    version: int  # the policy version the worker held when it started the chunk
+
+    @classmethod
+    def of(cls, job: int, sequences: list[TokenSequence], version: int) -> GroupResult:
+        packed = [(s.tokens.numpy(), {k: v.numpy() for k, v in s.fields.items()}, s.info, s.name) for s in sequences]
+        return cls(job, packed, version)
+
+    def sequences(self) -> list[TokenSequence]:
+        return [TokenSequence(torch.from_numpy(tokens), {k: torch.from_numpy(v) for k, v in fields.items()}, info, name)
+                for tokens, fields, info, name in self.packed]
+
+
+def send(connection: Connection, message: Any) -> None:
+    connection.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive(connection: Connection) -> Any:
+    return pickle.loads(connection.recv_bytes())
+
+
+PULSE_SECONDS = 0.2
+
+
+def worker_main(slot: int, config: Config, weights: SharedWeights, jobs: Connection, results: Connection,
+                heartbeats: Any, pulses: Any) -> None:
+    """The worker process: build the policy, then sample every chunk that arrives until told to stop (None)."""
+    threading.Thread(target=pulse, args=(pulses, slot), name="treerl-pulse", daemon=True).start()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a Ctrl-C reaches the whole process group: the trainer decides
+        signal.signal(sig, signal.SIG_IGN)
+    torch.set_num_threads(config.trainer.worker_threads)
+    outbox = Outbox(results)
+
+    def beat(*_: Any) -> None:
+        heartbeats[slot] = time.monotonic()
+
+    try:
+        model, tokenizer = load_policy(config.model, torch.device("cpu"))
+        model.register_forward_pre_hook(beat)
+        engine = EmbeddedEngine(model, version=weights.pull(model, have=-1),
+                                autocast=autocast_dtype(config.trainer.precision))
+
+        def refresh() -> None:
+            engine.version = weights.pull(model, engine.version)
+
+        sampler = engine if config.trainer.on_update == "finish" else InterruptibleEngine(
+            engine, refresh, config.trainer.interrupt_tokens)
+        rollout = Rollout(config.rollout, tokenizer, sampler)
+        rollout.user_code.on_call = beat
+        outbox.put(("ready", os.getpid()))
+        while (chunk := receive(jobs)) is not None:
+            beat()
+            refresh()
+            while engine.version < chunk.version:  # published before the chunk was sent, so this never waits long
+                time.sleep(0.001)
+                refresh()
+            outbox.put(("done", *sample_chunk(rollout, chunk, engine.version)))
+    except EOFError:  # the trainer is gone
+        pass
+    except BaseException:
+        outbox.put(("error", traceback.format_exc()))
+        raise
+    finally:
+        outbox.close()
+
+
+def pulse(pulses: Any, slot: int) -> None:
+    """Show the trainer this process runs: its slot's clock, every PULSE_SECONDS, until the process ends."""
+    while True:
+        pulses[slot] = time.monotonic()
+        time.sleep(PULSE_SECONDS)
+
+
+def sample_chunk(rollout: Rollout, chunk: Chunk, version: int) -> tuple[list[GroupResult], RolloutStats]:
+    """Sample every job of the chunk in one workflow run; the sequences sorted back into their groups.
+
+    The sampling seed is the synchronous loop's seed of the step the first prompt belongs to, plus
+    the prompt's place in that step: a chunk holding exactly one step's prompts samples what the
+    synchronous loop would (with max_staleness = 0 and one worker the two runs are the same).
+    """
+    stats = RolloutStats()
+    started = time.perf_counter()
+    step, place = divmod(chunk.jobs[0].index, rollout.config.prompts_per_step)
+    seed = rng_for("sampling", rollout.config.seed, step).getrandbits(62) + place
+    sequences = rollout.workflow.run(rollout.engine, [job.prompt for job in chunk.jobs], stats, seed=seed)
+    stats.seconds = time.perf_counter() - started
+    by_group: dict[str, list[TokenSequence]] = defaultdict(list)
+    for seq in sequences:
+        by_group[seq.info["group"]].append(seq)
+    return [GroupResult.of(job.id, by_group.pop(job.prompt.id, []), version) for job in chunk.jobs], stats
+
+
+class Outbox:
+    """Sends messages from a thread, so the worker samples on while the trainer is not reading its pipe."""
+
+    def __init__(self, connection: Connection):
+        self.connection = connection
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._send_all, daemon=True)
+        self.thread.start()
+
+    def put(self, message: Any) -> None:
+        self.queue.put(message)
+
+    def close(self) -> None:
+        """Send what is queued, then stop."""
+        self.queue.put(None)
+        self.thread.join(timeout=60)
+
+    def _send_all(self) -> None:
+        while (message := self.queue.get()) is not None:
+            try:
+                send(self.connection, message)
+            except OSError:  # the trainer closed the pipe
+                return

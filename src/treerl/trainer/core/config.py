@@ -1,0 +1,398 @@
+"""The training config: one dataclass tree (model, rollout, algo, engine, trainer, sft), loaded from YAML.
+
+    config = load_config("my_run.yaml", ["trainer.steps=100", "algo.entropy_coef=0.01"])
+
+Layers, later ones winning: the dataclass defaults (which ARE the built-in CPU demo), the YAML
+file, then `key=value` overrides (OmegaConf dotlist syntax: `rollout.branch_at=[1,2]`,
+`model.path=null`). Every key is typed; an unknown key, a value of the wrong type or an
+out-of-range value is a `ConfigError` naming the key. Each option is documented by the comment
+next to it here (and in docs/config.md).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from treerl.algo import AlgoConfig
+from treerl.errors import UserError
+from treerl.models import DTYPES, SHAPES
+from treerl.rollout import RolloutConfig
+from treerl.rollout.config import AGENT_TASKS
+from treerl.trainer.core.precision import canonical, parameter_dtype
+from treerl.tree.io import MAX_LINE_BYTES
+
+ENGINES = ("dfs", "flat", "packed")
+RECOMPUTE = ("auto", "always", "never")
+DATA_PARALLEL = ("auto", "none", "ddp", "fsdp2")
+LR_SCHEDULES = ("constant", "cosine")
+CHAT_FORMATS = ("template", "plain")
+MODES = ("sync", "async")
+ON_UPDATE = ("finish", "interrupt")
+NONFINITE = ("stop", "skip")
+
+
+class ConfigError(UserError):
+    """A config that cannot run: unknown key, wrong type, bad value, missing file. Names the key."""
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (pip install 'treerl[lora]'): only they train; the reference policy is the base without them."""
+
+    rank: int = 0  # adapter rank r; 0: no LoRA, every parameter trains
+    alpha: float = 32.0  # the adapters' output is scaled by alpha / rank
+    target_modules: str = "all-linear"  # all-linear (every linear layer but the LM head), or module names: q_proj,v_proj
+
+
+@dataclass
+class ModelConfig:
+    """The policy: a local transformers checkpoint, or a named shape with random weights."""
+
+    path: str | None = None  # local checkpoint directory (config + weights, e.g. a save_pretrained dir); never downloaded
+    shape: str = "tiny-qwen3"  # when path is null: a shape of treerl.models.SHAPES, randomly initialised
+    tokenizer_path: str | None = None  # null: the tokenizer saved with model.path; with no path, the built-in one
+    dtype: str | None = None  # parameters and optimizer state; null: as trainer.precision says (float32, or bfloat16 for bf16); float64 with fp32 for exactness tests
+    device: str = "auto"  # auto: this rank's GPU when CUDA is available, else cpu
+    seed: int = 0  # random initialisation of a shape (the same seed gives the same weights)
+    attn_implementation: str = "sdpa"  # transformers attention for the flat engine and sampling (sdpa | eager | ...)
+    trust_remote_code: bool = False  # run Python code shipped with model.path (auto_map); only for code you trust
+    gradient_checkpointing: bool = False  # recompute each decoder layer in backward instead of keeping its activations (less memory, ~1 more forward)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.rank > 0)
+
+
+@dataclass
+class CriticConfig:
+    """PPO's value model, built only when the advantages are GAE (`algo.loss=ppo` or `algo.advantage=gae`)."""
+
+    path: str | None = None  # local causal-LM checkpoint for its body; null: the policy's (model.path, or model.shape random)
+    lr: float | None = None  # its AdamW learning rate (same schedule as the policy); null: trainer.lr
+    seed: int = 1  # random initialisation of its value layer (and of its body when built from a shape)
+
+
+@dataclass
+class EngineConfig:
+    """The training engine: how forward/backward walks a batch (all give the same gradients)."""
+
+    name: str = "dfs"  # dfs (dynamic tree attention) | packed (tree mask, one call per pack) | flat (reference)
+    chunk_tokens: int = 2048  # dfs: longest run of one node computed at once
+    batch_tokens: int = 8192  # dfs: most tokens in one model call (tree nodes packed without padding); 0: one node per call
+    recompute: str = "auto"  # dfs: auto (a cost model keeps or recomputes each graph within the budget) | always | never
+    memory_budget_tokens: int | None = None  # dfs: tokens of autograd graph held at once; null: 1.5x the largest node
+    memory_budget_bytes: int | None = None  # dfs: the same budget in bytes (set at most one of the two)
+    max_tokens: int = 8192  # flat: tokens per packed row (no padding); packed: unique tokens per pack
+    head_chunk_rows: int = 1024  # rows of the LM head computed at once (no [tokens, vocab] logits tensor)
+
+
+@dataclass
+class TrainerConfig:
+    """The loop: optimisation, schedule, asynchronous rollout, checkpoints, logging, data parallelism."""
+
+    mode: str = "sync"  # sync: collect a batch, then update on it | async: rollout workers generate while the trainer updates
+    steps: int = 500  # training steps (one rollout batch, or one SFT batch, each)
+    seed: int = 0  # seeds torch / numpy / random and the minibatch shuffling
+    precision: str = "fp32"  # fp32 | bf16-mixed (bfloat16 compute, float32 master weights, optimizer state and gradient reduction) | bf16 (pure bfloat16); docs/training.md#precision-lora-and-gradient-checkpointing
+
+    # Optimisation (AdamW).
+    lr: float = 1e-3  # peak learning rate
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    adam_eps: float = 1e-8  # AdamW epsilon
+    max_grad_norm: float | None = 1.0  # clip the global gradient norm to this; null: no clipping
+    nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: stop (exit code 3) | skip (no optimizer step, counted)
+    warmup_steps: int = 10  # linear warmup from 0 over this many training steps
+    lr_schedule: str = "constant"  # after warmup: constant | cosine (down to min_lr_ratio * lr at the last step)
+    min_lr_ratio: float = 0.0  # cosine: final learning rate / lr
+
+    # PPO-style updates on each batch.
+    ppo_epochs: int = 1  # passes over each batch
+    minibatches: int = 1  # optimizer steps per pass; a minibatch holds whole groups (a prompt's samples stay together)
+    micro_batch_tokens: int | None = None  # unique tokens per engine call on a rank; null: one call per rank
+    recompute_logprobs: bool = False  # recompute old_logprobs with the training engine instead of the rollout's
+
+    # Asynchronous RL (mode=async; docs/training.md#asynchronous-rl-trainermodeasync).
+    max_staleness: int = 1  # async: a group is trained at most this many policy versions after its oldest token (0: synchronous)
+    rollout_workers: int = 1  # async: rollout worker processes, each sampling with its own copy of the policy on CPU
+    worker_threads: int = 1  # async: torch threads per worker (on CPU the trainer keeps the cores the workers leave)
+    worker_prompts: int | None = None  # async: prompts (groups) a worker samples in one engine call; null: prompts_per_step / rollout_workers
+    on_update: str = "finish"  # async: in-flight generations finish on the old weights | interrupt: resume on the new ones
+    interrupt_tokens: int = 8  # async, on_update=interrupt: tokens decoded between two looks for new weights
+    decoupled_loss: bool = True  # async: train ppo, grpo, dr_grpo, rloo, reinforce_pp as decoupled PPO (same advantages)
+    worker_timeout: float = 300.0  # async: a worker holding work with no model forward for this many seconds is restarted
+    max_worker_restarts: int = 10  # async: stop the run after this many worker restarts (crashes or hangs)
+
+    # CPU threads.
+    threads: int | None = None  # torch threads of the trainer (per rank); null: the cores / local ranks, less async workers'
+
+    # Data parallel (under torchrun; a plain `python`/`treerl` run is one rank).
+    data_parallel: str = "auto"  # auto (ddp when there are several ranks) | none | ddp | fsdp2
+    fit_cost_model: bool = True  # refit treerl.distributed's cost model from measured engine times to balance ranks
+
+    # Evaluation: the policy's mean reward on a fixed set of prompts (sampled like the rollout).
+    eval_prompts: int = 64  # prompts (episodes) per evaluation; 0: no evaluation
+    eval_every: int = 0  # also evaluate every this many steps; 0: only at the start and the end
+
+    # Output.
+    output_dir: str = "runs/train"  # metrics.jsonl, tensorboard/, checkpoints/, summary.json
+    save_every: int = 0  # checkpoint every this many steps; 0: only at the end
+    keep_checkpoints: int = 2  # most recent checkpoints kept; 0: keep all
+    save_final: bool = True  # checkpoint after the last step
+    resume: str | None = None  # a checkpoint directory, or "auto": the newest complete one in output_dir/checkpoints (if any)
+    overwrite: bool = False  # start afresh in an output_dir that holds a run (its checkpoints and metrics are deleted)
+    log_every: int = 1  # write metrics every this many steps
+    tensorboard: bool = True  # also write TensorBoard event files to output_dir/tensorboard
+    wandb: bool = False  # also log to Weights & Biases (pip install 'treerl[wandb]'; WANDB_MODE=offline: local only)
+    wandb_project: str = "treerl"  # the W&B project of the run
+    wandb_name: str | None = None  # the W&B run name; null: W&B picks one
+    progress: bool = True  # show a progress bar (step, reward, loss)
+
+
+@dataclass
+class SFTConfig:
+    """`treerl sft`: SFT on branching conversations (docs/training.md#sft-on-branching-conversations)."""
+
+    data_path: str | None = None  # JSONL of branching conversations (docs/training.md); null: the shipped example
+    conversations_per_step: int = 8  # conversations (each a tree of paths) per training step
+    chat_format: str = "template"  # template: the tokenizer's chat template (plain if it has none) | plain
+    shuffle: bool = True  # visit conversations in a seeded random order, reshuffled every epoch
+    eval_conversations: int = 32  # conversations whose loss is printed at the start and the end; 0: none
+    max_line_bytes: int = MAX_LINE_BYTES  # longest line of a JSONL data_path; a longer one is an error naming it
+
+
+def _demo_algo() -> AlgoConfig:
+    """Dr. GRPO with an entropy bonus: without the bonus the tiny demo policy collapses onto one answer, and
+    GRPO's std scaling blows the tiny format-credit differences of early samples up into full-size advantages."""
+    return AlgoConfig(loss="dr_grpo", entropy_coef=0.02)
+
+
+@dataclass
+class Config:
+    """Everything one run needs. The defaults are the built-in demo: arithmetic, a tiny model, CPU."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=_demo_algo)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    def check(self) -> None:
+        """Every value check of every section, before anything is built."""
+        check_finite(self)
+        try:
+            self.algo.check()
+            self.algo.resolved()
+            self.rollout.check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        check_choices(self)
+        check_ranges(self)
+        check_precision(self)
+
+
+def check_choices(config: Config) -> None:
+    """Options that take one of a few names."""
+    choices = {
+        "engine.name": ENGINES, "engine.recompute": RECOMPUTE,
+        "trainer.data_parallel": DATA_PARALLEL, "trainer.lr_schedule": LR_SCHEDULES,
+        "sft.chat_format": CHAT_FORMATS, "trainer.mode": MODES, "trainer.on_update": ON_UPDATE,
+        "trainer.nonfinite": NONFINITE,
+    }
+    if config.model.dtype is not None:
+        choices["model.dtype"] = DTYPES
+    if config.model.path is None:
+        choices["model.shape"] = tuple(SHAPES)
+    for key, allowed in choices.items():
+        value = get(config, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
+    if config.trainer.mode == "async" and config.rollout.task in AGENT_TASKS:
+        raise ConfigError(f"rollout.task={config.rollout.task} runs agents through the proxy of the synchronous loop; "
+                          "use trainer.mode=sync")
+    if config.model.lora.rank and config.rollout.server_url:
+        raise ConfigError("model.lora.rank > 0 with rollout.server_url: pushing the policy to an inference server "
+                          "each step is not implemented for LoRA; sample with the embedded engine (no server_url), "
+                          "and serve the result with `treerl export`")
+    if config.trainer.mode == "async" and config.rollout.server_url:
+        raise ConfigError("trainer.mode=async samples with its own rollout workers; rollout.server_url needs trainer.mode=sync")
+    if config.algo.resolved().advantage == "gae" and config.trainer.mode == "async":
+        raise ConfigError(
+            f"algo.advantage=gae (the default of algo.loss={config.algo.loss}) trains a critic, which "
+            "trainer.mode=async does not run; use trainer.mode=sync, or algo.advantage=group, group_mean, rloo or returns"
+        )
+    if config.critic.path is not None and not Path(config.critic.path).exists():
+        raise ConfigError(f"critic.path={config.critic.path!r} does not exist (treerl only loads local checkpoints)")
+    timeout = config.rollout.reward_timeout
+    if config.trainer.mode == "async" and timeout is not None and not timeout < config.trainer.worker_timeout:
+        raise ConfigError(f"rollout.reward_timeout={timeout} must be < trainer.worker_timeout="
+                          f"{config.trainer.worker_timeout} (a worker waiting on a reward would be taken for hung)")
+
+
+def check_precision(config: Config) -> None:
+    """trainer.precision (an alias becomes its own name) and model.dtype must agree; fills model.dtype when unset,
+    so everything after this reads the parameter dtype from model.dtype."""
+    try:
+        config.trainer.precision = canonical(config.trainer.precision)
+        config.model.dtype = parameter_dtype(config.trainer.precision, config.model.dtype)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    lora = config.model.lora
+    if lora.rank and not lora.target_modules.strip():
+        raise ConfigError("model.lora.target_modules is empty: name the modules to adapt (q_proj,v_proj) or all-linear")
+
+
+def check_finite(section: Any, prefix: str = "") -> None:
+    """No NaN or inf anywhere: a learning rate or coefficient of inf would train NaN weights."""
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if is_dataclass(value):
+            check_finite(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}{f.name}={value} must be a finite number")
+        elif isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v) for v in value):
+            raise ConfigError(f"{prefix}{f.name}={value} must hold finite numbers")
+
+
+def check_ranges(config: Config) -> None:
+    """Numbers that must be positive, non-negative or in a range."""
+    t = config.trainer
+    positive = {
+        "trainer.steps": t.steps, "trainer.lr": t.lr, "trainer.ppo_epochs": t.ppo_epochs,
+        "trainer.minibatches": t.minibatches, "trainer.log_every": t.log_every, "trainer.adam_eps": t.adam_eps,
+        "engine.chunk_tokens": config.engine.chunk_tokens, "engine.max_tokens": config.engine.max_tokens,
+        "engine.head_chunk_rows": config.engine.head_chunk_rows,
+        "sft.conversations_per_step": config.sft.conversations_per_step,
+        "trainer.rollout_workers": t.rollout_workers, "trainer.worker_threads": t.worker_threads,
+        "trainer.interrupt_tokens": t.interrupt_tokens, "trainer.worker_timeout": t.worker_timeout,
+        "rollout.max_line_bytes": config.rollout.max_line_bytes, "sft.max_line_bytes": config.sft.max_line_bytes,
+    }
+    optional = {"trainer.micro_batch_tokens": t.micro_batch_tokens, "trainer.max_grad_norm": t.max_grad_norm,
+                "critic.lr": config.critic.lr, "trainer.threads": t.threads,
+                "rollout.reward_timeout": config.rollout.reward_timeout,
+                "trainer.worker_prompts": t.worker_prompts,
+                "engine.memory_budget_bytes": config.engine.memory_budget_bytes,
+                "engine.memory_budget_tokens": config.engine.memory_budget_tokens}
+    positive.update({k: v for k, v in optional.items() if v is not None})
+    for key, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"{key}={value} must be > 0")
+    non_negative = {
+        "model.lora.rank": config.model.lora.rank, "model.lora.alpha": config.model.lora.alpha,
+        "trainer.weight_decay": t.weight_decay, "trainer.warmup_steps": t.warmup_steps,
+        "trainer.eval_prompts": t.eval_prompts, "trainer.eval_every": t.eval_every, "trainer.save_every": t.save_every,
+        "trainer.keep_checkpoints": t.keep_checkpoints, "engine.batch_tokens": config.engine.batch_tokens,
+        "sft.eval_conversations": config.sft.eval_conversations, "trainer.max_staleness": t.max_staleness,
+        "trainer.max_worker_restarts": t.max_worker_restarts,
+    }
+    for key, value in non_negative.items():
+        if not value >= 0:
+            raise ConfigError(f"{key}={value} must be >= 0")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        raise ConfigError(f"trainer.betas={t.betas} must be two numbers in [0, 1)")
+    if config.engine.memory_budget_tokens is not None and config.engine.memory_budget_bytes is not None:
+        raise ConfigError("engine.memory_budget_tokens and engine.memory_budget_bytes are the same budget: set one")
+
+
+def get(config: Any, key: str) -> Any:
+    """The value at a dotted key, e.g. get(config, "trainer.lr")."""
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                base: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- `base` dotlist (a command's own defaults) <- YAML at `path` <- `overrides`; checked."""
+    schema = OmegaConf.structured(Config)
+    layers = [("defaults of this command", OmegaConf.from_dotlist(list(base)))] if base else []
+    if path is not None:
+        layers.append((str(path), _read_yaml(resolve_config_path(path))))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. trainer.steps=100")
+        layers.append((f"override {item!r}", OmegaConf.from_dotlist([item])))
+    for source, layer in layers:
+        try:
+            schema = OmegaConf.merge(schema, layer)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"{source}: {_explain(e)}") from None
+    try:
+        config: Config = OmegaConf.to_object(schema)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        raise ConfigError(_explain(e)) from None
+    except ValueError as e:  # a section's own check (AlgoConfig checks itself when built)
+        raise ConfigError(str(e)) from None
+    config.check()
+    return config
+
+
+def packaged_configs() -> dict[str, Path]:
+    """The YAML configs shipped with treerl (treerl/configs), by name without `.yaml`."""
+    folder = resources.files("treerl") / "configs"
+    return {Path(str(p)).stem: Path(str(p)) for p in folder.iterdir() if str(p).endswith(".yaml")}
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A YAML file on disk, or the name of a packaged config (`guess_number`, `configs/guess_number.yaml`)."""
+    candidate = Path(path)
+    if candidate.is_file():
+        return candidate
+    shipped = packaged_configs()
+    name = candidate.name.removesuffix(".yaml").removesuffix(".yml")
+    if name in shipped:
+        return shipped[name]
+    raise ConfigError(f"config file {str(path)!r} does not exist (packaged configs: {', '.join(sorted(shipped))})")
+
+
+def to_yaml(config: Config) -> str:
+    """The resolved config as YAML (what `--print-config` shows and each checkpoint stores)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def all_keys(section: Any = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the config tree (docs and tests check that each is documented)."""
+    keys = []
+    for f in fields(section):
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            keys.extend(all_keys(type(default), f"{prefix}{f.name}."))
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        layer = OmegaConf.load(path)
+    except Exception as e:  # YAML syntax errors come from several libraries
+        raise ConfigError(f"{path}: not a valid YAML file ({e})") from None
+    if layer is None or (OmegaConf.is_dict(layer) and not layer):
+        raise ConfigError(f"{path}: the config file is empty (to run the defaults, give no config file)")
+    if not OmegaConf.is_dict(layer):
+        raise ConfigError(f"{path}: expected a mapping of sections (model, rollout, algo, engine, critic, trainer, sft)")
+    return layer
+
+
+def _explain(error: OmegaConfBaseException) -> str:
+    """OmegaConf's error as one line naming the full key, with a suggestion for a misspelt one."""
+    key = getattr(error, "full_key", None) or getattr(error, "key", None)
+    message = str(error).splitlines()[0]
+    if type(error).__name__ in ("ConfigKeyError", "ConfigAttributeError") and key:
+        parent, _, leaf = str(key).rpartition(".")
+        known = [k for k in all_keys() if k.startswith(parent + ".")] if parent else [f.name for f in fields(Config)]
+        close = difflib.get_close_matches(str(key), known, n=1) or difflib.get_close_matches(leaf, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        where = f"section {parent!r}" if parent else "the config (sections: model, rollout, algo, engine, critic, trainer, sft)"
+        return f"unknown key {str(key)!r}: {where} has no {leaf!r}{hint} (see docs/config.md)"
+    return f"{key}: {message}" if key else message

@@ -1,0 +1,53 @@
+"""`treerl export`: a checkpoint as a plain transformers model directory, for a server or `from_pretrained`.
+
+A LoRA checkpoint holds only the adapters. Export rebuilds the base the run trained on (the
+checkpoint's `model.path`, or `model.shape` with `model.seed`), checks that it is that base (the
+fingerprint the run saved), loads the adapters and merges them into the base weights (peft's
+`merge_and_unload`). A full checkpoint is written again, without its trainer state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from treerl.errors import UserError
+from treerl.models import DTYPES, base_fingerprint, is_lora
+from treerl.trainer.core.checkpoint import (
+    CONFIG_FILE,
+    STATE_FILE,
+    check_same_base,
+    load_weights,
+    read_state,
+    verify_checkpoint,
+    write_pretrained_atomically,
+)
+from treerl.trainer.core.config import load_config
+from treerl.trainer.core.run import load_policy
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None = None) -> Path:
+    """Write the policy of `checkpoint` (adapters merged) to the new directory `out`, in `dtype` (default: as trained)."""
+    path, out = Path(checkpoint), Path(out)
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype}: not one of {', '.join(DTYPES)}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out} already exists and is not an empty directory; export writes a new one")
+    verify_checkpoint(path)
+    config = load_config(path / CONFIG_FILE)  # the run's own settings: its base model, dtype and LoRA
+    model, tokenizer = load_policy(config.model, torch.device("cpu"))
+    if is_lora(model):
+        check_same_base(path, read_state(path / STATE_FILE).get("loop", {}).get("lora_base"), base_fingerprint(model))
+        load_weights(path, model)
+        model = model.merge_and_unload()
+    else:
+        load_weights(path, model)
+    model.eval()
+    if dtype is not None:
+        model = model.to(getattr(torch, dtype))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():
+        out.rmdir()  # empty (checked above): the atomic rename puts the complete directory there
+    write_pretrained_atomically(out, model, model.state_dict(), tokenizer)
+    return out

@@ -1,0 +1,310 @@
+"""What both RL modes share: learning from one batch, evaluation, the reference policy, the step loop.
+
+    learn(run, batch, reference, step)              # prepare (reference / proximal log-probs, advantages,
+                                                    # checks), then update (ppo_epochs x minibatches)
+    train_loop(run, evaluation, train_step, ...)    # evaluate, every step: train_step + log + checkpoint
+
+The synchronous loop (`treerl.trainer.rl.sync`) gets each batch by sampling it with the current
+policy; the asynchronous one (`treerl.trainer.asynchronous`) from rollout workers. Both hand a
+`RolloutBatch` (training sequences + counters) to the same `learn`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from treerl.algo import (
+    AlgoConfig,
+    LossNormalizer,
+    build_loss,
+    build_value_loss,
+    compute_advantages,
+    fill_fields,
+    validate_batch,
+)
+from treerl.algo.policy import kl_penalty
+from treerl.distributed import Assignment
+from treerl.engine import LossFn, SequenceView
+from treerl.models import is_lora
+from treerl.rollout import CompletionsClient, InferenceEngine, Rollout, RolloutBatch, RolloutStats
+from treerl.trainer.core.config import Config
+from treerl.trainer.core.metrics import tree_metrics
+from treerl.trainer.core.run import Run, load_policy
+from treerl.trainer.core.update import update
+from treerl.tree import TokenSequence
+
+EVAL_STEP = 10**9  # the "step" whose prompts and sampling seed form the fixed evaluation set
+REWARD_WINDOW = 20  # training steps averaged for the first / last training reward
+
+
+@dataclass
+class TrainResult:
+    """What `treerl train` reports at the end (also written to output_dir/summary.json)."""
+
+    reward_start: float  # evaluation of the initial policy (NaN without evaluation)
+    reward_end: float  # evaluation of the final policy
+    train_reward_first: float  # mean rollout reward of the first REWARD_WINDOW steps run
+    train_reward_last: float  # ... and of the last REWARD_WINDOW steps
+    steps: int  # steps done (fewer than trainer.steps if a signal stopped the run)
+    skipped_steps: int  # steps whose samples were all dropped
+    dropped_samples: int
+    seconds: float
+    output_dir: str
+    nonfinite_skipped: int = 0  # optimizer steps skipped for a NaN/inf loss or gradient (trainer.nonfinite=skip)
+    stopped_by: str | None = None  # "SIGINT" / "SIGTERM": stopped early, after a checkpoint
+
+
+def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int], dict[str, float]], started: float,
+               summary: Callable[[], dict[str, Any]] = dict) -> TrainResult:
+    """Evaluate, run `train_step(step)` for every step (logging, evaluating, checkpointing), evaluate again,
+    write summary.json (with the keys `summary()` adds)."""
+    config = run.config
+    reward_start = evaluate(run, evaluation, run.start_step, "start")
+    rewards: deque[float] = deque(maxlen=REWARD_WINDOW)
+    first: list[float] = []
+    dropped = 0
+    for step in run.steps():
+        metrics = train_step(step)
+        if step + 1 < config.trainer.steps and config.trainer.eval_every and (step + 1) % config.trainer.eval_every == 0:
+            evaluate(run, evaluation, step + 1, None)
+        reward = metrics["rollout/reward_mean"]
+        dropped += int(metrics["rollout/dropped"])
+        if not math.isnan(reward):  # NaN: a step whose samples were all dropped
+            rewards.append(reward)
+            if len(first) < REWARD_WINDOW:
+                first.append(reward)
+        run.end_step(step, metrics, {"reward": reward, "loss": metrics.get("train/loss", float("nan"))})
+    reward_end = float("nan") if run.stopped_by else evaluate(run, evaluation, config.trainer.steps, "end")
+    result = TrainResult(
+        reward_start=reward_start, reward_end=reward_end,
+        train_reward_first=_mean(first), train_reward_last=_mean(rewards),
+        steps=run.steps_done, skipped_steps=run.loop_state["skipped_steps"], dropped_samples=dropped,
+        seconds=time.perf_counter() - started, output_dir=config.trainer.output_dir,
+        nonfinite_skipped=run.loop_state["nonfinite_skipped"], stopped_by=run.stopped_by,
+    )
+    run.summarise(asdict(result) | summary(), f"training reward: first {len(first)} steps "
+                  f"{result.train_reward_first:.3f} -> last {len(rewards)} steps {result.train_reward_last:.3f}")
+    return result
+
+
+def learn(run: Run, batch: RolloutBatch, reference: Reference | None, step: int,
+          proximal_in_loss: bool = False) -> dict[str, float]:
+    """Prepare and update on one batch (or skip the step if every sample was dropped); the step's metrics.
+
+    `proximal_in_loss` (decoupled PPO with one optimizer step per batch): the proximal policy is the
+    very policy the update differentiates, so its log-probs are taken, detached, from the update's
+    own forward instead of an extra no-grad pass over the batch (see `policy_loss`).
+    """
+    metrics = batch.stats.metrics()
+    report_dropped(run, step, batch.stats)
+    if batch.sequences:
+        metrics.update(tree_metrics(batch.sequences))
+        algo = run.config.algo.resolved()
+        proximal_in_loss = proximal_in_loss and algo.loss == "decoupled_ppo"
+        prepared = time.perf_counter()
+        prepare(run, batch.sequences, reference, proximal_in_loss)
+        metrics["time/logprobs"] = time.perf_counter() - prepared
+        metrics.update(update(run, batch.sequences, step,
+                              lambda minibatch: policy_loss(algo, minibatch, proximal_in_loss)))
+        if run.critic is not None:
+            metrics.update(update_critic(run, batch.sequences, step, algo))
+    else:  # every sample was dropped: nothing to learn from, the schedule still advances
+        run.loop_state["skipped_steps"] += 1
+        run.print(f"step {step}: every sample was dropped ({dict(batch.stats.dropped)}); step skipped")
+    metrics["trainer/skipped_steps"] = run.loop_state["skipped_steps"]
+    return metrics
+
+
+def update_critic(run: Run, sequences: list[TokenSequence], step: int, algo: AlgoConfig) -> dict[str, float]:
+    """The critic's passes over the batch (the policy's epochs and minibatches), towards the GAE returns;
+    its metrics under critic/ (value_loss, value_clip_fraction, grad_norm, lr) and time/critic_update."""
+    metrics = update(run, sequences, step,
+                     lambda minibatch: build_value_loss(algo, LossNormalizer.from_sequences(minibatch)),
+                     optimizer_step=run.update_critic)
+    renamed = {f"critic/{key.removeprefix('train/')}": value for key, value in metrics.items()
+               if key.startswith("train/") and key not in ("train/loss", "train/updates")}
+    renamed["time/critic_update"] = metrics["time/update"]
+    return renamed
+
+
+# ---------------------------------------------------------------------- rollout
+def collect(run: Run, rollout: Rollout, step: int) -> RolloutBatch:
+    """The global batch of `step`, the same on every rank."""
+    if run.env.world_size == 1:
+        return rollout.collect(step)
+    if rollout.proxy is not None and not isinstance(rollout.engine, CompletionsClient):
+        raise RuntimeError("agent tasks under torchrun need an inference server (rollout.server_url): their episodes "
+                           "are not reproducible, so the ranks cannot each sample the same batch")
+    if isinstance(rollout.engine, CompletionsClient):  # a server's samples need not be reproducible: rank 0 asks
+        box = [rollout.collect(step) if run.env.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]  # type: ignore[return-value]
+    with run.dp.gathered():
+        batch = rollout.collect(step)
+    check_same_batch(batch.sequences)
+    return batch
+
+
+def check_same_batch(sequences: list[TokenSequence]) -> None:
+    """Every rank must have sampled the same batch; compare a fingerprint (tokens and rewards) across ranks."""
+    digest = hashlib.sha256(repr([(s.name, s.info.get("reward")) for s in sequences]).encode())
+    for seq in sequences:
+        digest.update(seq.tokens.numpy().tobytes())
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, digest.hexdigest())
+    if len(set(gathered)) != 1:
+        raise RuntimeError(
+            "the ranks sampled different batches (their weights or rollout configs differ); every rank must "
+            "start from the same model and config"
+        )
+
+
+def evaluation_rollout(run: Run, sampler: InferenceEngine) -> Rollout | None:
+    """The fixed evaluation set (`trainer.eval_prompts` prompts), sampled like the training rollout; None: no evaluation."""
+    config = run.config
+    if not config.trainer.eval_prompts:
+        return None
+    return Rollout(replace(config.rollout, prompts_per_step=config.trainer.eval_prompts), run.tokenizer, sampler)
+
+
+def evaluate(run: Run, evaluation: Rollout | None, step: int, label: str | None) -> float:
+    """Mean reward of the current policy on the fixed evaluation prompts (logged as eval/*; printed with a label)."""
+    if evaluation is None:
+        return float("nan")
+    stats = collect(run, evaluation, EVAL_STEP).stats
+    metrics = {f"eval/{k.removeprefix('rollout/')}": v for k, v in stats.metrics().items()}
+    if run.logger is not None:
+        run.logger.log(step, metrics)
+    if label is not None:
+        config = run.config.rollout
+        run.print(f"mean reward at {label}: {stats.reward_mean:.3f} (evaluation: {stats.samples} samples of "
+                  f"{config.task}, {evaluation.config.prompts_per_step} prompts x {config.group_size}, step {step})")
+    return stats.reward_mean
+
+
+def report_dropped(run: Run, step: int, stats: RolloutStats) -> None:
+    """Dropped samples, with their text, go to output_dir/dropped.jsonl (the counters go to the metrics)."""
+    if run.logger is not None and stats.dropped_samples:
+        run.logger.write_jsonl("dropped.jsonl", [{"step": step, **asdict(s)} for s in stats.dropped_samples])
+
+
+# ---------------------------------------------------------------------- batch preparation
+@dataclass
+class Reference:
+    """The policy the KL penalty measures against: the initial policy, frozen.
+
+    A full copy of it (`copy`), or with LoRA the policy itself with its adapters switched off
+    (`adapters_of`): its base is the initial policy, and no second model is held in memory.
+    """
+
+    copy: torch.nn.Module | None = None
+    adapters_of: Run | None = None
+
+    @contextlib.contextmanager
+    def model(self) -> Iterator[torch.nn.Module]:
+        """The reference model, for the duration of the block."""
+        if self.copy is not None:
+            yield self.copy
+            return
+        assert self.adapters_of is not None
+        with self.adapters_of.dp.gathered() as policy, policy.disable_adapter():
+            yield policy
+
+
+def load_reference(config: Config, run: Run) -> Reference:
+    """The frozen initial policy (with LoRA: the base under the adapters; else a full copy on every rank)."""
+    if is_lora(run.policy):
+        return Reference(adapters_of=run)
+    model, _ = load_policy(config.model, next(run.policy.parameters()).device)
+    model.eval()
+    model.requires_grad_(False)
+    return Reference(copy=model)
+
+
+def prepare(run: Run, sequences: list[TokenSequence], reference: Reference | None,
+            proximal_in_loss: bool = False) -> None:
+    """Fill the log-prob fields the loss reads, then the advantages; every check before the first update.
+
+    `old_logprobs` are the rollout's behaviour log-probs unless `trainer.recompute_logprobs`.
+    Each rank runs the no-grad forwards for its own share of the batch and the fields are then
+    shared, so every rank ends with the same complete batch. With `proximal_in_loss` the
+    `prox_logprobs` field is a copy of `old_logprobs` that the loss replaces before reading it.
+    """
+    algo = run.config.algo.resolved()
+    assignment = run.assign(sequences)
+    mine = [sequences[i] for i in assignment.sequences(run.env.rank)]
+    proximal = algo.loss == "decoupled_ppo" and not proximal_in_loss
+    policy_fields = (["old_logprobs"] if run.config.trainer.recompute_logprobs else []) + (
+        ["prox_logprobs"] if proximal else [])
+    if policy_fields and mine:
+        with run.dp.gathered() as policy:
+            fill_fields(run.engine, policy, mine, {"logprobs": policy_fields[0]})
+        for seq in mine:
+            for name in policy_fields[1:]:
+                seq.fields[name] = seq.fields[policy_fields[0]].clone()
+    if reference is not None and mine:
+        with reference.model() as model:
+            fill_fields(run.engine, model, mine, {"logprobs": "ref_logprobs"})
+    if run.critic is not None and mine:  # V(s_t) for GAE, and V_old for the clipped value loss
+        with run.critic.dp.gathered() as critic:
+            fill_fields(run.critic.engine, critic, mine, {"values": "values"})
+    share_fields(sequences, assignment, policy_fields + (["ref_logprobs"] if reference is not None else [])
+                 + (["values"] if run.critic is not None else []))
+    if proximal_in_loss:
+        for seq in sequences:
+            seq.fields["prox_logprobs"] = seq.fields["old_logprobs"].clone()
+    compute_advantages(algo, sequences)
+    validate_batch(algo, sequences)
+
+
+def share_fields(sequences: list[TokenSequence], assignment: Assignment, names: list[str]) -> None:
+    """Each rank filled `names` for its own sequences; afterwards every rank has them for all."""
+    if not names or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    rank = dist.get_rank()
+    local = {i: {n: sequences[i].fields[n].cpu() for n in names} for i in assignment.sequences(rank)}
+    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, local)
+    for part in gathered:
+        for i, values in part.items():
+            sequences[i].fields.update(values)
+
+
+# ---------------------------------------------------------------------- the loss
+def policy_loss(algo: AlgoConfig, minibatch: list[TokenSequence], proximal_in_loss: bool = False) -> LossFn:
+    """The algorithm's loss normalised over the whole (global) minibatch, plus `approx_kl` to the old policy.
+
+    `proximal_in_loss`: decoupled PPO's proximal log-probs are the current ones, detached (valid
+    only when the minibatch is the whole batch and its only update: then the proximal policy is
+    the policy being differentiated).
+    """
+    normalizer = LossNormalizer.from_sequences(minibatch)
+    loss_fn = build_loss(algo, normalizer)
+
+    def with_approx_kl(view: SequenceView):
+        if proximal_in_loss:
+            view.fields["prox_logprobs"] = view.logprobs.detach()
+        loss, metrics = loss_fn(view)
+        logp = view.logprobs.detach()
+        mask = view.fields["loss_mask"].to(logp)
+        kl = kl_penalty(view.fields["old_logprobs"].to(logp), logp, mask, "k3")  # KL(pi_old || pi) from old's samples
+        metrics["approx_kl"] = normalizer.aggregate(kl, mask, "token_mean")
+        return loss, metrics
+
+    return with_approx_kl
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return statistics.fmean(values) if values else float("nan")

@@ -1,0 +1,1 @@
+"""SFT on branching conversations: the loop (`loop`) and the data format (`data`)."""
