@@ -42,6 +42,8 @@ TINY_MODEL = ["--shape", "tiny-qwen3", "--vocab-size", "128"]
 BENCH_SHRINK = ["--scale", "0.004", "--repeats", "1", "--no-memory", *TINY_MODEL]
 BALANCE_SHRINK = ["--balance-scale", "0.02", "--scale", "0.004", *TINY_MODEL]
 ASYNC_SHRINK = [f"--set={o}" for o in TRAIN_SHRINK]
+PROFILE_SHRINK = ["--workloads", "grpo,agent", "--engines", "flat,dfs", *BENCH_SHRINK]  # the profiler is slow
+PRECISION_SHRINK = ["--prompt-tokens", "24", "--response-tokens", "4", "--samples", "2", *TINY_MODEL]
 
 
 @dataclasses.dataclass
@@ -130,7 +132,9 @@ def shrunk(words: list[str]) -> list[str]:
     if command in ("train", "sft"):
         rest = rest + TRAIN_SHRINK
     elif command == "bench":
-        rest = rest + (ASYNC_SHRINK if "--async" in rest else BALANCE_SHRINK if "--balance" in rest else BENCH_SHRINK)
+        shrink = {"--async": ASYNC_SHRINK, "--balance": BALANCE_SHRINK, "--profile": PROFILE_SHRINK,
+                  "--precision": PRECISION_SHRINK}
+        rest = rest + next((options for flag, options in shrink.items() if flag in rest), BENCH_SHRINK)
     return [sys.executable, "-m", "treerl.cli.main", *rest]
 
 
@@ -238,7 +242,7 @@ def test_every_table_row_has_the_headers_cells():
 
 
 # Written by treerl itself (bench outputs, tests/zoo.py's table), not documents to read.
-OUTPUT_FILES = {"bench.md", "balance.md", "async_compare.md", "table.md"}
+OUTPUT_FILES = {"bench.md", "balance.md", "async_compare.md", "precision.md", "profile.md", "table.md"}
 
 
 def test_every_cited_document_exists():
