@@ -419,7 +419,7 @@ def test_bad_input_is_one_error_line_exit_2_and_nothing_written(case, tmp_path, 
 def test_an_internal_error_keeps_its_traceback(tmp_path, monkeypatch, error):
     """Not a user error: the exception propagates (the CLI prints its traceback), exit code 1; an EOFError too,
     which click alone would turn into a bare 'Aborted.'."""
-    from treerl.trainer.rl import learn as rl
+    from treerl.trainer.rl import sync as rl
 
     def broken(*args, **kwargs):
         raise error

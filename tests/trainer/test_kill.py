@@ -62,4 +62,4 @@ def test_a_kill_while_writing_never_leaves_a_broken_checkpoint_and_resume_takes_
         process.kill()
         process.wait()
     assert next_step > ROUNDS // 2  # most rounds finished a checkpoint before the kill
-    assert kills_during_a_save >= ROUNDS // 4  # and many kills landed in the middle of writing one
+    assert kills_during_a_save >= 3  # and kills landed in the middle of writing one (4-10 of 20 seen: timing varies)

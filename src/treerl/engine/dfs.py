@@ -71,8 +71,10 @@ class DfsEngine:
 
     def forward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> list[dict[str, torch.Tensor]]:
         tree = self._tree(model, sequences)
-        plan = self.plan(model, tree, training=False)
-        walk = _Walk(self, model, tree, plan, loss_fn=None)
+        # The training plan, not a faster one of bigger calls: the log-probs a no-grad pass fills in (old,
+        # proximal, reference) must be bit-identical to the ones the update computes, or the on-policy ratio is
+        # off by low-precision rounding (bf16 matmuls round differently when the rows of a call change).
+        walk = _Walk(self, model, tree, self.plan(model, tree), loss_fn=None)
         with torch.no_grad(), engine_attention(model):
             walk.run()
         return walk.sequence_outputs()
@@ -80,7 +82,7 @@ class DfsEngine:
     def forward_backward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence], loss_fn: LossFn) -> StepStats:
         started = time.perf_counter()
         tree = self._tree(model, sequences)
-        walk = _Walk(self, model, tree, self.plan(model, tree, training=True), loss_fn=loss_fn)
+        walk = _Walk(self, model, tree, self.plan(model, tree), loss_fn=loss_fn)
         with engine_attention(model):
             walk.run()
         walk.stats.loss = float(walk.total_loss)
@@ -107,16 +109,12 @@ class DfsEngine:
             raise ValueError(f"memory_budget_fraction must be in (0, 1], got {self.memory_budget_fraction}")
         return PrefixTree.build(sequences).chunked(self.chunk_tokens)
 
-    def plan(self, model: PreTrainedModel, tree: PrefixTree, training: bool = True) -> WalkPlan:
+    def plan(self, model: PreTrainedModel, tree: PrefixTree) -> WalkPlan:
         """Which nodes run together and which graphs are kept, within the memory budget (in graph tokens)."""
         run = [run_length(node, self.head.shifted) for node in tree.nodes]
         run[ROOT] = 0
-        unit_tokens = self.batch_tokens
         cost = self.plan_cost or PlanCost.for_device(_device(model).type)
-        if not training:  # no graphs: only the call size limits a unit
-            return WalkPlan(tree, run, capacity=max(unit_tokens, 1), unit_tokens=unit_tokens, recompute="always",
-                            cost=cost)
-        return WalkPlan(tree, run, self.graph_budget_tokens(model, tree), unit_tokens, self.recompute, cost)
+        return WalkPlan(tree, run, self.graph_budget_tokens(model, tree), self.batch_tokens, self.recompute, cost)
 
     def graph_budget_tokens(self, model: PreTrainedModel, tree: PrefixTree) -> int:
         """Tokens of autograd graph the walk may hold at once (`tree` is chunked: no node over `chunk_tokens`)."""
