@@ -25,8 +25,9 @@ from treerl.tree import PrefixTree, TokenSequence
 from treerl.tree.workloads import AgentShape, agent_trees, grpo_groups, random_trees
 
 ENGINES: dict[str, Callable[[], Engine]] = {
-    "flat": FlatEngine,  # the dense baseline every engine is compared with: packed rows, no padding
-    "flat-sequences": lambda: FlatEngine(layout="sequences"),  # one call per sequence, the model's own attention
+    "flat": FlatEngine,  # the dense baseline every engine is compared with: the faster layout on the device
+    "flat-packed": lambda: FlatEngine(layout="packed"),  # packed rows without padding (flat's choice on CUDA)
+    "flat-sequences": lambda: FlatEngine(layout="sequences"),  # one call per sequence (flat's choice on CPU)
     "packed": PackedEngine,
     "dfs": DfsEngine,
     "dfs-one-node-per-call": lambda: DfsEngine(batch_tokens=0),
@@ -158,8 +159,8 @@ def profile_engines(config: BenchConfig) -> list[dict]:
 
 
 MEMORY_ENGINES: dict[str, Callable[[], Engine]] = {
-    "flat, whole batch at once": lambda: FlatEngine(max_tokens=1 << 40),
-    "flat, 8192-token micro-batches": FlatEngine,
+    "flat, whole batch at once": lambda: FlatEngine(layout="packed", max_tokens=1 << 40),
+    "flat, 8192-token micro-batches": lambda: FlatEngine(layout="packed"),
     "dfs (default)": DfsEngine,
     "dfs, one path (no sibling batching, recompute)": lambda: DfsEngine(batch_tokens=0, recompute="always"),
 }

@@ -7,8 +7,10 @@ Two layouts compute the same thing:
 - `"sequences"`: one model call per sequence through the model's own attention, whatever
   implementation it was loaded with: literally the model's forward on each sequence alone. The
   exactness oracle, and the layout for every model the tree engines cannot route.
-`"auto"` (default) packs where treerl can route the model's attention and runs sequences one by
-one elsewhere.
+`"auto"` (default) is whichever is faster on the device: on CUDA packed rows where treerl can route
+the model's attention (one call instead of one per sequence); on CPU one call per sequence, which
+`treerl bench` measured faster on every workload (packed rows run treerl's attention node by node,
+a kernel call per sequence plus the merge, where SDPA runs each sequence in one call).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class FlatEngine:
         """"packed" or "sequences": what `layout` means for this model (checked at every call)."""
         if self.layout not in ("auto", "packed", "sequences"):
             raise ValueError(f"layout must be 'auto', 'packed' or 'sequences', got {self.layout!r}")
-        if self.layout == "sequences":
+        if self.layout == "sequences" or (self.layout == "auto" and model.device.type == "cpu"):
             return "sequences"
         try:
             check_tree_model(model)
