@@ -143,11 +143,15 @@ class OutputSlots:
         return torch.cat(pieces)[: len(self.tree.sequences[s])]
 
 
+def output_dtype(model: PreTrainedModel) -> torch.dtype:
+    """What every engine returns outputs in: the parameters' dtype, at least float32 (the head computes in it)."""
+    return torch.promote_types(next(model.parameters()).dtype, torch.float32)
+
+
 def empty_outputs(model: PreTrainedModel, head: Head) -> dict[str, torch.Tensor]:
     """Outputs of a call with nothing to run (one-token leaves: their only output is a fork row)."""
-    param = next(model.parameters())
-    dtype = torch.promote_types(param.dtype, torch.float32)
-    return {name: torch.zeros(0, dtype=dtype, device=param.device) for name in head.outputs}
+    device = next(model.parameters()).device
+    return {name: torch.zeros(0, dtype=output_dtype(model), device=device) for name in head.outputs}
 
 
 def check_batch(model: PreTrainedModel, head: Head, sequences: Sequence[TokenSequence], tree: bool) -> None:

@@ -41,6 +41,7 @@ from treerl.engine.base import (
     StepStats,
     check_batch,
     final_hidden,
+    output_dtype,
     run_length,
     sum_losses,
 )
@@ -200,8 +201,7 @@ class _Walk:
         self.total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self.needs_backward: set[int] = set()  # nodes on the path of a loss that depends on the outputs
         self.slots = OutputSlots(tree, self.head.shifted)  # where each token's outputs land, the fork rows' included
-        dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
-        self.slot_outputs = {name: torch.zeros(self.slots.total, dtype=dtype, device=self.device)
+        self.slot_outputs = {name: torch.zeros(self.slots.total, dtype=output_dtype(model), device=self.device)
                              for name in self.head.outputs}
         self.grads = {name: torch.zeros_like(v) for name, v in self.slot_outputs.items()} if loss_fn is not None else {}
         self.inputs = self._prepare()

@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treerl.attention import Segment, TreeCall, UnitKV, UnitLayout, UnsupportedModel, engine_attention
-from treerl.engine.base import Head, LossFn, StepStats, check_batch, final_hidden, sum_losses, to_device
+from treerl.engine.base import Head, LossFn, StepStats, check_batch, final_hidden, output_dtype, sum_losses, to_device
 from treerl.engine.head import PolicyHead
 from treerl.engine.support import check_all_layers_routed, check_tree_model, model_name
 from treerl.tree import TokenSequence
@@ -132,7 +132,7 @@ class FlatEngine:
         positions = torch.cat([torch.arange(n) for n in lengths])
         targets = torch.cat([s.tokens[shift:] for s in batch])
         if len(ids) == 0:  # one-token sequences: nothing predicts anything
-            return [{name: torch.zeros(1, dtype=_dtype(model), device=device) for name in self.head.outputs}
+            return [{name: torch.zeros(1, dtype=output_dtype(model), device=device) for name in self.head.outputs}
                     for _ in batch]
         ids, positions, targets = (to_device(x, device) for x in (ids, positions, targets))
         if packed:
@@ -155,7 +155,3 @@ class FlatEngine:
                     results.append({})
                 results[i][name] = torch.cat([piece.new_zeros(shift), piece]) if shift else piece
         return results
-
-
-def _dtype(model: PreTrainedModel) -> torch.dtype:
-    return torch.promote_types(next(model.parameters()).dtype, torch.float32)

@@ -53,9 +53,10 @@ class PackedEngine:
         check_batch(model, self.head, sequences, tree=True)
         tree = PrefixTree.build(sequences)
         results: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
+        layout = OutputSlots(tree, self.head.shifted)
         with torch.no_grad(), engine_attention(model):
             for pack in self.packs(tree):
-                for s, outputs in self._run(model, tree, pack):
+                for s, outputs in self._run(model, tree, layout, pack):
                     results[s] = outputs
         return results
 
@@ -65,9 +66,10 @@ class PackedEngine:
         tree = PrefixTree.build(sequences)
         stats = StepStats(sequences=len(sequences), flat_tokens=sum(len(s) for s in sequences))
         total = torch.zeros((), dtype=torch.float64, device=model.get_input_embeddings().weight.device)
+        layout = OutputSlots(tree, self.head.shifted)
         with engine_attention(model):  # backward too: gradient checkpointing recomputes layers through treerl
             for pack in self.packs(tree):
-                views = ((s, sequences[s], outputs) for s, outputs in self._run(model, tree, pack))
+                views = ((s, sequences[s], outputs) for s, outputs in self._run(model, tree, layout, pack))
                 pack_loss = sum_losses(views, loss_fn, stats)
                 if pack_loss.requires_grad:
                     pack_loss.backward()
@@ -97,7 +99,8 @@ class PackedEngine:
                 size = tokens
         return packs
 
-    def _run(self, model: PreTrainedModel, tree: PrefixTree, pack: list[int]) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    def _run(self, model: PreTrainedModel, tree: PrefixTree, layout: OutputSlots,
+             pack: list[int]) -> list[tuple[int, dict[str, torch.Tensor]]]:
         """One packed call over `pack` (node indices in preorder); per-sequence outputs aligned with tokens."""
         device = model.get_input_embeddings().weight.device
         shifted = self.head.shifted
@@ -105,7 +108,6 @@ class PackedEngine:
         offsets = torch.tensor([0] + lengths).cumsum(0).tolist()
         ids = torch.cat([tree.nodes[i].tokens[:n] for i, n in zip(pack, lengths)])
         positions = torch.cat([torch.arange(tree.nodes[i].start, tree.nodes[i].start + n) for i, n in zip(pack, lengths)])
-        layout = OutputSlots(tree, shifted)
         parts = [layout.node_rows(tree.nodes[i], offsets[k]) for k, i in enumerate(pack)]
         rows, targets, slots = (torch.cat(column) for column in zip(*parts))
         if len(ids) == 0:
