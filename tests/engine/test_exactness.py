@@ -65,7 +65,7 @@ def sequence_loss(view):
 def _hand_batches() -> dict[str, list[list[int]]]:
     rng = random.Random(0)
     r = lambda n: [rng.randrange(VOCAB) for _ in range(n)]
-    p = r(9)
+    p, q = r(9), r(4)
     return {
         "one sequence": [r(12)],
         "no sharing": [[1] + r(7), [2] + r(5), [3] + r(9)],
@@ -74,6 +74,7 @@ def _hand_batches() -> dict[str, list[list[int]]]:
         "single-token nodes": [[7], [7, 8], [7, 9], [7, 8, 1], [7, 8, 2], [3]],
         "grpo group": [p + r(5) for _ in range(5)],
         "deep chain": [p + r(20), p + r(3)],
+        "fork below a chain": [p + q + r(4), p + q + r(3), p + r(5)],  # one unit: causal run p-q-., q's others see p+q
     }
 
 
@@ -83,6 +84,7 @@ ENGINES = {
     "keep-graph": DfsEngine(recompute="never"),
     "recompute": DfsEngine(recompute="always"),
     "no-sibling-batching": DfsEngine(batch_tokens=0),
+    "whole-tree-units": DfsEngine(memory_budget_tokens=1 << 20),  # every tree in one call: runs and blocks
     "small-calls": DfsEngine(chunk_tokens=3, batch_tokens=8),
     "auto-tiny-budget": DfsEngine(memory_budget_bytes=200_000, batch_tokens=16),
     "chunk-3": DfsEngine(chunk_tokens=3),
@@ -135,7 +137,7 @@ def random_batches(draw):
     chunk=st.sampled_from([1, 2, 3, 5, 2048]),
     recompute=st.sampled_from(["auto", "always", "never"]),
     batch_tokens=st.sampled_from([0, 1, 6, 8192]),
-    budget=st.sampled_from([None, 1, 2_000, 300_000]),
+    budget=st.sampled_from([None, 1, 2_000, 300_000, 1 << 30]),  # bytes; 1 << 30: whole trees in one call
     call_cost=st.sampled_from([0.0, 48.0, 1e6]),
     sequence_level=st.booleans(),
     seed=st.integers(0, 2**16),

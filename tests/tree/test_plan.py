@@ -76,26 +76,32 @@ def test_grpo_group_packs_and_the_cost_model_picks_keep_or_recompute():
     group = [[0] * 20 + [1 + i] + [9] * 10 for i in range(8)]  # a 20-token prompt, 8 samples of 11 tokens
     whole = _plan(group, chunk=100, capacity=20 + 8 * 10, unit_tokens=8192, recompute="auto")
     assert len(whole.all_units()) == 1  # the budget holds the group: one call
+    # Filling 40 rows takes the prompt and 2 samples; recomputing that unit would run the samples again too,
+    # so the prompt goes alone (recomputed) and the samples four to a call below it.
     tight = _plan(group, chunk=100, capacity=40, unit_tokens=8192, recompute="auto")
-    assert tight.units[0].tokens == 40 and not tight.units[0].keep  # prompt + 2 samples fill it: recompute
-    assert tight.peak_graph_tokens() <= 40 and len(tight.all_units()) == 1 + 2  # 6 samples, 4 a call
-    # calls of 30 rows: prompt + 1 sample, 10 rows left. Keeping them runs the other 7 samples one per call;
-    # recomputing them (one more forward of 30 rows) runs them 3 to a call.
+    assert tight.units[0].nodes == [1] and not tight.units[0].keep
+    assert tight.peak_graph_tokens() <= 40 and len(tight.all_units()) == 1 + 2
+    # Calls of 30 rows. Keeping the prompt's graph (20) leaves room for one sample a call: 8 calls below;
+    # recomputing it (one more forward of 20 rows) runs them 3 to a call.
     dear_calls = _plan(group, chunk=100, capacity=40, unit_tokens=30, recompute="auto", cost=PlanCost())
-    assert dear_calls.units[0].tokens == 30 and not dear_calls.units[0].keep
+    assert dear_calls.units[0].nodes == [1] and not dear_calls.units[0].keep
     assert len(dear_calls.all_units()) == 1 + 3
     free_calls = _plan(group, chunk=100, capacity=40, unit_tokens=30, recompute="auto",
                        cost=PlanCost(call=0.0, forward_call=0.0, forward_token=0.33))
-    assert free_calls.units[0].keep and len(free_calls.all_units()) == 1 + 7
+    assert free_calls.units[0].keep and len(free_calls.all_units()) == 1 + 7  # prompt + 1 sample, 1 a call below
     assert free_calls.peak_graph_tokens() <= 40
 
 
 def test_keeping_needs_room_for_a_node_below():
-    """A unit whose graph leaves no room for its largest child is recomputed, whatever the cost model says."""
-    lists = [[0] * 30 + [1] * 20, [0] * 30 + [2] * 20]
-    plan = _plan(lists, chunk=100, capacity=49, unit_tokens=8192, recompute="auto",
-                 cost=PlanCost(call=0.0, forward_call=1e9, forward_token=1e9))
-    assert not plan.units[0].keep and plan.peak_graph_tokens() <= 49
+    """A graph is kept only where a node below still fits beside it, whatever the cost model says."""
+    cheap_calls = PlanCost(call=0.0, forward_call=1e9, forward_token=1e9)
+    tight = _plan([[0] * 40 + [1] * 20, [0] * 40 + [2] * 20], chunk=100, capacity=49, unit_tokens=8192,
+                  recompute="auto", cost=cheap_calls)
+    assert not tight.units[0].keep and tight.peak_graph_tokens() <= 49  # 40 kept + 19 below > 49
+    # With a 30-token prompt, prompt + one child fill the 49 but leave nothing: the prompt alone is kept.
+    roomy = _plan([[0] * 30 + [1] * 20, [0] * 30 + [2] * 20], chunk=100, capacity=49, unit_tokens=8192,
+                  recompute="auto", cost=cheap_calls)
+    assert roomy.units[0].nodes == [1] and roomy.units[0].keep and roomy.peak_graph_tokens() <= 49
 
 
 def test_unit_tokens_zero_is_one_node_per_call():

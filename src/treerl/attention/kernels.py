@@ -183,7 +183,7 @@ def _scores(q, k, spec: AttentionSpec, part: Part, raw: torch.Tensor | None = No
     if spec.softcap is not None:
         scores = torch.tanh(scores / spec.softcap) * spec.softcap
     hide = ~spec.visible(part, q.shape[-2], k.shape[-2], q.device)
-    return scores.masked_fill(hide, float("-inf")) if bool(hide.any()) else scores
+    return scores.masked_fill(hide, float("-inf"))  # always: asking whether anything is hidden would sync the device
 
 
 def _math_backward(dout, q, k, v, out, lse, spec: AttentionSpec, part: Part):

@@ -1,7 +1,8 @@
 """`treerl bench`: every engine on the same trees, side by side in one process.
 
 For each workload: flat tokens T, unique tokens U, the FLOP-ideal speedup (treerl.bench.flops),
-then for each engine the median wall time of `forward_backward` over repeats after a warm-up,
+then for each engine the median wall time of `forward_backward` over rounds that run every engine once
+(interleaved, after a warm-up),
 its peak memory (a separate, untimed run), and its speedup over the flat engine.
 """
 
@@ -45,7 +46,7 @@ class BenchConfig:
     device: str = "cpu"
     dtype: str = "float32"
     scale: float = 1 / 16
-    repeats: int = 3
+    repeats: int = 5  # rounds; each runs every engine once
     warmup: int = 1
     memory: bool = True
     engines: list[str] = field(default_factory=lambda: list(ENGINES))
@@ -89,6 +90,27 @@ def timed_step(engine: Engine, model, batch: list[TokenSequence], device: torch.
     return seconds
 
 
+def _interleaved_times(engines: dict[str, Engine], model, batch: list[TokenSequence], device: torch.device,
+                       config: BenchConfig, tick: Callable[[str], None]) -> dict[str, list[float]]:
+    """Each engine's step times, in rounds that run every engine once (in a rotating order) after a warm-up.
+
+    Interleaving spreads a slow spell of the machine over every engine instead of one: the medians
+    of engines measured side by side stay comparable even when single steps vary by 10-20 %.
+    """
+    names = list(engines)
+    for name in names:
+        for _ in range(config.warmup):
+            timed_step(engines[name], model, batch, device)
+            tick(name)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(config.repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(timed_step(engines[name], model, batch, device))
+            tick(name)
+    return times
+
+
 def run_bench(config: BenchConfig) -> list[dict]:
     """One row per (workload, engine), measured side by side on the same model and batch."""
     device = torch.device(config.device)
@@ -106,21 +128,18 @@ def run_bench(config: BenchConfig) -> list[dict]:
                 workload=workload, sequences=stats.sequences, flat_tokens=stats.flat_tokens,
                 unique_tokens=stats.unique_tokens, compression=stats.compression, ideal=flat_flops / tree_flops_,
             )
-            for name in config.engines:
-                engine = ENGINES[name]()
-                progress.update(task, description=f"{workload}: {name}")
-                times = []
-                for i in range(config.warmup + config.repeats):
-                    seconds = timed_step(engine, model, batch, device)
-                    if i >= config.warmup:
-                        times.append(seconds)
-                    progress.advance(task)
+            engines = {name: ENGINES[name]() for name in config.engines}
+            times = _interleaved_times(engines, model, batch, device, config, lambda name: progress.update(
+                task, description=f"{workload}: {name}", advance=1))
+            for name, engine in engines.items():
                 peak = None
                 if config.memory:
+                    progress.update(task, description=f"{workload}: {name} (memory)")
                     peak = peak_memory(lambda: engine.forward_backward(model, batch, _loss), device)
                     model.zero_grad(set_to_none=True)
                     progress.advance(task)
-                rows.append(dict(base, engine=name, seconds=statistics.median(times), times=times, peak_bytes=peak))
+                rows.append(dict(base, engine=name, seconds=statistics.median(times[name]), times=times[name],
+                                 peak_bytes=peak))
     for row in rows:
         same = {r["engine"]: r for r in rows if r["workload"] == row["workload"]}
         flat, one_path = same.get("flat"), same.get("dfs-one-path")

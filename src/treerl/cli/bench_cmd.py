@@ -35,7 +35,7 @@ def bench(
     device: str = typer.Option("cpu", help="cpu or cuda"),
     dtype: str = typer.Option("float32", help="float32, bfloat16, float16, float64"),
     scale: float = typer.Option(1 / 16, help="workload lengths x scale (1.0: 16K-token agent context, 8K prompts)"),
-    repeats: int = typer.Option(3, help="timed runs per engine (median), after one warm-up"),
+    repeats: int = typer.Option(5, help="timed rounds (median per engine); each round runs every engine once, after one warm-up"),
     workloads: str = typer.Option(",".join(workload_names()), show_default=False,
                                   help=f"comma-separated, of: {', '.join(workload_names())} (default: all)"),
     engines: str = typer.Option(",".join(ENGINES), show_default=False,

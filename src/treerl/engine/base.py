@@ -85,6 +85,11 @@ class Head(Protocol):
 
     def __call__(self, model: PreTrainedModel, hidden: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]: ...
 
+    def replay(self, model: PreTrainedModel, hidden: torch.Tensor, targets: torch.Tensor,
+               known: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """The same outputs with their graph when their values are `known` (activation recomputation)."""
+        ...
+
 
 class Engine(Protocol):
     """One interface for every engine: same inputs, same outputs, same gradients."""

@@ -24,6 +24,7 @@ device and are read once at the end.
 
 from __future__ import annotations
 
+import bisect
 import os
 import time
 from collections.abc import Sequence
@@ -250,28 +251,46 @@ class _Walk:
         data.rows = None if torch.equal(all_rows, torch.arange(row)) else index.add(all_rows)
         data.targets, data.slots = index.add(torch.cat(targets)), index.add(torch.cat(slots))
         path_end = tree.nodes[unit.parent].end if unit.parent != ROOT else 0
-        data.layout = UnitLayout(list(segments.values()), self._blocks(unit, segments), torch.empty(0), path_end)
+        runs, blocks = self._attention_layout(segments)
+        data.layout = UnitLayout(runs, blocks, torch.empty(0), path_end)
         return data
 
-    def _blocks(self, unit: Unit, segments: dict[int, Segment]) -> list[Block]:
-        """For each unit node with descendants in the unit: their rows (contiguous in preorder) see its keys."""
-        blocks = []
-        order = [n for n in unit.nodes if n in segments]
-        for i, a in enumerate(order):
-            last = self._subtree_end(a)
-            below = [n for n in order[i + 1 :] if n <= last]
-            if below:
-                end = segments[below[-1]].end
-                q_max = max(segments[n].position + segments[n].length - 1 for n in below)
-                blocks.append(Block(segments[a].end, end, segments[a], q_max))
-        return blocks
+    def _attention_layout(self, segments: dict[int, Segment]) -> tuple[list[Segment], list[Block]]:
+        """The unit's causal runs and blocks: which of its own rows each row sees.
 
-    def _subtree_end(self, n: int) -> int:
-        """The last preorder index of node n's subtree."""
-        node = self.tree.nodes[n]
-        while node.children:
-            node = self.tree.nodes[node.children[-1]]
-        return node.index
+        A node followed in the row by its own child continues the same causal run (a chain of nodes is
+        one sequence: one kernel call, not one per node). The rows below a run that are not in it see a
+        prefix of it: those below its last node all of it, those below an earlier node (after the run's
+        next node's subtree) the run up to that node. Every (row, in-unit ancestor) pair is in exactly
+        one run or block.
+        """
+        order = list(segments)
+        runs: list[list[int]] = []
+        for n in order:
+            if runs and self.tree.nodes[n].parent == runs[-1][-1]:
+                runs[-1].append(n)
+            else:
+                runs.append([n])
+        last_row = {n: segments[n].end for n in order}  # node -> end row of its in-unit subtree
+        for n in reversed(order):  # children before parents; a node with rows has its parent's rows in the unit or none
+            parent = self.tree.nodes[n].parent
+            if parent in last_row:
+                last_row[parent] = max(last_row[parent], last_row[n])
+        starts = [segments[n].row for n in order]
+        last_positions = [segments[n].position + segments[n].length - 1 for n in order]
+        merged, blocks = [], []
+        for run in runs:
+            top = segments[run[0]]
+            merged.append(Segment(top.row, segments[run[-1]].end - top.row, top.position))
+            lo = segments[run[-1]].end
+            for n in reversed(run):
+                hi = last_row[n]
+                if hi > lo:
+                    q_max = max(last_positions[bisect.bisect_left(starts, lo) : bisect.bisect_left(starts, hi)])
+                    key = Segment(top.row, segments[n].end - top.row, top.position)
+                    blocks.append(Block(lo, hi, key, q_max))
+                lo = max(lo, hi)
+        return merged, blocks
 
     # ------------------------------------------------------------ the walk
     def run(self) -> None:
@@ -301,8 +320,11 @@ class _Walk:
         if self.loss_fn is not None and data.ends:
             self._sequence_losses(data)
 
-    def _compute(self, data: _UnitInputs, grad: bool) -> dict[str, torch.Tensor] | None:
-        """Run the unit's rows at their absolute positions over the path's K/V; apply the head."""
+    def _compute(self, data: _UnitInputs, grad: bool, again: bool = False) -> dict[str, torch.Tensor] | None:
+        """Run the unit's rows at their absolute positions over the path's K/V; apply the head.
+
+        `again`: a recomputation for the backward; the outputs' values are in the slots already, so the
+        head only builds its backward (`Head.replay`)."""
         if data.layout is None:
             return None
         self.stats.model_tokens += data.layout.rows
@@ -314,6 +336,9 @@ class _Walk:
             check_all_layers_routed(self.model, call.layers_called, self.layers)
             if data.rows is not None:
                 hidden = hidden[data.rows]
+            if again:
+                known = {name: v[data.slots] for name, v in self.slot_outputs.items()}
+                return self.head.replay(self.model, hidden, data.targets, known)
             return self.head(self.model, hidden, data.targets)
 
     def _sequence_losses(self, data: _UnitInputs) -> None:
@@ -343,7 +368,7 @@ class _Walk:
         """
         if data.layout is None or not any(n in self.needs_backward for n in unit.nodes):
             return
-        outputs = data.graph if data.graph is not None else self._compute(data, grad=True)
+        outputs = data.graph if data.graph is not None else self._compute(data, grad=True, again=True)
         tensors, grads = [], []
         for name, out in outputs.items():
             if out.requires_grad:

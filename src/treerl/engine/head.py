@@ -121,21 +121,13 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, transform: LogitTransform, temperature: float, chunk_rows: int,
-                in_place: bool = False):
+                in_place: bool = False, known: tuple[torch.Tensor, torch.Tensor] | None = None):
         compute = compute_dtype(weight)
         dtype = torch.promote_types(compute, torch.float32)
-        n = hidden.shape[0]
-        logprobs = hidden.new_empty(n, dtype=dtype)
-        entropy = hidden.new_empty(n, dtype=dtype)
-        with _no_autocast(hidden):
-            w, b = weight.to(compute), None if bias is None else bias.to(compute)
-            for lo in range(0, n, chunk_rows):
-                hi = min(lo + chunk_rows, n)
-                logits, _ = _logits(hidden[lo:hi].to(compute), w, b, transform, temperature, dtype)
-                lse = torch.logsumexp(logits, dim=-1)
-                logprobs[lo:hi] = logits.gather(1, targets[lo:hi, None])[:, 0] - lse
-                probs = torch.exp(logits - lse[:, None])
-                entropy[lo:hi] = lse - (probs * logits).sum(-1)
+        if known is not None:  # a recomputation whose outputs were computed before: only the backward is needed
+            logprobs, entropy = (x.to(dtype=dtype, copy=True) for x in known)
+        else:
+            logprobs, entropy = _logprobs_entropy(hidden, weight, bias, targets, transform, temperature, chunk_rows)
         ctx.save_for_backward(hidden, weight, bias, targets, entropy)
         ctx.transform, ctx.temperature, ctx.chunk_rows, ctx.compute, ctx.in_place = (
             transform, temperature, chunk_rows, compute, in_place)
@@ -176,7 +168,26 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                     grad_bias += grad_logits.sum(0)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _logprobs_entropy(hidden, weight, bias, targets, transform: LogitTransform, temperature: float, chunk_rows: int):
+    """The forward values of `_ChunkedLogprobEntropy`, chunk by chunk, without a graph."""
+    compute = compute_dtype(weight)
+    dtype = torch.promote_types(compute, torch.float32)
+    n = hidden.shape[0]
+    logprobs = hidden.new_empty(n, dtype=dtype)
+    entropy = hidden.new_empty(n, dtype=dtype)
+    with _no_autocast(hidden):
+        w, b = weight.to(compute), None if bias is None else bias.to(compute)
+        for lo in range(0, n, chunk_rows):
+            hi = min(lo + chunk_rows, n)
+            logits, _ = _logits(hidden[lo:hi].to(compute), w, b, transform, temperature, dtype)
+            lse = torch.logsumexp(logits, dim=-1)
+            logprobs[lo:hi] = logits.gather(1, targets[lo:hi, None])[:, 0] - lse
+            probs = torch.exp(logits - lse[:, None])
+            entropy[lo:hi] = lse - (probs * logits).sum(-1)
+    return logprobs, entropy
 
 
 def compute_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -255,14 +266,18 @@ def _logits(h, weight, bias, transform: LogitTransform, temperature: float, dtyp
 
 def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                          transform: LogitTransform = LogitTransform(), temperature: float = 1.0, chunk_rows: int = 1024,
-                         in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         in_place: bool = False, known: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row log-prob of `targets` and entropy under softmax(transform(hidden W^T + b) / temperature).
 
     `in_place`: the weight's gradient may be added straight into `weight.grad` (see `_grad_target`);
     only for a weight that nothing else in the graph uses (an LM head not tied to the embeddings),
     since autograd's own accumulation of another use would not be ordered with it across threads.
+    `known`: the (log-probs, entropy) these rows are known to have (an activation recomputation): returned
+    as they are, with the graph of their backward, and the forward's logits are not computed again.
     """
-    return _ChunkedLogprobEntropy.apply(hidden, weight, bias, targets, transform, temperature, chunk_rows, in_place)
+    return _ChunkedLogprobEntropy.apply(hidden, weight, bias, targets, transform, temperature, chunk_rows, in_place,
+                                        known)
 
 
 @dataclass
@@ -287,10 +302,17 @@ class PolicyHead:
 
     def __call__(self, model: PreTrainedModel, hidden: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """Rows of `hidden` `[N, d]` and the token each row predicts -> `{"logprobs": [N], "entropy": [N]}`."""
+        return self.replay(model, hidden, targets, known=None)
+
+    def replay(self, model: PreTrainedModel, hidden: torch.Tensor, targets: torch.Tensor,
+               known: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """The outputs with their graph, for rows whose outputs are `known` (a recomputation for the backward):
+        the LM head's forward matmul, about a quarter of a small model's forward, is skipped."""
         lm_head = model.get_output_embeddings()
         untied = lm_head.weight is not model.get_input_embeddings().weight
+        values = None if known is None else (known["logprobs"], known["entropy"])
         logprobs, entropy = logprobs_and_entropy(hidden, lm_head.weight, lm_head.bias, targets, logit_transform(model),
-                                                 self.temperature, self.chunk_rows, in_place=untied)
+                                                 self.temperature, self.chunk_rows, in_place=untied, known=values)
         return {"logprobs": logprobs, "entropy": entropy}
 
 
@@ -328,3 +350,8 @@ class ValueHead:
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         values = torch.nn.functional.linear(hidden, model.score.weight, model.score.bias)[:, 0]
         return {"values": values.to(dtype)}
+
+    def replay(self, model: PreTrainedModel, hidden: torch.Tensor, targets: torch.Tensor,
+               known: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """The same as a call: a value layer is too small to be worth skipping."""
+        return self(model, hidden, targets)

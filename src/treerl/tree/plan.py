@@ -11,9 +11,9 @@ Memory: a unit's autograd graph costs about the same per token whatever the unit
 counts *graph tokens*: what is held at once (the running unit plus the kept graphs of open units
 on the path) stays within `capacity`. An open unit either keeps its graph while its descendants
 run (they get the capacity it leaves) or is run again on the way up (recomputed: one more forward
-of it, the full capacity below). A cost model in token-equivalents (`PlanCost`) decides, and
-decides nothing else: packing fills each call up to the capacity, since bigger calls only save
-per-call cost.
+of it, the full capacity below). A cost model in token-equivalents (`PlanCost`: a call's fixed
+cost, a recomputation's forward) chooses each unit: the forest filled up to the capacity, or only
+the part of that fill its descendants attend to, and for each keep or recompute.
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ class PlanCost:
 
     call: float = 48.0
     forward_call: float = 14.0
-    forward_token: float = 0.33
+    forward_token: float = 0.25  # the body's forward: a recomputation skips the LM head (`Head.replay`)
 
     @classmethod
     def for_device(cls, device_type: str) -> PlanCost:
         """The default for a device type ("cpu", "cuda", ...)."""
         if device_type == "cpu":
             return cls()
-        return cls(call=1024.0, forward_call=384.0, forward_token=0.33)
+        return cls(call=1024.0, forward_call=384.0, forward_token=0.25)
 
 
 @dataclass
@@ -81,31 +81,80 @@ class WalkPlan:
                 self.size[node.parent] += self.size[node.index]
                 self.largest[node.parent] = max(self.largest[node.parent], self.largest[node.index])
         self.capacity = max(capacity, max(run[1:], default=0))
-        self.units = self._plan()
+        plans = [self._plan(spines=False), self._plan(spines=True)]
+        if unit_tokens > 0:  # one node per call: no call recomputes a node whose subtree merely shared it
+            self.unit_tokens = 0
+            plans.append(self._plan(spines=False))
+            self.unit_tokens = unit_tokens
+        self.units = min(plans, key=self._estimate_units)  # the first (plain fills) on a tie
 
     # ------------------------------------------------------------------ planning
-    def _plan(self) -> list[Unit]:
-        """Top-down: fill each forest's units, decide keep or recompute, then plan below their open nodes."""
+    def _plan(self, spines: bool) -> list[Unit]:
+        """Top-down: choose each forest's next unit and whether it keeps its graph, then plan below its open nodes.
+
+        `spines`: also weigh a fill's spine alone at each unit. That choice is local (its cost estimate
+        of what runs below is rough), so the walk is planned both ways and the cheaper plan is taken."""
         top: list[Unit] = []
         work = [(ROOT, list(self.tree.nodes[ROOT].children), self.capacity, top)]
         while work:
             parent, roots, room, into = work.pop()
             later = []
             while roots:
-                nodes, roots = self._fill(roots, room)
-                unit = Unit(parent, sorted(nodes), sum(self.run[i] for i in nodes))
-                taken = set(unit.nodes)
-                outside = {o: [c for c in self.tree.nodes[o].children if c not in taken] for o in unit.nodes}
-                unit.open = [o for o in unit.nodes if outside[o]]
-                if unit.open:
-                    below = [c for o in unit.open for c in outside[o]]
-                    unit.keep = self._keep(unit.tokens, below, room)
-                    for o in unit.open:
-                        unit.below[o] = []
-                        later.append((o, outside[o], room - unit.tokens if unit.keep else room, unit.below[o]))
+                unit, roots, outside = self._next_unit(parent, roots, room, spines)
+                for o in unit.open:
+                    unit.below[o] = []
+                    later.append((o, outside[o], room - unit.tokens if unit.keep else room, unit.below[o]))
                 into.append(unit)
             work.extend(reversed(later))
         return top
+
+    def _next_unit(self, parent: int, roots: list[int], room: int,
+                   spines: bool) -> tuple[Unit, list[int], dict[int, list[int]]]:
+        """The cheapest of two units, each keeping or recomputing its graph: the forest filled up to `room`, or
+        only that fill's *spine* (its open nodes and their in-unit ancestors: what descendants still attend to).
+
+        A unit run again on the way up recomputes every row in it; closed subtrees carried along cost a
+        forward each time, so the spine alone wins when its subtrees fit into calls below anyway (a GRPO
+        prompt alone, its samples three to a call, rather than the prompt with one sample and the other
+        seven three to a call). Returns the unit, the roots left for the forest's next unit, and the
+        children of each open node that were left out of it.
+        """
+        nodes, rest = self._fill(roots, room)
+        spine = self._spine(nodes)
+        dropped = [r for r in roots if r in nodes and r not in spine]  # whole subtrees: back to the forest
+        best = None
+        candidates = [(nodes, rest), (spine, rest + dropped)] if spines else [(nodes, rest)]
+        for candidate, left in candidates:
+            if best is not None and len(candidate) == len(best[1].nodes):
+                continue
+            unit, outside = self._unit(parent, candidate)
+            below = [c for o in unit.open for c in outside[o]]
+            rest_tokens = sum(self.size[r] for r in left)
+            for keep in self._keep_choices(unit.tokens, below, room):
+                cost = self._estimate(unit.tokens, below, keep, room, rest_tokens)
+                if best is None or cost < best[0]:
+                    best = (cost, Unit(parent, unit.nodes, unit.tokens, unit.open, keep), left, outside)
+        _, unit, left, outside = best
+        return unit, left, outside
+
+    def _unit(self, parent: int, nodes: list[int]) -> tuple[Unit, dict[int, list[int]]]:
+        """The unit of `nodes` below `parent`, and the children of each of its nodes left out of it."""
+        unit = Unit(parent, sorted(nodes), sum(self.run[i] for i in nodes))
+        taken = set(unit.nodes)
+        outside = {o: [c for c in self.tree.nodes[o].children if c not in taken] for o in unit.nodes}
+        unit.open = [o for o in unit.nodes if outside[o]]
+        return unit, outside
+
+    def _spine(self, nodes: list[int]) -> list[int]:
+        """The nodes of a fill that are open or above an open node (whole subtrees dropped)."""
+        taken = set(nodes)
+        keep: set[int] = set()
+        for n in nodes:
+            if any(c not in taken for c in self.tree.nodes[n].children):
+                while n in taken and n not in keep:
+                    keep.add(n)
+                    n = self.tree.nodes[n].parent
+        return [n for n in nodes if n in keep] or nodes
 
     def _fill(self, roots: list[int], room: int) -> tuple[list[int], list[int]]:
         """One unit: an upper part of the forest under `roots`, shallow first, of at most `room` rows.
@@ -140,17 +189,26 @@ class WalkPlan:
             stack.extend(self.tree.nodes[i].children)
         return out
 
-    def _keep(self, tokens: int, below: list[int], room: int) -> bool:
-        """Keep the unit's graph while the subtrees `below` run in what it leaves, or recompute it (cheaper?)."""
-        if self.recompute != "auto":
-            return self.recompute == "never"
-        left = room - tokens
-        if left < max(self.largest[c] for c in below):
-            return False  # keeping it would not leave room for a node below: over budget
-        total = sum(self.size[c] for c in below)
-        keep = total + self.cost.call * self._calls(total, left)
-        again = total + self.cost.call * self._calls(total, room) + self.cost.forward_call + self.cost.forward_token * tokens
-        return keep <= again
+    def _keep_choices(self, tokens: int, below: list[int], room: int) -> list[bool]:
+        """Keep the graph while `below` runs in what it leaves, or recompute it: what the budget and mode allow."""
+        if not below or self.recompute == "always":
+            return [False]  # a unit with nothing below runs its backward at once: nothing to keep
+        if self.recompute == "never":
+            return [True]
+        fits = room - tokens >= max(self.largest[c] for c in below)  # else no room for a node below: over budget
+        return [True, False] if fits else [False]
+
+    def _estimate(self, tokens: int, below: list[int], keep: bool, room: int, rest_tokens: int) -> float:
+        """Cost of a unit, what runs below it and the rest of its forest, less the rows (the same for every choice)."""
+        cost = self.cost.call
+        if below and not keep:
+            cost += self.cost.forward_call + self.cost.forward_token * tokens
+        below_tokens = sum(self.size[c] for c in below)
+        if below_tokens:
+            cost += self.cost.call * self._calls(below_tokens, room - tokens if keep else room)
+        if rest_tokens:
+            cost += self.cost.call * self._calls(rest_tokens, room)
+        return cost
 
     def _calls(self, tokens: int, room: int) -> int:
         """About how many calls `tokens` rows take with `room` rows per call."""
@@ -201,8 +259,14 @@ class WalkPlan:
 
     def estimated_cost(self) -> float:
         """The cost model's estimate of the walk, in token-equivalents."""
+        return self._estimate_units(self.units)
+
+    def _estimate_units(self, units: list[Unit]) -> float:
         total = 0.0
-        for unit in self.all_units():
+        stack = list(units)
+        while stack:
+            unit = stack.pop()
+            stack.extend(u for below in unit.below.values() for u in below)
             total += unit.tokens + self.cost.call
             if unit.open and not unit.keep:
                 total += self.cost.forward_call + self.cost.forward_token * unit.tokens
