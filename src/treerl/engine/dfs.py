@@ -20,11 +20,13 @@ going down and again with one going up.
 No host synchronisation in the walk: every index (token ids, positions, output rows, slots) is
 built on the host before it starts and copied to the device once; losses and metrics stay on the
 device and are read once at the end.
+
+This module is the engine and the traversal; `unit_inputs` builds what each unit's call needs,
+`walk_outputs` holds the slots, evaluates the losses and keeps their gradients.
 """
 
 from __future__ import annotations
 
-import bisect
 import os
 import time
 from collections.abc import Sequence
@@ -34,20 +36,12 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
-from treerl.attention import Block, PathKV, Segment, TreeCall, UnitKV, UnitLayout, engine_attention
-from treerl.engine.base import (
-    Head,
-    LossFn,
-    OutputSlots,
-    StepStats,
-    check_batch,
-    final_hidden,
-    output_dtype,
-    run_length,
-    sum_losses,
-)
+from treerl.attention import PathKV, TreeCall, engine_attention
+from treerl.engine.base import Head, LossFn, OutputSlots, StepStats, check_batch, final_hidden, output_dtype, run_length
 from treerl.engine.head import PolicyHead
 from treerl.engine.support import attention_layers, check_all_layers_routed
+from treerl.engine.unit_inputs import UnitInputs, build_unit_inputs
+from treerl.engine.walk_outputs import WalkOutputs
 from treerl.models import model_geometry
 from treerl.tree import ROOT, PrefixTree, TokenSequence
 from treerl.tree.plan import PlanCost, Unit, WalkPlan
@@ -79,7 +73,7 @@ class DfsEngine:
         walk = _Walk(self, model, tree, self.plan(model, tree), loss_fn=None)
         with torch.no_grad(), engine_attention(model):
             walk.run()
-        return walk.sequence_outputs()
+        return walk.outputs.per_sequence(walk.all_slots)
 
     def forward_backward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence], loss_fn: LossFn) -> StepStats:
         started = time.perf_counter()
@@ -87,7 +81,7 @@ class DfsEngine:
         walk = _Walk(self, model, tree, self.plan(model, tree), loss_fn=loss_fn)
         with engine_attention(model):
             walk.run()
-        walk.stats.loss = float(walk.total_loss)
+        walk.stats.loss = float(walk.outputs.total_loss)
         walk.stats.settle()
         walk.stats.seconds = time.perf_counter() - started
         return walk.stats
@@ -155,144 +149,21 @@ def graph_bytes_per_token(model: PreTrainedModel) -> int:
     return (layers * per_layer + 2 * g.hidden) * elem
 
 
-class _HostIndex:
-    """Integer tensors built on the host and copied to the device in one transfer (pinned, non-blocking)."""
-
-    def __init__(self) -> None:
-        self.parts: list[torch.Tensor] = []
-        self.size = 0
-
-    def add(self, values: torch.Tensor) -> slice:
-        self.parts.append(values.reshape(-1).long())
-        self.size += values.numel()
-        return slice(self.size - values.numel(), self.size)
-
-    def to(self, device: torch.device) -> torch.Tensor:
-        flat = torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.long)
-        if device.type == "cuda":
-            return flat.pin_memory().to(device, non_blocking=True)
-        return flat.to(device)
-
-
-class _UnitInputs:
-    """What one unit's call needs, built before the walk (index tensors end up as views of one device buffer)."""
-
-    def __init__(self, segments: dict[int, Segment]):
-        self.segments = segments  # node -> its rows
-        self.layout: UnitLayout | None = None  # None: no rows to run (one-token leaves only)
-        self.ids = self.positions = self.targets = self.slots = None  # slots: the output slot of each head row
-        self.rows = None  # hidden rows the head reads (None: every row, in order)
-        self.ends: list[int] = []  # sequences whose last node is in the unit
-        self.end_slots = None  # their slots, one sequence after another
-        self.kv = UnitKV()
-        self.graph: dict[str, torch.Tensor] | None = None  # head outputs with their autograd graph
-
-
 class _Walk:
-    """State of one depth-first walk: output slots and their gradients, the path store, kept graphs."""
+    """One depth-first walk: the path store, the units' calls down and their backward up, in plan order."""
 
     def __init__(self, engine: DfsEngine, model: PreTrainedModel, tree: PrefixTree, plan: WalkPlan,
                  loss_fn: LossFn | None):
-        self.engine, self.model, self.tree, self.plan, self.loss_fn = engine, model, tree, plan, loss_fn
+        self.model, self.tree, self.plan, self.loss_fn = model, tree, plan, loss_fn
         self.head = engine.head
-        self.device = _device(model)
         self.layers = attention_layers(model)
         self.path = PathKV(max(len(s) for s in tree.sequences), with_grads=loss_fn is not None)
-        self.stats = StepStats(sequences=len(tree.sequences), flat_tokens=sum(len(s) for s in tree.sequences))
-        self.total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.needs_backward: set[int] = set()  # nodes on the path of a loss that depends on the outputs
-        self.slots = OutputSlots(tree, self.head.shifted)  # where each token's outputs land, the fork rows' included
-        self.slot_outputs = {name: torch.zeros(self.slots.total, dtype=output_dtype(model), device=self.device)
-                             for name in self.head.outputs}
-        self.grads = {name: torch.zeros_like(v) for name, v in self.slot_outputs.items()} if loss_fn is not None else {}
-        self.inputs = self._prepare()
+        slots = OutputSlots(tree, self.head.shifted)  # where each token's outputs land, the fork rows' included
+        device = _device(model)
+        self.outputs = WalkOutputs(tree, self.head.outputs, slots, output_dtype(model), device, loss_fn)
+        self.stats = self.outputs.stats
+        self.inputs, self.all_slots = build_unit_inputs(tree, plan, slots, device)
 
-    # ------------------------------------------------------------ before the walk
-    def _prepare(self) -> dict[int, _UnitInputs]:
-        """Every unit's index tensors, built on the host and copied to the device at once."""
-        index = _HostIndex()
-        inputs = {id(unit): self._unit_inputs(unit, index) for unit in self.plan.all_units()}
-        self.all_slots = index.add(torch.cat([self.slots.sequence(s) for s in range(len(self.tree.sequences))]))
-        device_index = index.to(self.device)
-        view = lambda x: device_index[x] if isinstance(x, slice) else x
-        for data in inputs.values():
-            for name in ("ids", "positions", "rows", "targets", "slots", "end_slots"):
-                setattr(data, name, view(getattr(data, name)))
-            if data.layout is not None:
-                data.layout.positions = data.positions
-        self.all_slots = device_index[self.all_slots]
-        return inputs
-
-    def _unit_inputs(self, unit: Unit, index: _HostIndex) -> _UnitInputs:
-        """Rows, positions, blocks, output rows and slots of one unit; its sequences' slots."""
-        tree, run = self.tree, self.plan.run
-        segments, ids, positions, rows, targets, slots = {}, [], [], [], [], []
-        row = 0
-        for n in unit.nodes:
-            node = tree.nodes[n]
-            if run[n] == 0:
-                continue
-            segments[n] = Segment(row, run[n], node.start)
-            ids.append(node.tokens[: run[n]])
-            positions.append(torch.arange(node.start, node.start + run[n]))
-            node_rows, node_targets, node_slots = self.slots.node_rows(node, row)
-            rows.append(node_rows)
-            targets.append(node_targets)
-            slots.append(node_slots)
-            row += run[n]
-        data = _UnitInputs(segments)
-        data.ends = [s for n in unit.nodes for s in tree.nodes[n].ends]
-        if data.ends:
-            data.end_slots = index.add(torch.cat([self.slots.sequence(s) for s in data.ends]))
-        if row == 0:  # one-token leaves only: their outputs came from the parent's fork rows
-            return data
-        all_rows = torch.cat(rows)
-        data.ids, data.positions = index.add(torch.cat(ids)), index.add(torch.cat(positions))
-        data.rows = None if torch.equal(all_rows, torch.arange(row)) else index.add(all_rows)
-        data.targets, data.slots = index.add(torch.cat(targets)), index.add(torch.cat(slots))
-        path_end = tree.nodes[unit.parent].end if unit.parent != ROOT else 0
-        runs, blocks = self._attention_layout(segments)
-        data.layout = UnitLayout(runs, blocks, torch.empty(0), path_end)
-        return data
-
-    def _attention_layout(self, segments: dict[int, Segment]) -> tuple[list[Segment], list[Block]]:
-        """The unit's causal runs and blocks: which of its own rows each row sees.
-
-        A node followed in the row by its own child continues the same causal run (a chain of nodes is
-        one sequence: one kernel call, not one per node). The rows below a run that are not in it see a
-        prefix of it: those below its last node all of it, those below an earlier node (after the run's
-        next node's subtree) the run up to that node. Every (row, in-unit ancestor) pair is in exactly
-        one run or block.
-        """
-        order = list(segments)
-        runs: list[list[int]] = []
-        for n in order:
-            if runs and self.tree.nodes[n].parent == runs[-1][-1]:
-                runs[-1].append(n)
-            else:
-                runs.append([n])
-        last_row = {n: segments[n].end for n in order}  # node -> end row of its in-unit subtree
-        for n in reversed(order):  # children before parents; a node with rows has its parent's rows in the unit or none
-            parent = self.tree.nodes[n].parent
-            if parent in last_row:
-                last_row[parent] = max(last_row[parent], last_row[n])
-        starts = [segments[n].row for n in order]
-        last_positions = [segments[n].position + segments[n].length - 1 for n in order]
-        merged, blocks = [], []
-        for run in runs:
-            top = segments[run[0]]
-            merged.append(Segment(top.row, segments[run[-1]].end - top.row, top.position))
-            lo = segments[run[-1]].end
-            for n in reversed(run):
-                hi = last_row[n]
-                if hi > lo:
-                    q_max = max(last_positions[bisect.bisect_left(starts, lo) : bisect.bisect_left(starts, hi)])
-                    key = Segment(top.row, segments[n].end - top.row, top.position)
-                    blocks.append(Block(lo, hi, key, q_max))
-                lo = max(lo, hi)
-        return merged, blocks
-
-    # ------------------------------------------------------------ the walk
     def run(self) -> None:
         """Visit every unit in plan order; backward (when training) on the way back up."""
         for event, unit, node in self.plan.walk():
@@ -309,18 +180,18 @@ class _Walk:
                 data.kv.clear()
                 data.graph = None
 
-    def enter(self, unit: Unit, data: _UnitInputs) -> None:
+    def enter(self, unit: Unit, data: UnitInputs) -> None:
         """Run the unit (with a graph if it backpropagates without recomputation); record outputs; losses."""
         keep = self.loss_fn is not None and (not unit.open or unit.keep)
         outputs = self._compute(data, grad=keep)
         if keep:
             data.graph = outputs
-        for name, out in (outputs or {}).items():
-            self.slot_outputs[name].index_copy_(0, data.slots, out.detach().to(self.slot_outputs[name].dtype))
+        if outputs is not None:
+            self.outputs.record(data.slots, outputs)
         if self.loss_fn is not None and data.ends:
-            self._sequence_losses(data)
+            self.outputs.evaluate(data.ends, data.end_slots)
 
-    def _compute(self, data: _UnitInputs, grad: bool, again: bool = False) -> dict[str, torch.Tensor] | None:
+    def _compute(self, data: UnitInputs, grad: bool, again: bool = False) -> dict[str, torch.Tensor] | None:
         """Run the unit's rows at their absolute positions over the path's K/V; apply the head.
 
         `again`: a recomputation for the backward; the outputs' values are in the slots already, so the
@@ -337,48 +208,18 @@ class _Walk:
             if data.rows is not None:
                 hidden = hidden[data.rows]
             if again:
-                known = {name: v[data.slots] for name, v in self.slot_outputs.items()}
-                return self.head.replay(self.model, hidden, data.targets, known)
+                return self.head.replay(self.model, hidden, data.targets, self.outputs.known(data.slots))
             return self.head(self.model, hidden, data.targets)
 
-    def _sequence_losses(self, data: _UnitInputs) -> None:
-        """Evaluate the losses of the sequences that end in the unit; add d(loss)/d(outputs) to their slots."""
-        leaves = {name: v[data.end_slots].requires_grad_() for name, v in self.slot_outputs.items()}
-        views, offset = [], 0
-        for s in data.ends:
-            n = len(self.tree.sequences[s])
-            views.append((s, self.tree.sequences[s], {name: t[offset : offset + n] for name, t in leaves.items()}))
-            offset += n
-        total = sum_losses(views, self.loss_fn, self.stats)
-        self.total_loss += total.detach().to(self.total_loss.dtype)
-        if not total.requires_grad:
-            return
-        self.needs_backward.update(i for s in data.ends for i in self.tree.path(s))
-        names = list(leaves)
-        grads = torch.autograd.grad(total, [leaves[name] for name in names], allow_unused=True)
-        for name, g in zip(names, grads):
-            if g is not None:
-                self.grads[name].index_add_(0, data.end_slots, g.to(self.grads[name].dtype))
-
-    def backward(self, unit: Unit, data: _UnitInputs) -> None:
+    def backward(self, unit: Unit, data: UnitInputs) -> None:
         """Back-propagate the unit's slot gradients (and, via the store, its K/V's).
 
         A unit no gradient-carrying loss reads is skipped, so parameters keep `.grad = None` as
         with the flat reference (a zero gradient would still move them through weight decay).
         """
-        if data.layout is None or not any(n in self.needs_backward for n in unit.nodes):
+        if data.layout is None or not any(n in self.outputs.needs_backward for n in unit.nodes):
             return
         outputs = data.graph if data.graph is not None else self._compute(data, grad=True, again=True)
-        tensors, grads = [], []
-        for name, out in outputs.items():
-            if out.requires_grad:
-                tensors.append(out)
-                grads.append(self.grads[name][data.slots].to(out.dtype))
+        tensors, grads = self.outputs.output_grads(outputs, data.slots)
         if tensors:
             torch.autograd.backward(tensors, grads)
-
-    def sequence_outputs(self) -> list[dict[str, torch.Tensor]]:
-        """Every sequence's outputs, gathered from the slots (after a forward walk)."""
-        lengths = [len(s) for s in self.tree.sequences]
-        gathered = {name: v[self.all_slots].split(lengths) for name, v in self.slot_outputs.items()}
-        return [{name: parts[i] for name, parts in gathered.items()} for i in range(len(lengths))]

@@ -1,0 +1,136 @@
+"""What each unit of a DFS walk needs for its model call, built on the host before the walk starts.
+
+For every unit of the plan (treerl.tree.plan): its rows (token ids and absolute positions), which of
+its own rows each row attends to (causal runs and ancestor blocks, treerl.attention), which hidden
+rows the head reads and which output slot each fills (treerl.engine.base.OutputSlots), and the
+sequences that end in it. Every index of every unit goes to the device in one transfer (pinned and
+non-blocking on CUDA), so the walk itself never waits on the host.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from treerl.attention import Block, Segment, UnitKV, UnitLayout
+from treerl.engine.base import OutputSlots, to_device
+from treerl.tree import ROOT, PrefixTree
+from treerl.tree.plan import Unit, WalkPlan
+
+
+class HostIndex:
+    """Integer tensors built on the host and copied to the device in one transfer."""
+
+    def __init__(self) -> None:
+        self.parts: list[torch.Tensor] = []
+        self.size = 0
+
+    def add(self, values: torch.Tensor) -> slice:
+        self.parts.append(values.reshape(-1).long())
+        self.size += values.numel()
+        return slice(self.size - values.numel(), self.size)
+
+    def to(self, device: torch.device) -> torch.Tensor:
+        return to_device(torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.long), device)
+
+
+class UnitInputs:
+    """What one unit's call needs (index tensors end up as views of one device buffer), and its K/V and graph."""
+
+    def __init__(self, segments: dict[int, Segment]):
+        self.segments = segments  # node -> its rows
+        self.layout: UnitLayout | None = None  # None: no rows to run (one-token leaves only)
+        self.ids = self.positions = self.targets = self.slots = None  # slots: the output slot of each head row
+        self.rows = None  # hidden rows the head reads (None: every row, in order)
+        self.ends: list[int] = []  # sequences whose last node is in the unit
+        self.end_slots = None  # their slots, one sequence after another
+        self.kv = UnitKV()
+        self.graph: dict[str, torch.Tensor] | None = None  # head outputs with their autograd graph
+
+
+def build_unit_inputs(tree: PrefixTree, plan: WalkPlan, slots: OutputSlots,
+                      device: torch.device) -> tuple[dict[int, UnitInputs], torch.Tensor]:
+    """Every unit's inputs (by `id(unit)`), and the slots of every sequence one after another, on `device`."""
+    index = HostIndex()
+    inputs = {id(unit): _unit_inputs(tree, plan, slots, unit, index) for unit in plan.all_units()}
+    all_slots = index.add(torch.cat([slots.sequence(s) for s in range(len(tree.sequences))]))
+    device_index = index.to(device)
+    view = lambda x: device_index[x] if isinstance(x, slice) else x
+    for data in inputs.values():
+        for name in ("ids", "positions", "rows", "targets", "slots", "end_slots"):
+            setattr(data, name, view(getattr(data, name)))
+        if data.layout is not None:
+            data.layout.positions = data.positions
+    return inputs, device_index[all_slots]
+
+
+def _unit_inputs(tree: PrefixTree, plan: WalkPlan, slots: OutputSlots, unit: Unit, index: HostIndex) -> UnitInputs:
+    """Rows, positions, attention layout, output rows and slots of one unit; its sequences' slots."""
+    run = plan.run
+    segments, ids, positions, rows, targets, unit_slots = {}, [], [], [], [], []
+    row = 0
+    for n in unit.nodes:
+        node = tree.nodes[n]
+        if run[n] == 0:
+            continue
+        segments[n] = Segment(row, run[n], node.start)
+        ids.append(node.tokens[: run[n]])
+        positions.append(torch.arange(node.start, node.start + run[n]))
+        node_rows, node_targets, node_slots = slots.node_rows(node, row)
+        rows.append(node_rows)
+        targets.append(node_targets)
+        unit_slots.append(node_slots)
+        row += run[n]
+    data = UnitInputs(segments)
+    data.ends = [s for n in unit.nodes for s in tree.nodes[n].ends]
+    if data.ends:
+        data.end_slots = index.add(torch.cat([slots.sequence(s) for s in data.ends]))
+    if row == 0:  # one-token leaves only: their outputs came from the parent's fork rows
+        return data
+    all_rows = torch.cat(rows)
+    data.ids, data.positions = index.add(torch.cat(ids)), index.add(torch.cat(positions))
+    data.rows = None if torch.equal(all_rows, torch.arange(row)) else index.add(all_rows)
+    data.targets, data.slots = index.add(torch.cat(targets)), index.add(torch.cat(unit_slots))
+    path_end = tree.nodes[unit.parent].end if unit.parent != ROOT else 0
+    runs, blocks = attention_layout(tree, segments)
+    data.layout = UnitLayout(runs, blocks, torch.empty(0), path_end)
+    return data
+
+
+def attention_layout(tree: PrefixTree, segments: dict[int, Segment]) -> tuple[list[Segment], list[Block]]:
+    """The unit's causal runs and blocks: which of its own rows each row sees.
+
+    A node followed in the row by its own child continues the same causal run (a chain of nodes is
+    one sequence: one kernel call, not one per node). The rows below a run that are not in it see a
+    prefix of it: those below its last node all of it, those below an earlier node (after the run's
+    next node's subtree) the run up to that node. Every (row, in-unit ancestor) pair is in exactly
+    one run or block.
+    """
+    order = list(segments)
+    runs: list[list[int]] = []
+    for n in order:
+        if runs and tree.nodes[n].parent == runs[-1][-1]:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    last_row = {n: segments[n].end for n in order}  # node -> end row of its in-unit subtree
+    for n in reversed(order):  # children before parents; a node with rows has its parent's rows in the unit or none
+        parent = tree.nodes[n].parent
+        if parent in last_row:
+            last_row[parent] = max(last_row[parent], last_row[n])
+    starts = [segments[n].row for n in order]
+    last_positions = [segments[n].position + segments[n].length - 1 for n in order]
+    merged, blocks = [], []
+    for run in runs:
+        top = segments[run[0]]
+        merged.append(Segment(top.row, segments[run[-1]].end - top.row, top.position))
+        lo = segments[run[-1]].end
+        for n in reversed(run):
+            hi = last_row[n]
+            if hi > lo:
+                q_max = max(last_positions[bisect.bisect_left(starts, lo) : bisect.bisect_left(starts, hi)])
+                key = Segment(top.row, segments[n].end - top.row, top.position)
+                blocks.append(Block(lo, hi, key, q_max))
+            lo = max(lo, hi)
+    return merged, blocks
