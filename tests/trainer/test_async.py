@@ -23,7 +23,7 @@ from treerl.trainer.asynchronous.interruptible import InterruptibleEngine
 from treerl.trainer.asynchronous.loop import decoupled
 from treerl.trainer.asynchronous.pool import RolloutPool
 from treerl.trainer.asynchronous.weights import SharedWeights
-from treerl.trainer.core.run import load_policy
+from treerl.trainer.core.build import load_policy
 from treerl.tree import TokenSequence
 
 ASYNC = ["trainer.mode=async", "rollout.group_size=2"]
