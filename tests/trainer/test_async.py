@@ -19,11 +19,12 @@ from treerl.rollout import EmbeddedEngine, SamplingParams
 from treerl.rollout.tasks import build_task
 from treerl.trainer import ConfigError, train
 from treerl.trainer.asynchronous import pool as pool_module
+from treerl.trainer.asynchronous import worker_set
 from treerl.trainer.asynchronous.interruptible import InterruptibleEngine
 from treerl.trainer.asynchronous.loop import decoupled
 from treerl.trainer.asynchronous.pool import RolloutPool
 from treerl.trainer.asynchronous.weights import SharedWeights
-from treerl.trainer.core.run import load_policy
+from treerl.trainer.core.build import load_policy
 from treerl.tree import TokenSequence
 
 ASYNC = ["trainer.mode=async", "rollout.group_size=2"]
@@ -308,14 +309,14 @@ def test_a_stopped_worker_is_flagged_even_before_it_is_ready(tiny_config, caplog
     """SIGSTOP while the worker starts: it is killed and restarted after worker_timeout, not after the 600 s a
     worker may take to build its model; the other worker samples meanwhile."""
     if when == "pulsing":
-        monkeypatch.setattr(pool_module, "process_stopped", lambda pid: False)
+        monkeypatch.setattr(worker_set, "process_stopped", lambda pid: False)
     config = tiny_config(*ASYNC, "trainer.rollout_workers=2", "trainer.worker_timeout=2", "rollout.reward_timeout=1")
     model, _ = load_policy(config.model, torch.device("cpu"))
     weights = SharedWeights.of(model, version=0)
     pool = RolloutPool(config, build_task(config.rollout), weights, version=0)
     try:
         deadline = time.monotonic() + 120
-        while when == "pulsing" and pool.pulses[0] == 0 and time.monotonic() < deadline:
+        while when == "pulsing" and pool.workers.pulses[0] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         os.kill(pool.workers[0].process.pid, signal.SIGSTOP)
         stopped = time.monotonic()

@@ -79,8 +79,8 @@ def test_resuming_with_a_new_learning_rate_uses_it_and_says_so(tiny_config, tmp_
     run = Run.start(tiny_config("trainer.steps=3", "trainer.resume=auto", "trainer.lr=0.005",
                                 "trainer.betas=[0.8,0.99]", "critic.lr=0.002", *common))
     run.finish()
-    group = run.optimizer.param_groups[0]
-    assert group["lr"] == 0.005 and group["betas"] == (0.8, 0.99) and run.scheduler.base_lrs == [0.005]
+    group = run.actor.optimizer.param_groups[0]
+    assert group["lr"] == 0.005 and group["betas"] == (0.8, 0.99) and run.actor.scheduler.base_lrs == [0.005]
     assert run.critic.optimizer.param_groups[0]["lr"] == 0.002
 
 

@@ -18,8 +18,9 @@ from treerl.models import ADAPTER_FILE
 from treerl.rollout import Rollout, build_engine
 from treerl.testing import model_outputs
 from treerl.trainer import train
+from treerl.trainer.core.build import load_policy
 from treerl.trainer.core.checkpoint import checkpoint_dir, load_weights
-from treerl.trainer.core.run import Run, load_policy
+from treerl.trainer.core.run import Run
 from treerl.trainer.rl.learn import load_reference, policy_loss, prepare
 from treerl.tree import TokenSequence
 
@@ -37,7 +38,7 @@ def test_only_the_adapters_train_and_the_reference_is_the_base_without_them(tiny
     run = Run.start(config, temperature=config.rollout.temperature)
     adapters = {n for n, p in run.policy.named_parameters() if p.requires_grad}
     assert adapters and all("lora_" in n for n in adapters)
-    assert {id(p) for g in run.optimizer.param_groups for p in g["params"]} == {
+    assert {id(p) for g in run.actor.optimizer.param_groups for p in g["params"]} == {
         id(p) for n, p in run.policy.named_parameters() if n in adapters}
     before = {n: p.detach().clone() for n, p in run.policy.named_parameters()}
     reference = load_reference(config, run)
@@ -46,7 +47,7 @@ def test_only_the_adapters_train_and_the_reference_is_the_base_without_them(tiny
     for _ in range(2):
         step = copy.deepcopy(batch)
         prepare(run, step, reference)
-        run.update(step, policy_loss(config.algo.resolved(), step))
+        run.actor.update(step, policy_loss(config.algo.resolved(), step), step=0)
     changed = {n for n, p in run.policy.named_parameters() if not torch.equal(p, before[n])}
     assert changed == {n for n in adapters if "lora_B" in n} | {n for n in adapters if "lora_A" in n}
     base, _ = load_policy(tiny_config(name="base").model, torch.device("cpu"))  # the same seed, no adapters

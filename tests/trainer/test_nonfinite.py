@@ -12,6 +12,7 @@ from treerl.models import build_model, first_nonfinite, read_weights
 from treerl.rollout import builtin_tokenizer
 from treerl.trainer import SFT_DEFAULTS, sft
 from treerl.trainer.core.checkpoint import checkpoint_dir, step_dirs, verify_checkpoint
+from treerl.trainer.core.learner import Learner
 from treerl.trainer.core.run import Run
 from treerl.trainer.rl.learn import policy_loss
 from treerl.tree import TokenSequence
@@ -89,14 +90,14 @@ def test_a_skipped_step_leaves_weights_and_optimizer_untouched(tiny_config, monk
         loss = policy_loss(run.config.algo.resolved(), batch)
         before = snapshot(run.policy)
         norms = iter([float("nan")])
-        original = Run._clip_gradients
-        monkeypatch.setattr(Run, "_clip_gradients", lambda self, dp: next(norms, None) or original(self, dp))
-        skipped = run.update(batch, loss)
+        original = Learner.clip_gradients
+        monkeypatch.setattr(Learner, "clip_gradients", lambda self: next(norms, None) or original(self))
+        skipped = run.actor.update(batch, loss, step=0)
         assert skipped["train/nonfinite_skipped"] == 1.0 and run.loop_state["nonfinite_skipped"] == 1
         assert all(torch.equal(before[k], v) for k, v in run.policy.state_dict().items())
-        assert not run.optimizer.state and all(p.grad is None for p in run.policy.parameters())
-        stepped = run.update(batch, loss)
-        assert stepped["train/nonfinite_skipped"] == 0.0 and run.optimizer.state
+        assert not run.actor.optimizer.state and all(p.grad is None for p in run.policy.parameters())
+        stepped = run.actor.update(batch, loss, step=0)
+        assert stepped["train/nonfinite_skipped"] == 0.0 and run.actor.optimizer.state
         assert any(not torch.equal(before[k], v) for k, v in run.policy.state_dict().items())
     finally:
         run.finish()
@@ -112,7 +113,7 @@ def test_the_critic_is_guarded_too(tiny_config):
             return view.values.sum() * float("nan"), {}
 
         with pytest.raises(TrainingStopped, match=r"non-finite critic loss nan"):
-            run.update_critic(batch, nan_loss)
+            run.critic.update(batch, nan_loss, step=0)
         assert all(torch.equal(before[k], v) for k, v in run.critic.model.state_dict().items())
     finally:
         run.finish()

@@ -11,7 +11,8 @@ import torch
 from treerl.rollout import Rollout, build_engine
 from treerl.testing import compare_runs, relative_error, run_engine
 from treerl.trainer import ConfigError
-from treerl.trainer.core.run import Run, build_train_engine, load_policy
+from treerl.trainer.core.build import build_train_engine, load_policy
+from treerl.trainer.core.run import Run
 from treerl.trainer.rl.learn import policy_loss, prepare
 from treerl.tree import TokenSequence
 
@@ -30,14 +31,14 @@ def _update(config, batch) -> dict:
     """One update on a copy of `batch`: the gradient it applied, the weights before and after, the metrics."""
     run = Run.start(config, temperature=config.rollout.temperature)
     grads: dict[str, torch.Tensor] = {}
-    run.optimizer.register_step_pre_hook(lambda *_: grads.update(
+    run.actor.optimizer.register_step_pre_hook(lambda *_: grads.update(
         {n: p.grad.clone() for n, p in run.policy.named_parameters() if p.grad is not None}))
     before = {n: p.detach().clone() for n, p in run.policy.named_parameters()}
     batch = copy.deepcopy(batch)
     prepare(run, batch, None)
-    metrics = run.update(batch, policy_loss(config.algo.resolved(), batch))
+    metrics = run.actor.update(batch, policy_loss(config.algo.resolved(), batch), step=0)
     after = {n: p.detach().clone() for n, p in run.policy.named_parameters()}
-    state_dtypes = {t.dtype for s in run.optimizer.state.values() for t in s.values() if t.numel() > 1}
+    state_dtypes = {t.dtype for s in run.actor.optimizer.state.values() for t in s.values() if t.numel() > 1}
     run.finish()
     return {"grads": grads, "before": before, "after": after, "metrics": metrics, "state_dtypes": state_dtypes}
 

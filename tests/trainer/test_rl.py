@@ -67,13 +67,13 @@ def _gradients(config) -> tuple[dict[str, torch.Tensor], float, dict]:
     """The gradient of the first update of step 0 (captured before the optimizer applies it)."""
     run = Run.start(config, temperature=config.rollout.temperature)
     captured: dict[str, torch.Tensor] = {}
-    run.optimizer.register_step_pre_hook(
+    run.actor.optimizer.register_step_pre_hook(
         lambda *_: captured.update({n: p.grad.clone() for n, p in run.policy.named_parameters() if p.grad is not None})
     )
     rollout = Rollout(config.rollout, run.tokenizer, build_engine(config.rollout, run.policy))
     batch = rollout.collect(0).sequences
     prepare(run, batch, None)
-    metrics = run.update(batch, policy_loss(config.algo.resolved(), batch))
+    metrics = run.actor.update(batch, policy_loss(config.algo.resolved(), batch), step=0)
     run.finish()
     return captured, metrics["train/loss"], metrics
 
@@ -99,7 +99,7 @@ def _critic_gradients(config) -> tuple[dict[str, torch.Tensor], dict[str, torch.
     run = Run.start(config, temperature=config.rollout.temperature)
     assert run.critic is not None
     grads: dict[str, dict[str, torch.Tensor]] = {"policy": {}, "critic": {}}
-    for name, model, optimizer in (("policy", run.policy, run.optimizer),
+    for name, model, optimizer in (("policy", run.policy, run.actor.optimizer),
                                    ("critic", run.critic.model, run.critic.optimizer)):
         optimizer.register_step_pre_hook(lambda *_, name=name, model=model: grads[name].update(
             {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
@@ -107,7 +107,7 @@ def _critic_gradients(config) -> tuple[dict[str, torch.Tensor], dict[str, torch.
     batch = rollout.collect(0).sequences
     prepare(run, batch, None)
     algo = config.algo.resolved()
-    run.update(batch, policy_loss(algo, batch))
+    run.actor.update(batch, policy_loss(algo, batch), step=0)
     metrics = update_critic(run, batch, 0, algo)
     run.finish()
     fields = {k: torch.cat([s.fields[k] for s in batch]) for k in ("values", "advantages", "returns")}

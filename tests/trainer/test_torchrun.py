@@ -97,7 +97,7 @@ def test_fsdp2_on_gloo_trains_float32_and_bfloat16_like_one_process(runs, dtype)
 
 def build_initial(dtype: str) -> dict[str, torch.Tensor]:
     """The random-init weights every run starts from (tiny-qwen3, seed 0, the demo tokenizer's vocabulary)."""
-    from treerl.trainer.core.run import load_policy
+    from treerl.trainer.core.build import load_policy
 
     model, _ = load_policy(_config("unused", f"model.dtype={dtype}", PRECISION[dtype]).model, torch.device("cpu"))
     return model.state_dict()

@@ -22,10 +22,10 @@ from treerl.bench.memory import peak_memory
 from treerl.bench.run import _loss
 from treerl.engine import AutocastEngine, DfsEngine, Engine, FlatEngine
 from treerl.models import add_lora, build_model
+from treerl.trainer.core.build import enable_gradient_checkpointing
 from treerl.trainer.core.config import TrainerConfig
 from treerl.trainer.core.optim import build_optimizer
 from treerl.trainer.core.precision import autocast_dtype, parameter_dtype
-from treerl.trainer.core.run import enable_gradient_checkpointing
 from treerl.tree.workloads import grpo_groups
 
 # name -> (trainer.precision, LoRA on, gradient checkpointing on)

@@ -71,7 +71,7 @@ def train_async(config: Config) -> AsyncTrainResult:
         weights = SharedWeights.of(run.policy, version=run.start_step)
         pool = RolloutPool(config, task, weights, version=run.start_step)
         reference = load_reference(config, run) if config.algo.kl_coef > 0 else None
-        run.print(f"async: {config.trainer.rollout_workers} rollout workers, max_staleness "
+        run.report.print(f"async: {config.trainer.rollout_workers} rollout workers, max_staleness "
                   f"{config.trainer.max_staleness}, loss {config.algo.loss}, on_update={config.trainer.on_update}")
 
         one_update = config.trainer.ppo_epochs == 1 and config.trainer.minibatches == 1

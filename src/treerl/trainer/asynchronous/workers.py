@@ -37,9 +37,9 @@ from treerl.rollout import EmbeddedEngine, Rollout, RolloutStats
 from treerl.rollout.tasks.base import Prompt, rng_for
 from treerl.trainer.asynchronous.interruptible import InterruptibleEngine
 from treerl.trainer.asynchronous.weights import SharedWeights
+from treerl.trainer.core.build import load_policy
 from treerl.trainer.core.config import Config
 from treerl.trainer.core.precision import autocast_dtype
-from treerl.trainer.core.run import load_policy
 from treerl.tree import TokenSequence
 
 

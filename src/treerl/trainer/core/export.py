@@ -14,6 +14,7 @@ import torch
 
 from treerl.errors import UserError
 from treerl.models import DTYPES, base_fingerprint, is_lora
+from treerl.trainer.core.build import load_policy
 from treerl.trainer.core.checkpoint import (
     CONFIG_FILE,
     STATE_FILE,
@@ -24,7 +25,6 @@ from treerl.trainer.core.checkpoint import (
     write_pretrained_atomically,
 )
 from treerl.trainer.core.config import load_config
-from treerl.trainer.core.run import load_policy
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None = None) -> Path:

@@ -13,19 +13,20 @@ from collections.abc import Callable, Sequence
 import torch
 
 from treerl.engine import LossFn
+from treerl.trainer.core.learner import Learner
 from treerl.trainer.core.metrics import Mean
 from treerl.trainer.core.run import Run
 from treerl.tree import TokenSequence
 
 
 def update(run: Run, sequences: list[TokenSequence], step: int, loss_for: Callable[[list[TokenSequence]], LossFn],
-           optimizer_step: Callable[[list[TokenSequence], LossFn], dict[str, float]] | None = None) -> dict[str, float]:
+           learner: Learner | None = None) -> dict[str, float]:
     """Optimizer steps on the batch; `loss_for(minibatch)` builds the loss normalised over that (global) minibatch.
 
-    `optimizer_step` (default `run.update`, the policy) takes one step on a minibatch: `run.update_critic`
-    trains the critic over the same minibatches.
+    `learner` (default `run.actor`, the policy) takes the steps: `run.critic` trains the critic over the same
+    minibatches.
     """
-    optimizer_step = optimizer_step or run.update
+    learner = learner or run.actor
     trainer = run.config.trainer
     generator = torch.Generator().manual_seed(trainer.seed * 1_000_003 + step)
     mean = Mean()
@@ -34,7 +35,7 @@ def update(run: Run, sequences: list[TokenSequence], step: int, loss_for: Callab
     for _ in range(trainer.ppo_epochs):
         for part in minibatch_indices(sequences, trainer.minibatches, generator):
             minibatch = [sequences[i] for i in part]
-            mean.add(optimizer_step(minibatch, loss_for(minibatch)))
+            mean.add(learner.update(minibatch, loss_for(minibatch), step))
             updates += 1
     seconds = time.perf_counter() - started
     metrics = mean.result()

@@ -38,9 +38,11 @@ from treerl.distributed import Assignment
 from treerl.engine import LossFn, SequenceView
 from treerl.models import is_lora
 from treerl.rollout import CompletionsClient, InferenceEngine, Rollout, RolloutBatch, RolloutStats
+from treerl.trainer.core.build import load_policy
 from treerl.trainer.core.config import Config
+from treerl.trainer.core.learner import Learner
 from treerl.trainer.core.metrics import tree_metrics
-from treerl.trainer.core.run import Run, load_policy
+from treerl.trainer.core.run import Run
 from treerl.trainer.core.update import update
 from treerl.tree import TokenSequence
 
@@ -93,7 +95,7 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
         seconds=time.perf_counter() - started, output_dir=config.trainer.output_dir,
         nonfinite_skipped=run.loop_state["nonfinite_skipped"], stopped_by=run.stopped_by,
     )
-    run.summarise(asdict(result) | summary(), f"training reward: first {len(first)} steps "
+    run.report.summarise(asdict(result) | summary(), f"training reward: first {len(first)} steps "
                   f"{result.train_reward_first:.3f} -> last {len(rewards)} steps {result.train_reward_last:.3f}")
     return result
 
@@ -121,7 +123,7 @@ def learn(run: Run, batch: RolloutBatch, reference: Reference | None, step: int,
             metrics.update(update_critic(run, batch.sequences, step, algo))
     else:  # every sample was dropped: nothing to learn from, the schedule still advances
         run.loop_state["skipped_steps"] += 1
-        run.print(f"step {step}: every sample was dropped ({dict(batch.stats.dropped)}); step skipped")
+        run.report.print(f"step {step}: every sample was dropped ({dict(batch.stats.dropped)}); step skipped")
     metrics["trainer/skipped_steps"] = run.loop_state["skipped_steps"]
     return metrics
 
@@ -131,7 +133,7 @@ def update_critic(run: Run, sequences: list[TokenSequence], step: int, algo: Alg
     its metrics under critic/ (value_loss, value_clip_fraction, grad_norm, lr) and time/critic_update."""
     metrics = update(run, sequences, step,
                      lambda minibatch: build_value_loss(algo, LossNormalizer.from_sequences(minibatch)),
-                     optimizer_step=run.update_critic)
+                     learner=run.critic)
     renamed = {f"critic/{key.removeprefix('train/')}": value for key, value in metrics.items()
                if key.startswith("train/") and key not in ("train/loss", "train/updates")}
     renamed["time/critic_update"] = metrics["time/update"]
@@ -150,7 +152,7 @@ def collect(run: Run, rollout: Rollout, step: int) -> RolloutBatch:
         box = [rollout.collect(step) if run.env.is_main else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]  # type: ignore[return-value]
-    with run.dp.gathered():
+    with run.actor.dp.gathered():
         batch = rollout.collect(step)
     check_same_batch(batch.sequences)
     return batch
@@ -184,19 +186,19 @@ def evaluate(run: Run, evaluation: Rollout | None, step: int, label: str | None)
         return float("nan")
     stats = collect(run, evaluation, EVAL_STEP).stats
     metrics = {f"eval/{k.removeprefix('rollout/')}": v for k, v in stats.metrics().items()}
-    if run.logger is not None:
-        run.logger.log(step, metrics)
+    if run.report.logger is not None:
+        run.report.logger.log(step, metrics)
     if label is not None:
         config = run.config.rollout
-        run.print(f"mean reward at {label}: {stats.reward_mean:.3f} (evaluation: {stats.samples} samples of "
+        run.report.print(f"mean reward at {label}: {stats.reward_mean:.3f} (evaluation: {stats.samples} samples of "
                   f"{config.task}, {evaluation.config.prompts_per_step} prompts x {config.group_size}, step {step})")
     return stats.reward_mean
 
 
 def report_dropped(run: Run, step: int, stats: RolloutStats) -> None:
     """Dropped samples, with their text, go to output_dir/dropped.jsonl (the counters go to the metrics)."""
-    if run.logger is not None and stats.dropped_samples:
-        run.logger.write_jsonl("dropped.jsonl", [{"step": step, **asdict(s)} for s in stats.dropped_samples])
+    if run.report.logger is not None and stats.dropped_samples:
+        run.report.logger.write_jsonl("dropped.jsonl", [{"step": step, **asdict(s)} for s in stats.dropped_samples])
 
 
 # ---------------------------------------------------------------------- batch preparation
@@ -209,7 +211,7 @@ class Reference:
     """
 
     copy: torch.nn.Module | None = None
-    adapters_of: Run | None = None
+    adapters_of: Learner | None = None
 
     @contextlib.contextmanager
     def model(self) -> Iterator[torch.nn.Module]:
@@ -225,7 +227,7 @@ class Reference:
 def load_reference(config: Config, run: Run) -> Reference:
     """The frozen initial policy (with LoRA: the base under the adapters; else a full copy on every rank)."""
     if is_lora(run.policy):
-        return Reference(adapters_of=run)
+        return Reference(adapters_of=run.actor)
     model, _ = load_policy(config.model, next(run.policy.parameters()).device)
     model.eval()
     model.requires_grad_(False)
@@ -242,20 +244,20 @@ def prepare(run: Run, sequences: list[TokenSequence], reference: Reference | Non
     `prox_logprobs` field is a copy of `old_logprobs` that the loss replaces before reading it.
     """
     algo = run.config.algo.resolved()
-    assignment = run.assign(sequences)
+    assignment = run.balancer.assign(sequences)
     mine = [sequences[i] for i in assignment.sequences(run.env.rank)]
     proximal = algo.loss == "decoupled_ppo" and not proximal_in_loss
     policy_fields = (["old_logprobs"] if run.config.trainer.recompute_logprobs else []) + (
         ["prox_logprobs"] if proximal else [])
     if policy_fields and mine:
-        with run.dp.gathered() as policy:
-            fill_fields(run.engine, policy, mine, {"logprobs": policy_fields[0]})
+        with run.actor.dp.gathered() as policy:
+            fill_fields(run.actor.engine, policy, mine, {"logprobs": policy_fields[0]})
         for seq in mine:
             for name in policy_fields[1:]:
                 seq.fields[name] = seq.fields[policy_fields[0]].clone()
     if reference is not None and mine:
         with reference.model() as model:
-            fill_fields(run.engine, model, mine, {"logprobs": "ref_logprobs"})
+            fill_fields(run.actor.engine, model, mine, {"logprobs": "ref_logprobs"})
     if run.critic is not None and mine:  # V(s_t) for GAE, and V_old for the clipped value loss
         with run.critic.dp.gathered() as critic:
             fill_fields(run.critic.engine, critic, mine, {"values": "values"})

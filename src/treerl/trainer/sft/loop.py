@@ -55,7 +55,7 @@ def sft(config: Config) -> SFTResult:
         data = SFTData(conversations, config.sft.conversations_per_step, config.trainer.seed, config.sft.shuffle)
         held = [s for c in conversations[: config.sft.eval_conversations] for s in c.sequences]
         stats = PrefixTree.build([s for c in conversations for s in c.sequences]).stats()
-        run.print(f"{len(conversations)} conversations, {stats.sequences} paths, {stats.flat_tokens} tokens "
+        run.report.print(f"{len(conversations)} conversations, {stats.sequences} paths, {stats.flat_tokens} tokens "
                   f"({stats.compression:.2f}x shared as a tree)")
         run.check_model(max(len(s) for c in conversations for s in c.sequences))
         loss_start = evaluate(run, held, run.start_step, "start")
@@ -73,7 +73,7 @@ def sft(config: Config) -> SFTResult:
         result = SFTResult(loss_start, loss_end, losses[0] if losses else nan, losses[-1] if losses else nan,
                            run.steps_done, time.perf_counter() - started, config.trainer.output_dir,
                            run.loop_state["nonfinite_skipped"], run.stopped_by)
-        run.summarise(asdict(result), f"training loss: first step {result.train_loss_first:.4f} -> "
+        run.report.summarise(asdict(result), f"training loss: first step {result.train_loss_first:.4f} -> "
                       f"last step {result.train_loss_last:.4f}")
         return result
     finally:
@@ -89,12 +89,12 @@ def evaluate(run: Run, sequences: list[TokenSequence], step: int, label: str) ->
     """Mean NLL per trained token of `sequences` under the current policy (no gradients); logged and printed."""
     if not sequences:
         return float("nan")
-    with run.dp.gathered() as policy, torch.no_grad():
-        outputs = run.engine.forward(policy, sequences)
+    with run.actor.dp.gathered() as policy, torch.no_grad():
+        outputs = run.actor.engine.forward(policy, sequences)
     total = sum(float((-out["logprobs"] * seq.fields["loss_mask"].to(out["logprobs"])).sum())
                 for seq, out in zip(sequences, outputs))
     loss = total / float(sum(seq.fields["loss_mask"].sum() for seq in sequences))
-    if run.logger is not None:
-        run.logger.log(step, {"eval/loss": loss})
-    run.print(f"mean loss at {label}: {loss:.4f} per assistant token ({len(sequences)} paths)")
+    if run.report.logger is not None:
+        run.report.logger.log(step, {"eval/loss": loss})
+    run.report.print(f"mean loss at {label}: {loss:.4f} per assistant token ({len(sequences)} paths)")
     return loss

@@ -1,0 +1,71 @@
+"""How a run splits each global minibatch over its ranks, priced by a cost model it learns as it trains.
+
+    balancer = Balancer(env, config.trainer, loop_state)
+    assignment = balancer.assign(minibatch)      # the same on every rank
+    balancer.record(measured)                    # (tree features, seconds) of this rank's micro-batches
+    metrics |= balancer.metrics(assignment, minibatch)
+
+The measured samples live in the run's `loop_state` (saved with every checkpoint), so a resumed run
+prices batches as the run it continues did.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from treerl.distributed import Assignment, CostModel, DistEnv, balance, evaluate
+from treerl.trainer.core.config import TrainerConfig
+from treerl.tree import TokenSequence
+
+COST_WINDOW = 256  # most recent measured micro-batches the cost model is fitted on
+COST_MIN_SAMPLES = 8
+
+
+@dataclass
+class Balancer:
+    """treerl.distributed.balance under a cost model refitted from the measured micro-batch times of every rank."""
+
+    env: DistEnv
+    trainer: TrainerConfig  # micro_batch_tokens, fit_cost_model
+    loop_state: dict[str, Any]  # the run's checkpointed state: the samples are under "cost_samples"
+    cost: CostModel = field(default_factory=CostModel)
+
+    def assign(self, sequences: list[TokenSequence]) -> Assignment:
+        """The same balanced assignment on every rank (a deterministic function of the batch and cost model)."""
+        return balance(sequences, self.env.world_size, self.trainer.micro_batch_tokens, cost=self.cost)
+
+    def record(self, measured: list[tuple[np.ndarray, float]]) -> None:
+        """Keep every rank's measured (tree features, seconds) and refit the cost model the same way on each rank."""
+        if self.env.world_size == 1 or not self.trainer.fit_cost_model:
+            return
+        gathered: list[list] = [[] for _ in range(self.env.world_size)]
+        dist.all_gather_object(gathered, measured)
+        samples = deque(self.loop_state["cost_samples"], maxlen=COST_WINDOW)
+        samples.extend((features.tolist(), float(seconds))  # plain lists: a checkpoint holds no numpy objects
+                       for rank_samples in gathered for features, seconds in rank_samples)
+        self.loop_state["cost_samples"] = list(samples)
+        self.fit()
+
+    def fit(self) -> None:
+        """Refit the cost model on the kept samples (also after a resume), once there are enough of them."""
+        samples = self.loop_state.get("cost_samples", [])
+        if len(samples) >= COST_MIN_SAMPLES:
+            fitted = CostModel.from_features([f for f, _ in samples], [s for _, s in samples])
+            if any(w > 0 for w in fitted.weights):  # all zero would price every plan alike
+                self.cost = fitted
+
+    def metrics(self, assignment: Assignment, minibatch: list[TokenSequence]) -> dict[str, float]:
+        """The `dist/` metrics of an assignment (none with one rank): how even and how shared the split was."""
+        if self.env.world_size == 1:
+            return {}
+        stats = evaluate(assignment, minibatch, self.cost)
+        return {
+            "dist/imbalance": stats.imbalance,  # estimated max / mean cost over ranks
+            "dist/compression_kept": stats.compression_kept,  # 1: no shared prefix computed twice
+            "dist/micro_batches": stats.micro_batches,
+        }

@@ -1,0 +1,118 @@
+"""Building what a run trains from its config: the policy and tokenizer, the engine, and a `Learner` per model.
+
+    model, tokenizer = load_policy(config.model, device)     # also what rollout workers and export load
+    actor = build_policy_learner(config, model, strategy, balancer, guard, temperature)
+    critic = build_critic_learner(config, strategy, len(tokenizer), device, balancer, guard)   # PPO with GAE only
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from treerl.algo import build_critic
+from treerl.attention import UnsupportedModel
+from treerl.distributed import DistributedModel
+from treerl.engine import AutocastEngine, DfsEngine, Engine, FlatEngine, PackedEngine, PolicyHead, ValueHead
+from treerl.engine.support import check_no_dropout
+from treerl.models import add_lora, build_model, check_model_dir
+from treerl.rollout import load_tokenizer
+from treerl.trainer.core.balancer import Balancer
+from treerl.trainer.core.config import Config, ConfigError, EngineConfig, ModelConfig, TrainerConfig
+from treerl.trainer.core.learner import Learner, NonfiniteGuard
+from treerl.trainer.core.optim import build_optimizer, build_scheduler
+from treerl.trainer.core.precision import autocast_dtype
+
+
+def build_train_engine(config: EngineConfig, temperature: float = 1.0, head: PolicyHead | ValueHead | None = None,
+                       precision: str = "fp32") -> Engine:
+    """The engine `engine.name` names; its log-probs are those of softmax(logits / temperature) (or `head`'s outputs).
+    Under trainer.precision=bf16-mixed every call of it runs under autocast."""
+    head = head or PolicyHead(temperature=temperature, chunk_rows=config.head_chunk_rows)
+    engine: Engine
+    if config.name == "dfs":
+        engine = DfsEngine(head=head, chunk_tokens=config.chunk_tokens, batch_tokens=config.batch_tokens,
+                           recompute=config.recompute, memory_budget_tokens=config.memory_budget_tokens,  # type: ignore[arg-type]
+                           memory_budget_bytes=config.memory_budget_bytes)
+    elif config.name == "packed":
+        engine = PackedEngine(head=head, max_tokens=config.max_tokens)
+    else:
+        engine = FlatEngine(head=head, max_tokens=config.max_tokens)
+    compute = autocast_dtype(precision)
+    return AutocastEngine(engine, compute) if compute is not None else engine
+
+
+def load_policy(config: ModelConfig, device: torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model and tokenizer of `model.*`: a local checkpoint (checked first), or a random-init shape; with
+    gradient checkpointing and LoRA adapters if configured."""
+    if config.path is not None:
+        check_model_dir(config.path, "model.path")
+    tokenizer_path = config.tokenizer_path or config.path
+    if config.tokenizer_path is not None and not Path(config.tokenizer_path).exists():
+        raise ConfigError(f"model.tokenizer_path={config.tokenizer_path!r} does not exist")
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=config.trust_remote_code)
+    model = build_model(
+        path=config.path, shape=config.shape, vocab_size=None if config.path else len(tokenizer),
+        dtype=getattr(torch, config.dtype or "float32"), device=device, seed=config.seed,
+        attn_implementation=config.attn_implementation, trust_remote_code=config.trust_remote_code,
+    )
+    model.eval()  # dropout off: the sampled and the trained policy must be one function, and recomputation exact
+    vocab = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > vocab:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only {vocab}")
+    if config.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if config.lora.rank:
+        model = add_lora(model, config.lora.rank, config.lora.alpha, config.lora.target_modules)
+    return model, tokenizer
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each decoder layer in backward (every engine is exact with it). transformers checkpoints only in
+    training mode, which is the same function as eval mode only without dropout: a model with dropout is refused.
+    Non-reentrant, so layers whose inputs need no gradient (a frozen base under LoRA) still pass one back."""
+    if not model.supports_gradient_checkpointing:
+        raise ConfigError(f"model.gradient_checkpointing=true: {type(model).__name__} does not support it")
+    try:
+        check_no_dropout(model)
+    except UnsupportedModel as e:
+        raise ConfigError(f"model.gradient_checkpointing=true needs the model in training mode: {e}") from None
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+
+
+def build_policy_learner(config: Config, model: PreTrainedModel, strategy: str, balancer: Balancer,
+                         guard: NonfiniteGuard, temperature: float) -> Learner:
+    """The policy's learner; its measured engine times refit the balancer's cost model."""
+    engine = build_train_engine(config.engine, temperature, precision=config.trainer.precision)
+    return build_learner("policy", model, strategy, config.trainer, engine, balancer, guard, records_costs=True)
+
+
+def build_critic_learner(config: Config, strategy: str, vocab_size: int, device: torch.device, balancer: Balancer,
+                         guard: NonfiniteGuard) -> Learner:
+    """PPO's value model: its body from `critic.path` (else the policy's checkpoint or shape), a fresh value layer,
+    its own learning rate (`critic.lr`, else the policy's)."""
+    path = config.critic.path or config.model.path
+    if config.critic.path is not None:
+        check_model_dir(config.critic.path, "critic.path")
+    model = build_critic(path=path, shape=config.model.shape, vocab_size=None if path else vocab_size,
+                         dtype=getattr(torch, config.model.dtype), device=device, seed=config.critic.seed,
+                         attn_implementation=config.model.attn_implementation,
+                         trust_remote_code=config.model.trust_remote_code)
+    model.eval()  # no dropout: the values the advantages use and the ones trained are one function
+    schedule = dataclasses.replace(config.trainer, lr=config.critic.lr or config.trainer.lr)
+    engine = build_train_engine(config.engine, head=ValueHead(), precision=config.trainer.precision)
+    return build_learner("critic", model, strategy, schedule, engine, balancer, guard)
+
+
+def build_learner(name: str, model: PreTrainedModel, strategy: str, trainer: TrainerConfig, engine: Engine,
+                  balancer: Balancer, guard: NonfiniteGuard, records_costs: bool = False) -> Learner:
+    """A model's data-parallel wrapper (FSDP2 gathers bfloat16 parameters under bf16-mixed), then AdamW over what
+    this rank steps and trains (LoRA: the adapters only), and its LR schedule."""
+    dp = DistributedModel(model, strategy, mixed_precision=autocast_dtype(trainer.precision))  # type: ignore[arg-type]
+    optimizer = build_optimizer([p for p in dp.parameters() if p.requires_grad], trainer)
+    return Learner(name, dp, optimizer, build_scheduler(optimizer, trainer), engine, balancer, guard,
+                   trainer.max_grad_norm, records_costs)

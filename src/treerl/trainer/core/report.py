@@ -1,0 +1,75 @@
+"""What a run shows and writes as it trains, on rank 0 only: progress bar, console lines, metrics, summary.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from tqdm.auto import tqdm
+
+from treerl.distributed import DistEnv
+from treerl.trainer.core.config import Config, to_yaml
+from treerl.trainer.core.metrics import MetricsLogger, json_number
+
+
+class Reporter:
+    """The run's outputs for people: other ranks stay silent, so every line and file is written once."""
+
+    def __init__(self, config: Config, env: DistEnv) -> None:
+        self.config, self.env = config, env
+        self.start_step = 0  # where the run starts (or resumed): TensorBoard drops the events it logged after it
+        self._bar: Any = None
+        self._logger: MetricsLogger | None = None
+
+    @property
+    def logger(self) -> MetricsLogger | None:
+        """metrics.jsonl and TensorBoard (rank 0; None elsewhere), opened at the first metric, so a run that fails
+        while it sets up (a bad data row, a reward that does not import) writes nothing into output_dir."""
+        if self._logger is None and self.env.is_main:
+            trainer = self.config.trainer
+            self._logger = MetricsLogger(trainer.output_dir, trainer.tensorboard, self.start_step,
+                                         wandb_project=trainer.wandb_project if trainer.wandb else None,
+                                         wandb_name=trainer.wandb_name, run_config=yaml.safe_load(to_yaml(self.config)))
+        return self._logger
+
+    def print(self, message: str) -> None:
+        """A line on rank 0's console that does not break the progress bar."""
+        if self.env.is_main:
+            tqdm.write(message)
+
+    def open_bar(self) -> None:
+        """The progress bar over `trainer.steps`, from the start step (rank 0, unless trainer.progress=false)."""
+        show = self.env.is_main and self.config.trainer.progress
+        self._bar = tqdm(total=self.config.trainer.steps, initial=self.start_step, disable=not show,
+                         desc="train", dynamic_ncols=True)
+
+    def advance(self) -> None:
+        """One step done on the progress bar."""
+        self._bar.update(1)
+
+    def close_bar(self) -> None:
+        self._bar.close()
+
+    def step(self, step: int, metrics: dict[str, float], postfix: dict[str, float] | None = None) -> None:
+        """A step's metrics, logged every `trainer.log_every` steps and at the last; `postfix` on the progress bar."""
+        trainer = self.config.trainer
+        if self.logger is not None and (step % trainer.log_every == 0 or step + 1 == trainer.steps):
+            self.logger.log(step, metrics)
+        if postfix and self._bar is not None:
+            self._bar.set_postfix({k: f"{v:.3f}" for k, v in postfix.items()}, refresh=False)
+
+    def summarise(self, summary: dict[str, Any], line: str) -> None:
+        """The run's last line on the console, and output_dir/summary.json (rank 0; NaN written as null)."""
+        output = Path(self.config.trainer.output_dir)
+        self.print(f"{line}; {summary['seconds']:.0f} s; metrics in {output / 'metrics.jsonl'}")
+        if self.env.is_main:
+            summary = {key: json_number(value) for key, value in summary.items()}
+            output.mkdir(parents=True, exist_ok=True)
+            (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    def close(self) -> None:
+        """Close metrics.jsonl, TensorBoard and W&B, if they were opened."""
+        if self._logger is not None:
+            self._logger.close()
