@@ -35,8 +35,9 @@ class PlanCost:
     `call`: the fixed cost of one forward + backward model call (small GEMMs and kernel launches
     under-use the device; every call reads all weights and writes every weight gradient);
     `forward_call` the same for a forward without a graph (a unit run on the way down that will be
-    recomputed); `forward_token` one token's forward alone. Measured on a 2-core CPU with
-    small-qwen3 (`treerl bench`); the CUDA figures are estimates until measured on a GPU.
+    recomputed); `forward_token` one token's forward alone, LM head excluded. Measured on a 2-core
+    CPU with small-qwen3 (one sequence per call, 9 to 1,200 tokens: about 15 ms a call plus 0.36 ms a
+    token, so a call costs about 42 tokens); the CUDA figures are estimates until measured on a GPU.
     """
 
     call: float = 48.0
@@ -64,7 +65,7 @@ class Unit:
 
 
 class WalkPlan:
-    """The units of one walk over `tree`, in order (a tree of units: `Unit.below`)."""
+    """The units of one walk over `tree`, in order (a tree of units: `Unit.below`), and what it holds at once."""
 
     def __init__(self, tree: PrefixTree, run: list[int], capacity: int, unit_tokens: int, recompute: Recompute,
                  cost: PlanCost):
@@ -72,28 +73,94 @@ class WalkPlan:
         node always runs); `unit_tokens`: most rows of one call (0: one node per call)."""
         if recompute not in ("auto", "always", "never"):
             raise ValueError(f"recompute must be 'auto', 'always' or 'never', got {recompute!r}")
-        self.tree, self.run, self.recompute, self.cost = tree, run, recompute, cost
-        self.unit_tokens = unit_tokens
+        self.tree, self.run, self.cost = tree, run, cost
+        self.capacity = max(capacity, max(run[1:], default=0))
+        planner = _Planner(tree, run, self.capacity, recompute, cost)
+        plans = [planner.plan(unit_tokens, spines=False), planner.plan(unit_tokens, spines=True)]
+        if unit_tokens > 0:  # one node per call: no call recomputes a node whose subtree merely shared it
+            plans.append(planner.plan(0, spines=False))
+        self.units = min(plans, key=lambda units: estimate(units, cost))  # the first (plain fills) on a tie
+
+    # ------------------------------------------------------------------ reading the plan
+    def walk(self):
+        """Events in walk order: ("enter", unit, None), ("push" / "pop", unit, open node), ("exit", unit, None)."""
+        stack: list[tuple[str, Unit, int | None]] = [("visit", u, None) for u in reversed(self.units)]
+        while stack:
+            event, unit, node = stack.pop()
+            if event != "visit":
+                yield event, unit, node
+                continue
+            yield "enter", unit, None
+            stack.append(("exit", unit, None))
+            for o in reversed(unit.open):
+                stack.append(("pop", unit, o))
+                stack.extend(("visit", u, None) for u in reversed(unit.below[o]))
+                stack.append(("push", unit, o))
+
+    def all_units(self) -> list[Unit]:
+        """Every unit, in walk order."""
+        return [unit for event, unit, _ in self.walk() if event == "enter"]
+
+    def chain(self, unit: Unit, node: int) -> list[int]:
+        """The unit's nodes from its top down to `node` (what the path must hold below `node`)."""
+        out = []
+        while node != unit.parent:
+            out.append(node)
+            node = self.tree.nodes[node].parent
+        return out[::-1]
+
+    def peak_graph_tokens(self) -> int:
+        """Most graph tokens held at once over the walk (the running unit and kept graphs on the path)."""
+        kept, peak = 0, 0
+        for event, unit, _ in self.walk():
+            if event == "enter":
+                peak = max(peak, kept + unit.tokens)
+                if unit.open and unit.keep:
+                    kept += unit.tokens
+            elif event == "exit" and unit.open:
+                if unit.keep:
+                    kept -= unit.tokens
+                peak = max(peak, kept + unit.tokens)  # a recomputed unit's graph on the way up
+        return peak
+
+    def estimated_cost(self) -> float:
+        """The cost model's estimate of the walk, in token-equivalents."""
+        return estimate(self.units, self.cost)
+
+
+def estimate(units: list[Unit], cost: PlanCost) -> float:
+    """The cost model's estimate of a walk over `units` (and every unit below them), in token-equivalents."""
+    total = 0.0
+    stack = list(units)
+    while stack:
+        unit = stack.pop()
+        stack.extend(u for below in unit.below.values() for u in below)
+        total += unit.tokens + cost.call
+        if unit.open and not unit.keep:
+            total += cost.forward_call + cost.forward_token * unit.tokens
+    return total
+
+
+class _Planner:
+    """Chooses units top-down for one tree, capacity and mode; `plan` returns the units of one policy."""
+
+    def __init__(self, tree: PrefixTree, run: list[int], capacity: int, recompute: Recompute, cost: PlanCost):
+        self.tree, self.run, self.capacity, self.recompute, self.cost = tree, run, capacity, recompute, cost
+        self.unit_tokens = 0  # most rows of one call in the plan being built (set by `plan`)
         self.size = list(run)  # run tokens of each node's subtree
         self.largest = list(run)  # largest single node in each subtree
         for node in reversed(tree.nodes[1:]):  # preorder reversed: children before parents
             if node.parent > ROOT:
                 self.size[node.parent] += self.size[node.index]
                 self.largest[node.parent] = max(self.largest[node.parent], self.largest[node.index])
-        self.capacity = max(capacity, max(run[1:], default=0))
-        plans = [self._plan(spines=False), self._plan(spines=True)]
-        if unit_tokens > 0:  # one node per call: no call recomputes a node whose subtree merely shared it
-            self.unit_tokens = 0
-            plans.append(self._plan(spines=False))
-            self.unit_tokens = unit_tokens
-        self.units = min(plans, key=self._estimate_units)  # the first (plain fills) on a tie
 
     # ------------------------------------------------------------------ planning
-    def _plan(self, spines: bool) -> list[Unit]:
+    def plan(self, unit_tokens: int, spines: bool) -> list[Unit]:
         """Top-down: choose each forest's next unit and whether it keeps its graph, then plan below its open nodes.
 
         `spines`: also weigh a fill's spine alone at each unit. That choice is local (its cost estimate
         of what runs below is rough), so the walk is planned both ways and the cheaper plan is taken."""
+        self.unit_tokens = unit_tokens
         top: list[Unit] = []
         work = [(ROOT, list(self.tree.nodes[ROOT].children), self.capacity, top)]
         while work:
@@ -214,60 +281,3 @@ class WalkPlan:
         """About how many calls `tokens` rows take with `room` rows per call."""
         per_call = max(1, min(room, self.unit_tokens))
         return max(1, math.ceil(tokens / per_call))
-
-    # ------------------------------------------------------------------ reading the plan
-    def walk(self):
-        """Events in walk order: ("enter", unit, None), ("push" / "pop", unit, open node), ("exit", unit, None)."""
-        stack: list[tuple[str, Unit, int | None]] = [("visit", u, None) for u in reversed(self.units)]
-        while stack:
-            event, unit, node = stack.pop()
-            if event != "visit":
-                yield event, unit, node
-                continue
-            yield "enter", unit, None
-            stack.append(("exit", unit, None))
-            for o in reversed(unit.open):
-                stack.append(("pop", unit, o))
-                stack.extend(("visit", u, None) for u in reversed(unit.below[o]))
-                stack.append(("push", unit, o))
-
-    def all_units(self) -> list[Unit]:
-        """Every unit, in walk order."""
-        return [unit for event, unit, _ in self.walk() if event == "enter"]
-
-    def chain(self, unit: Unit, node: int) -> list[int]:
-        """The unit's nodes from its top down to `node` (what the path must hold below `node`)."""
-        out = []
-        while node != unit.parent:
-            out.append(node)
-            node = self.tree.nodes[node].parent
-        return out[::-1]
-
-    def peak_graph_tokens(self) -> int:
-        """Most graph tokens held at once over the walk (the running unit and kept graphs on the path)."""
-        kept, peak = 0, 0
-        for event, unit, _ in self.walk():
-            if event == "enter":
-                peak = max(peak, kept + unit.tokens)
-                if unit.open and unit.keep:
-                    kept += unit.tokens
-            elif event == "exit" and unit.open:
-                if unit.keep:
-                    kept -= unit.tokens
-                peak = max(peak, kept + unit.tokens)  # a recomputed unit's graph on the way up
-        return peak
-
-    def estimated_cost(self) -> float:
-        """The cost model's estimate of the walk, in token-equivalents."""
-        return self._estimate_units(self.units)
-
-    def _estimate_units(self, units: list[Unit]) -> float:
-        total = 0.0
-        stack = list(units)
-        while stack:
-            unit = stack.pop()
-            stack.extend(u for below in unit.below.values() for u in below)
-            total += unit.tokens + self.cost.call
-            if unit.open and not unit.keep:
-                total += self.cost.forward_call + self.cost.forward_token * unit.tokens
-        return total
