@@ -1,14 +1,16 @@
 """Attention of a packed unit of tree nodes: each token sees its own node causally, its ancestors fully.
 
 The DFS engine runs the model on a *unit*: tree nodes laid out one after another in a single row,
-with no padding (a node is a *segment* of the row; the unit's nodes are in preorder). All of them
-hang below the same node of the current root-to-node path, whose K/V (positions `< path_end`) live
-in a per-layer path store. A token of segment j attends to
+with no padding, in preorder. A *segment* is a causal run of the row: one node, or a chain of nodes
+where each is followed by its own child (consecutive positions: one sequence). All of them hang
+below the same node of the current root-to-node path, whose K/V (positions `< path_end`) live in a
+per-layer path store. A token of segment j attends to
 - the path's K/V: every query of the unit against the store's prefix, all in one kernel call
   (queries folded into one long row per K/V head: broadcast, never copied, no mask);
 - its own segment, causally (one kernel call per segment);
-- each ancestor of j that is inside the unit, fully: the queries of an in-unit node's in-unit
-  descendants are contiguous in preorder, so every such (ancestor, descendants) pair is one block.
+- its ancestors in other segments of the unit, fully: the queries below an in-unit node are
+  contiguous in preorder, so each *block* (rows, a prefix of a segment) is one kernel call; the
+  engine lays them out (treerl.engine.unit_inputs.attention_layout).
 Exactly the pairs the tree allows are computed; the parts are merged by log-sum-exp (as ring
 attention does, treerl.attention.kernels), and each part's backward gets the merged output and
 log-sum-exp. A sliding window or chunk narrows the parts (and the path to the keys some query can
@@ -47,7 +49,7 @@ class Segment:
 
 @dataclass(frozen=True)
 class Block:
-    """Queries of rows `[q_lo, q_hi)` (an in-unit node's in-unit descendants) see all keys of `key` (the node)."""
+    """Queries of rows `[q_lo, q_hi)` see all keys of `key`: the part of a causal run that is their ancestors."""
 
     q_lo: int
     q_hi: int
