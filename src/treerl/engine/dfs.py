@@ -81,10 +81,11 @@ class DfsEngine:
         walk = _Walk(self, model, tree, self.plan(model, tree), loss_fn=loss_fn)
         with engine_attention(model):
             walk.run()
-        walk.stats.loss = float(walk.outputs.total_loss)
-        walk.stats.settle()
-        walk.stats.seconds = time.perf_counter() - started
-        return walk.stats
+        stats = walk.outputs.stats
+        stats.loss = float(walk.outputs.total_loss)
+        stats.settle()
+        stats.seconds = time.perf_counter() - started
+        return stats
 
     def _tree(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> PrefixTree:
         """Check everything, then merge the batch into a tree whose nodes are at most `chunk_tokens` long."""
@@ -161,7 +162,6 @@ class _Walk:
         slots = OutputSlots(tree, self.head.shifted)  # where each token's outputs land, the fork rows' included
         device = _device(model)
         self.outputs = WalkOutputs(tree, self.head.outputs, slots, output_dtype(model), device, loss_fn)
-        self.stats = self.outputs.stats
         self.inputs, self.all_slots = build_unit_inputs(tree, plan, slots, device)
 
     def run(self) -> None:
@@ -198,7 +198,7 @@ class _Walk:
         head only builds its backward (`Head.replay`)."""
         if data.layout is None:
             return None
-        self.stats.model_tokens += data.layout.rows
+        self.outputs.stats.model_tokens += data.layout.rows
         call = TreeCall(self.path, data.kv, data.layout)
         with torch.set_grad_enabled(grad):
             hidden = final_hidden(self.model, input_ids=data.ids[None], position_ids=data.positions[None],

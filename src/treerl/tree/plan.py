@@ -187,21 +187,23 @@ class _Planner:
         children of each open node that were left out of it.
         """
         nodes, rest = self._fill(roots, room)
-        spine = self._spine(nodes)
-        dropped = [r for r in roots if r in nodes and r not in spine]  # whole subtrees: back to the forest
+        candidates = [(nodes, rest)]
+        spine = self._spine(nodes) if spines else nodes
+        if len(spine) < len(nodes):
+            dropped_nodes = set(nodes) - set(spine)
+            dropped = [r for r in roots if r in dropped_nodes]  # whole subtrees: back to the forest
+            candidates.append((spine, rest + dropped))
         best = None
-        candidates = [(nodes, rest), (spine, rest + dropped)] if spines else [(nodes, rest)]
         for candidate, left in candidates:
-            if best is not None and len(candidate) == len(best[1].nodes):
-                continue
             unit, outside = self._unit(parent, candidate)
             below = [c for o in unit.open for c in outside[o]]
             rest_tokens = sum(self.size[r] for r in left)
             for keep in self._keep_choices(unit.tokens, below, room):
                 cost = self._estimate(unit.tokens, below, keep, room, rest_tokens)
                 if best is None or cost < best[0]:
-                    best = (cost, Unit(parent, unit.nodes, unit.tokens, unit.open, keep), left, outside)
-        _, unit, left, outside = best
+                    best = (cost, unit, keep, left, outside)
+        _, unit, keep, left, outside = best
+        unit.keep = keep
         return unit, left, outside
 
     def _unit(self, parent: int, nodes: list[int]) -> tuple[Unit, dict[int, list[int]]]:
