@@ -6,6 +6,7 @@ import ast
 import asyncio
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -60,26 +61,38 @@ def test_episodes_run_concurrently_and_each_call_is_a_sequence(chat, scripted):
 
 
 def test_failing_episodes_are_dropped_and_counted_with_their_reason(chat, scripted):
-    """An agent that raises, times out, returns NaN or a string, or never calls the model loses that episode
-    (counted under rollout/dropped_<reason>, reported with its task); the others are trained."""
+    """An agent that raises, returns NaN or a string, or never calls the model loses that episode (counted
+    under rollout/dropped_<reason>, reported with its task); the others are trained."""
 
     async def agent(client, task):
         kind = task["kind"]
-        if kind != 5:
+        if kind != 4:
             await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
         if kind == 1:
             raise KeyError("tool exploded")
-        if kind == 2:
-            await asyncio.sleep(30)
-        return {3: math.nan, 4: "high"}.get(kind, 1.0)
+        return {2: math.nan, 3: "high"}.get(kind, 1.0)
 
-    sequences, stats = _play(chat, scripted(lambda p, j: "y"), agent, 6, group_size=2, episode_timeout=1.0)
-    assert dict(stats.dropped) == {"agent_raised": 2, "agent_timeout": 2, "reward_not_finite": 2,
-                                   "reward_not_a_number": 2, "agent_no_model_calls": 2}
+    sequences, stats = _play(chat, scripted(lambda p, j: "y"), agent, 5, group_size=2)
+    assert dict(stats.dropped) == {"agent_raised": 2, "reward_not_finite": 2, "reward_not_a_number": 2,
+                                   "agent_no_model_calls": 2}
     assert stats.kept == 2 and len(sequences) == 2 and {s.info["group"] for s in sequences} == {"t0"}
-    reasons = " ".join(s.reason for s in stats.dropped_samples)
-    assert "KeyError: 'tool exploded'" in reasons and "rollout.episode_timeout" in reasons
+    assert "KeyError: 'tool exploded'" in " ".join(s.reason for s in stats.dropped_samples)
     assert stats.metrics()["rollout/dropped_agent_raised"] == 2
+
+
+def test_an_episode_past_its_timeout_is_dropped_and_the_step_goes_on(chat, scripted):
+    """An agent that never returns is cut at `episode_timeout` (its model call made or not: the machine's speed
+    does not change the outcome) and dropped as agent_timeout; the step ends instead of waiting for it."""
+
+    async def agent(client, task):
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+        await asyncio.Event().wait()  # hangs for ever
+
+    started = time.monotonic()
+    sequences, stats = _play(chat, scripted(lambda p, j: "y"), agent, 1, group_size=2, episode_timeout=1.0)
+    assert time.monotonic() - started < 60
+    assert dict(stats.dropped) == {"agent_timeout": 2} and stats.kept == 0 and sequences == []
+    assert "rollout.episode_timeout" in " ".join(s.reason for s in stats.dropped_samples)
 
 
 def test_agent_loading_errors_name_the_problem(tmp_path):

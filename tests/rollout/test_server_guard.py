@@ -28,7 +28,7 @@ def served(tokenizer):
     """A tiny model behind the app with an API key; returns (client, engine)."""
     engine = EmbeddedEngine(build_model(shape="tiny-qwen3", vocab_size=len(tokenizer), seed=0))
     app = build_app(engine, tokenizer, "tiny", Guard(api_key=KEY, max_n=4, max_tokens=32, max_prompts=2,
-                                                     request_timeout=0.5))
+                                                     request_timeout=30))
     with TestClient(app) as client:
         yield client, engine
 
