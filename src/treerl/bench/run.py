@@ -34,7 +34,10 @@ ENGINES: dict[str, Callable[[], Engine]] = {
     "dfs-one-node-per-call": lambda: DfsEngine(batch_tokens=0),
     "dfs-always-recompute": lambda: DfsEngine(recompute="always"),
     "dfs-one-path": lambda: DfsEngine(batch_tokens=0, recompute="always"),  # the published design: memory reference
+    # Opt-in (not in DEFAULT_ENGINES): no memory cap, units as large as batch_tokens; what a budget costs in speed.
+    "dfs-unbounded-memory": lambda: DfsEngine(memory_budget_tokens=1 << 40),
 }
+DEFAULT_ENGINES = [name for name in ENGINES if name != "dfs-unbounded-memory"]
 
 
 @dataclass
@@ -49,7 +52,7 @@ class BenchConfig:
     repeats: int = 5  # rounds; each runs every engine once
     warmup: int = 1
     memory: bool = True
-    engines: list[str] = field(default_factory=lambda: list(ENGINES))
+    engines: list[str] = field(default_factory=lambda: list(DEFAULT_ENGINES))
     workloads: list[str] = field(default_factory=lambda: list(workload_names()))
     seed: int = 0
 
