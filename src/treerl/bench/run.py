@@ -37,7 +37,8 @@ ENGINES: dict[str, Callable[[], Engine]] = {
     # Opt-in (not in DEFAULT_ENGINES): no memory cap, units as large as batch_tokens; what a budget costs in speed.
     "dfs-unbounded-memory": lambda: DfsEngine(memory_budget_tokens=1 << 40),
 }
-DEFAULT_ENGINES = [name for name in ENGINES if name != "dfs-unbounded-memory"]
+OPT_IN_ENGINES = ("dfs-unbounded-memory",)  # only when named in `engines`
+DEFAULT_ENGINES = [name for name in ENGINES if name not in OPT_IN_ENGINES]
 
 
 @dataclass

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from treerl.bench.precision import VARIANTS as PRECISION_VARIANTS
 from treerl.bench.precision import PrecisionBenchConfig
-from treerl.bench.run import DEFAULT_ENGINES, ENGINES, BenchConfig, describe, memory_scaling, run_bench, workload_names
+from treerl.bench.run import DEFAULT_ENGINES, ENGINES, OPT_IN_ENGINES, BenchConfig, describe, memory_scaling, run_bench, workload_names
 
 
 def run_precision_bench(config: PrecisionBenchConfig, out: Path) -> None:
@@ -40,7 +40,7 @@ def bench(
                                   help=f"comma-separated, of: {', '.join(workload_names())} (default: all)"),
     engines: str = typer.Option(",".join(DEFAULT_ENGINES), show_default=False,
                                 help=f"comma-separated, of: {', '.join(ENGINES)} (default: all but "
-                                     "dfs-unbounded-memory)"),
+                                     f"{', '.join(OPT_IN_ENGINES)})"),
     memory: bool = typer.Option(True, help="also measure peak memory (one extra untimed run)"),
     profile: bool = typer.Option(False, "--profile", help="where each engine's step time goes (torch.profiler) instead"),
     balance: bool = typer.Option(False, "--balance", help="data-parallel balancer vs first-fit and LPT instead"),

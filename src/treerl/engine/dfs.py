@@ -44,7 +44,7 @@ from treerl.engine.unit_inputs import UnitInputs, build_unit_inputs
 from treerl.engine.walk_outputs import WalkOutputs
 from treerl.models import model_geometry
 from treerl.tree import ROOT, PrefixTree, TokenSequence
-from treerl.tree.plan import PlanCost, Unit, WalkPlan
+from treerl.tree.plan import PlanCost, Unit, WalkPlan, check_recompute
 
 ONE_PATH_SLACK = 1.5
 """The default budget: this many times the largest node's rows. The one-path walk (one node per call, every
@@ -90,8 +90,7 @@ class DfsEngine:
     def _tree(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> PrefixTree:
         """Check everything, then merge the batch into a tree whose nodes are at most `chunk_tokens` long."""
         check_batch(model, self.head, sequences, tree=True)
-        if self.recompute not in ("auto", "always", "never"):
-            raise ValueError(f"recompute must be 'auto', 'always' or 'never', got {self.recompute!r}")
+        check_recompute(self.recompute)
         if self.batch_tokens < 0:
             raise ValueError(f"batch_tokens must be >= 0, got {self.batch_tokens}")
         budgets = {"memory_budget_tokens": self.memory_budget_tokens, "memory_budget_bytes": self.memory_budget_bytes,

@@ -28,6 +28,12 @@ from treerl.tree.prefix_tree import ROOT, PrefixTree
 Recompute = Literal["auto", "always", "never"]
 
 
+def check_recompute(recompute: str) -> None:
+    """Refuse a recompute mode the planner does not know, before any work."""
+    if recompute not in ("auto", "always", "never"):
+        raise ValueError(f"recompute must be 'auto', 'always' or 'never', got {recompute!r}")
+
+
 @dataclass(frozen=True)
 class PlanCost:
     """Relative costs the planner weighs, in units of one token's forward + backward.
@@ -71,8 +77,7 @@ class WalkPlan:
                  cost: PlanCost):
         """`run[n]`: rows node n needs; `capacity`: graph tokens held at once (clamped to the largest node: one
         node always runs); `unit_tokens`: most rows of one call (0: one node per call)."""
-        if recompute not in ("auto", "always", "never"):
-            raise ValueError(f"recompute must be 'auto', 'always' or 'never', got {recompute!r}")
+        check_recompute(recompute)
         self.tree, self.run, self.cost = tree, run, cost
         self.capacity = max(capacity, max(run[1:], default=0))
         planner = _Planner(tree, run, self.capacity, recompute, cost)
