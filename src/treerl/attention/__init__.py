@@ -6,8 +6,8 @@ from treerl.attention.dispatch import (
     LayerAttention,
     UnsupportedModel,
     all_configs,
-    check_layer_types,
     engine_attention,
+    routed_call,
 )
 from treerl.attention.kernels import AttentionSpec
 from treerl.attention.packed_attention import PackedCall
@@ -27,6 +27,6 @@ __all__ = [
     "UnitLayout",
     "UnsupportedModel",
     "all_configs",
-    "check_layer_types",
     "engine_attention",
+    "routed_call",
 ]

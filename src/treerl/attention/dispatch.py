@@ -58,7 +58,6 @@ _IGNORED = {
     "use_cache", "past_key_values", "position_embeddings", "output_hidden_states", "return_dict",
     "target_dtype", "layer_idx",
 }
-_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 
 
 def layer_attention(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) -> LayerAttention:
@@ -104,6 +103,8 @@ def common_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
 # ---------------------------------------------------------------- routing
 
 _IN_ENGINE: contextvars.ContextVar[bool] = contextvars.ContextVar("treerl_in_engine", default=False)
+_CURRENT_CALL: contextvars.ContextVar[tuple[AttentionCall, bool] | None] = contextvars.ContextVar(
+    "treerl_current_call", default=None)
 _LOCK = threading.Lock()
 _ORIGINAL: dict[int, str] = {}  # id(config) -> the implementation the user chose (top config and sub-configs)
 _CALLS_IN_FLIGHT: dict[int, int] = {}  # id(top config) -> engine calls running on that model
@@ -112,6 +113,8 @@ _CALLS_IN_FLIGHT: dict[int, int] = {}  # id(top config) -> engine calls running 
 def dispatch(module, query, key, value, attention_mask, **kwargs):
     """transformers attention function: treerl's call if the engine passed one, else the model's own."""
     call: AttentionCall | None = kwargs.pop(CALL_KWARG, None)
+    if call is None and _IN_ENGINE.get():
+        call = _call_in_context(module)
     if call is not None:
         if attention_mask is not None:
             raise UnsupportedModel(
@@ -126,6 +129,33 @@ def dispatch(module, query, key, value, attention_mask, **kwargs):
             "(the model does not pass attention kwargs through its layers)"
         )
     return _original_function(module)(module, query, key, value, attention_mask, **kwargs)
+
+
+def _call_in_context(module: torch.nn.Module) -> AttentionCall | None:
+    """The running engine call, for a model whose layers do not pass attention kwargs on (StableLM's decoder
+    layer calls its attention with named arguments only). Only the forward knows it: gradient checkpointing
+    would run the layer again in backward, outside that call, so it is refused before any output."""
+    current = _CURRENT_CALL.get()
+    if current is None:
+        return None
+    call, checkpointing = current
+    if checkpointing:
+        raise UnsupportedModel(
+            f"{type(module).__name__}: the model's layers do not pass attention kwargs on, so treerl routes its "
+            "attention by the running call, which gradient checkpointing's recomputation in backward cannot see; "
+            "turn gradient checkpointing off for this model"
+        )
+    return call
+
+
+@contextlib.contextmanager
+def routed_call(call: AttentionCall, checkpointing: bool) -> Iterator[None]:
+    """While one engine call runs the model: the call its attention layers route to (see `dispatch`)."""
+    token = _CURRENT_CALL.set((call, checkpointing))
+    try:
+        yield
+    finally:
+        _CURRENT_CALL.reset(token)
 
 
 def dispatch_mask(*args, config=None, **kwargs):
@@ -181,15 +211,3 @@ def engine_attention(model: PreTrainedModel) -> Iterator[None]:
                 del _CALLS_IN_FLIGHT[id(top)]
                 for config in all_configs(top):
                     config._attn_implementation_internal = _ORIGINAL.pop(id(config), None)
-
-
-def check_layer_types(model: PreTrainedModel) -> None:
-    """Layers that are not softmax attention (linear attention, state-space, convolution) cannot be tree-split."""
-    config = model.config.get_text_config()
-    for kind in sorted(set(getattr(config, "layer_types", None) or [])):
-        if kind not in _LAYER_TYPES:
-            raise UnsupportedModel(
-                f"layer type {kind!r} is not softmax attention over a window of earlier tokens (state-space, "
-                "linear, convolution or indexed sparse attention); the tree engines support only "
-                f"{', '.join(sorted(_LAYER_TYPES))} layers (use FlatEngine)"
-            )

@@ -323,5 +323,16 @@ class TreeCall:
                 "or repeated attention); the tree path stores one K/V per layer (use PackedEngine or FlatEngine)"
             )
         self.layers_called.add(index)
+        rows = query.shape[0]
+        if rows > 1:  # a batch of rows (a unit of a recurrent model): one row of rows x width, a causal run each
+            query, key, value = (_one_row(x) for x in (query, key, value))
         out = _UnitAttention.apply(query, key, value, layer.sinks, self.path, self.unit, self.layout, index, layer.spec)
+        if rows > 1:
+            out = out.reshape(out.shape[1], rows, -1, out.shape[-1]).transpose(0, 1)
         return out.transpose(1, 2).contiguous()
+
+
+def _one_row(x: torch.Tensor) -> torch.Tensor:
+    """[rows, heads, width, D] -> [1, heads, rows * width, D]: row r's tokens at `[r * width, (r + 1) * width)`."""
+    rows, heads, width, dim = x.shape
+    return x.transpose(0, 1).reshape(1, heads, rows * width, dim)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -9,7 +12,27 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedModel
 
-from treerl.engine.support import check_known_model, check_rope_lengths, check_tree_model, decoder_module, last_hidden
+from treerl.attention import (
+    CALL_KWARG,
+    Segment,
+    TreeCall,
+    UnitKV,
+    UnitLayout,
+    UnsupportedModel,
+    engine_attention,
+    routed_call,
+)
+from treerl.engine.recurrent import Mixers, find_mixers
+from treerl.engine.support import (
+    attention_layers,
+    check_all_layers_routed,
+    check_known_model,
+    check_rope_lengths,
+    check_tree_model,
+    decoder_module,
+    last_hidden,
+    model_name,
+)
 from treerl.tree import Node, PrefixTree, TokenSequence, validate_sequences
 
 
@@ -159,11 +182,13 @@ def empty_outputs(model: PreTrainedModel, head: Head) -> dict[str, torch.Tensor]
     return {name: torch.zeros(0, dtype=output_dtype(model), device=device) for name in head.outputs}
 
 
-def check_batch(model: PreTrainedModel, head: Head, sequences: Sequence[TokenSequence], tree: bool) -> None:
+def check_batch(model: PreTrainedModel, head: Head, sequences: Sequence[TokenSequence], tree: bool,
+                carries_state: bool = False) -> None:
     """Every check that can fail, before any compute: the batch, then the model and its settings.
 
     `tree`: the engine computes shared prefixes once (DFS, packed), which needs more of the model
-    than the flat reference does (see treerl.engine.support).
+    than the flat reference does (see treerl.engine.support); `carries_state`: it hands a recurrent
+    state from each node to its children (DFS, see treerl.engine.recurrent).
     """
     config = model.config.get_text_config()
     check_known_model(model)
@@ -172,16 +197,69 @@ def check_batch(model: PreTrainedModel, head: Head, sequences: Sequence[TokenSeq
         vocab_size=model.get_input_embeddings().num_embeddings,
         max_positions=getattr(config, "max_position_embeddings", None),
     )
-    check_model(model, head, tree, max(len(s) for s in sequences))
+    check_model(model, head, tree, max(len(s) for s in sequences), carries_state)
 
 
-def check_model(model: PreTrainedModel, head: Head, tree: bool, longest: int) -> None:
+def check_model(model: PreTrainedModel, head: Head, tree: bool, longest: int, carries_state: bool = False) -> None:
     """The model and its settings, for sequences of up to `longest` tokens: a run checks this once at start."""
     check_known_model(model)
     if tree:
-        check_tree_model(model)
+        check_tree_engine(model, carries_state)
     check_rope_lengths(model, longest)
     head.check(model)
+
+
+def check_tree_engine(model: PreTrainedModel, carries_state: bool) -> Mixers:
+    """What an engine that computes shared prefixes once needs of a model; returns its stateful token mixers.
+
+    An engine that lays tokens of several nodes or sequences one after another in one row (PackedEngine,
+    FlatEngine's packed rows) cannot serve a recurrent layer: the state would run on across them."""
+    mixers = find_mixers(model)
+    check_tree_model(model, attention_free=bool(mixers) and not attention_layers(model, mixers.classes()))
+    check_routed(model, mixers)
+    if mixers and not carries_state:
+        kinds = ", ".join(sorted({kind.name for kind in mixers.layers.values()}))
+        raise UnsupportedModel(
+            f"{model_name(model)}: its {kinds} layers carry a recurrent state along each row, and this engine packs "
+            "several nodes or sequences into one row, which would run the state on from one into the next; "
+            "DfsEngine hands each node's state to its children (or use FlatEngine's layout='sequences')"
+        )
+    return mixers
+
+
+_ROUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> None, or why it is not routed
+
+
+def check_routed(model: PreTrainedModel, mixers: Mixers) -> None:
+    """Every attention layer runs treerl's attention: one two-token probe per model, without gradients.
+
+    A model that computes attention in its own module code (Falcon) never calls the attention interface,
+    and may fail on the mask treerl withholds before the first call could say so."""
+    if model not in _ROUTED:
+        _ROUTED[model] = _probe(model, mixers)
+    if _ROUTED[model] is not None:
+        raise UnsupportedModel(_ROUTED[model])
+
+
+def _probe(model: PreTrainedModel, mixers: Mixers) -> str | None:
+    device = model.get_input_embeddings().weight.device
+    positions = torch.arange(2, device=device)
+    call = TreeCall(None, UnitKV(), UnitLayout([Segment(0, 2, 0)], [], positions, 0))
+    inputs = {"input_ids": torch.zeros(1, 2, dtype=torch.long, device=device), CALL_KWARG: call}
+    if "position_ids" in inspect.signature(decoder_module(model).forward).parameters:
+        inputs["position_ids"] = positions[None]
+    if mixers:
+        inputs.update({mixers.cache_kwarg: mixers.cache_class(None, 1, 0), "use_cache": True})
+    try:
+        with torch.no_grad(), engine_attention(model):
+            final_hidden(model, **inputs)
+            check_all_layers_routed(model, call.layers_called, attention_layers(model, mixers.classes()))
+    except UnsupportedModel as refusal:
+        return str(refusal)
+    except Exception as error:  # noqa: BLE001 - any failure of the probe is a refusal, with its cause
+        return (f"{model_name(model)}: its layers do not run through transformers' attention interface (a two-token "
+                f"probe through treerl's attention failed: {type(error).__name__}: {error}) (use FlatEngine)")
+    return None
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -190,8 +268,18 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def final_hidden(model: PreTrainedModel, **inputs) -> torch.Tensor:
-    """The body's final hidden states `[B, L, d]`, whatever output class (or tuple) the model returns."""
-    return last_hidden(decoder_module(model)(**inputs, use_cache=False, return_dict=True))
+    """The body's final hidden states `[B, L, d]`, whatever output class (or tuple) the model returns.
+
+    No cache unless the inputs bring one (a recurrent model's state, treerl.engine.recurrent). A treerl call
+    in the inputs is also the running call, for layers that do not pass attention kwargs on."""
+    call = inputs.get(CALL_KWARG)
+    with routed_call(call, gradient_checkpointing(model)) if call is not None else contextlib.nullcontext():
+        return last_hidden(decoder_module(model)(**{"use_cache": False, **inputs}, return_dict=True))
+
+
+def gradient_checkpointing(model: PreTrainedModel) -> bool:
+    """Whether transformers will recompute the model's layers in backward (checkpointing on, training mode)."""
+    return model.training and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def sum_losses(

@@ -27,6 +27,7 @@ This module is the engine and the traversal; `unit_inputs` builds what each unit
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from collections.abc import Sequence
@@ -39,7 +40,8 @@ from transformers import PreTrainedModel
 from treerl.attention import PathKV, TreeCall, engine_attention
 from treerl.engine.base import Head, LossFn, OutputSlots, StepStats, check_batch, final_hidden, output_dtype, run_length
 from treerl.engine.head import PolicyHead
-from treerl.engine.support import attention_layers, check_all_layers_routed
+from treerl.engine.recurrent import PathStates, find_mixers, iter_state_grads
+from treerl.engine.support import attention_layers, check_all_layers_routed, decoder_module
 from treerl.engine.unit_inputs import UnitInputs, build_unit_inputs
 from treerl.engine.walk_outputs import WalkOutputs
 from treerl.models import model_geometry
@@ -89,7 +91,7 @@ class DfsEngine:
 
     def _tree(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> PrefixTree:
         """Check everything, then merge the batch into a tree whose nodes are at most `chunk_tokens` long."""
-        check_batch(model, self.head, sequences, tree=True)
+        check_batch(model, self.head, sequences, tree=True, carries_state=True)
         check_recompute(self.recompute)
         if self.batch_tokens < 0:
             raise ValueError(f"batch_tokens must be >= 0, got {self.batch_tokens}")
@@ -110,7 +112,8 @@ class DfsEngine:
         run = [run_length(node, self.head.shifted) for node in tree.nodes]
         run[ROOT] = 0
         cost = self.plan_cost or PlanCost.for_device(_device(model).type)
-        return WalkPlan(tree, run, self.graph_budget_tokens(model, tree), self.batch_tokens, self.recompute, cost)
+        rows = bool(find_mixers(model))  # a recurrent state: calls of rows that each start from the parent's state
+        return WalkPlan(tree, run, self.graph_budget_tokens(model, tree), self.batch_tokens, self.recompute, cost, rows)
 
     def graph_budget_tokens(self, model: PreTrainedModel, tree: PrefixTree) -> int:
         """Tokens of autograd graph the walk may hold at once (`tree` is chunked: no node over `chunk_tokens`)."""
@@ -156,8 +159,11 @@ class _Walk:
                  loss_fn: LossFn | None):
         self.model, self.tree, self.plan, self.loss_fn = model, tree, plan, loss_fn
         self.head = engine.head
-        self.layers = attention_layers(model)
+        self.mixers = find_mixers(model)
+        self.layers = attention_layers(model, self.mixers.classes())
         self.path = PathKV(max(len(s) for s in tree.sequences), with_grads=loss_fn is not None)
+        self.states = PathStates(with_grads=loss_fn is not None) if self.mixers else None  # recurrent state
+        self.positions = "position_ids" in inspect.signature(decoder_module(model).forward).parameters  # not Mamba2
         slots = OutputSlots(tree, self.head.shifted)  # where each token's outputs land, the fork rows' included
         device = _device(model)
         self.outputs = WalkOutputs(tree, self.head.outputs, slots, output_dtype(model), device, loss_fn)
@@ -171,13 +177,18 @@ class _Walk:
                 self.enter(unit, data)
             elif event == "push":
                 self.path.push(data.kv, [data.segments[n] for n in self.plan.chain(unit, node) if n in data.segments])
+                if self.states is not None:
+                    self.states.push(data.cache.row_states(data.row_of[node]))
             elif event == "pop":
                 self.path.pop(data.kv, [data.segments[n] for n in self.plan.chain(unit, node) if n in data.segments])
+                if self.states is not None:
+                    data.state_grads[node] = self.states.pop()
             else:
                 if self.loss_fn is not None:
                     self.backward(unit, data)
                 data.kv.clear()
-                data.graph = None
+                data.graph = data.cache = None
+                data.state_grads.clear()
 
     def enter(self, unit: Unit, data: UnitInputs) -> None:
         """Run the unit (with a graph if it backpropagates without recomputation); record outputs; losses."""
@@ -199,9 +210,19 @@ class _Walk:
             return None
         self.outputs.stats.model_tokens += data.layout.rows
         call = TreeCall(self.path, data.kv, data.layout)
+        inputs = {"input_ids": data.ids[None], "position_ids": data.positions[None], "treerl_call": call}
+        if data.shape is not None:  # a row unit: rows x width, each row from the parent's recurrent state
+            inputs["input_ids"], inputs["position_ids"] = data.ids.view(data.shape), data.positions.view(data.shape)
+        if not self.positions:
+            del inputs["position_ids"]
         with torch.set_grad_enabled(grad):
-            hidden = final_hidden(self.model, input_ids=data.ids[None], position_ids=data.positions[None],
-                                  treerl_call=call)[0]
+            if self.states is not None:
+                data.cache = self.mixers.cache_class(self.states.leaves(), data.shape[0], data.layout.path_end)
+                inputs.update({self.mixers.cache_kwarg: data.cache, "use_cache": True})
+            hidden = final_hidden(self.model, **inputs).flatten(0, 1)
+            if data.cache is not None:
+                data.cache.finish()
+                data.cache.check_handed_on(self.mixers.layers, data.open_rows)
             call.forward_done = True
             check_all_layers_routed(self.model, call.layers_called, self.layers)
             if data.rows is not None:
@@ -220,5 +241,11 @@ class _Walk:
             return
         outputs = data.graph if data.graph is not None else self._compute(data, grad=True, again=True)
         tensors, grads = self.outputs.output_grads(outputs, data.slots)
+        for node, state_grads in data.state_grads.items():  # what the node's children sent to its final state
+            for state, grad in iter_state_grads(data.cache, data.row_of[node], state_grads):
+                tensors.append(state)
+                grads.append(grad)
         if tensors:
             torch.autograd.backward(tensors, grads)
+        if self.states is not None:
+            self.states.add_grads(data.cache.initial)  # to the parent's final state

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -26,13 +25,22 @@ import torch
 from transformers import PreTrainedModel
 
 from treerl.attention import Segment, TreeCall, UnitKV, UnitLayout, UnsupportedModel, engine_attention
-from treerl.engine.base import Head, LossFn, StepStats, check_batch, final_hidden, output_dtype, sum_losses, to_device
+from treerl.engine.base import (
+    Head,
+    LossFn,
+    StepStats,
+    check_batch,
+    check_tree_engine,
+    final_hidden,
+    output_dtype,
+    sum_losses,
+    to_device,
+)
 from treerl.engine.head import PolicyHead
-from treerl.engine.support import check_all_layers_routed, check_tree_model, model_name
+from treerl.engine.support import check_all_layers_routed
 from treerl.tree import TokenSequence
 
 Layout = Literal["auto", "packed", "sequences"]
-_ROUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> every layer runs treerl's attention
 
 
 @dataclass
@@ -80,31 +88,12 @@ class FlatEngine:
         if self.layout == "sequences" or (self.layout == "auto" and model.device.type == "cpu"):
             return "sequences"
         try:
-            check_tree_model(model)
-            routed = _ROUTED.get(model)
-            if routed is None:
-                routed = _ROUTED[model] = self._routes(model)
+            check_tree_engine(model, carries_state=False)  # every layer routed (one probe per model), no state
         except UnsupportedModel:
             if self.layout == "packed":
                 raise
             return "sequences"
-        if not routed and self.layout == "packed":
-            raise UnsupportedModel(f"{model_name(model)}: some layers do not run treerl's attention; use layout='sequences'")
-        return "packed" if routed else "sequences"
-
-    def _routes(self, model: PreTrainedModel) -> bool:
-        """Whether every layer runs treerl's attention (once per model: a two-token probe, no gradients)."""
-        device = model.get_input_embeddings().weight.device
-        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-        positions = torch.arange(2, device=device)
-        call = TreeCall(None, UnitKV(), UnitLayout([Segment(0, 2, 0)], [], positions, 0))
-        try:
-            with torch.no_grad(), engine_attention(model):
-                final_hidden(model, input_ids=ids, position_ids=positions[None], treerl_call=call)
-                check_all_layers_routed(model, call.layers_called)
-        except UnsupportedModel:
-            return False
-        return True
+        return "packed"
 
     def micro_batches(self, sequences: Sequence[TokenSequence], packed: bool = True) -> list[list[int]]:
         """One sequence per call, or (packed) sequences in order, a row growing within `max_tokens` tokens."""

@@ -16,14 +16,11 @@ from collections.abc import Iterator
 import torch
 from transformers import PreTrainedModel
 
-from treerl.attention import UnsupportedModel, all_configs, check_layer_types
+from treerl.attention import UnsupportedModel, all_configs
 
 # Config keys of dropout probabilities a model applies in training mode (hidden, attention, embeddings...).
 _DROPOUT_WORDS = ("dropout", "pdrop")
 _DROPOUT_IGNORED = {"classifier_dropout", "summary_first_dropout", "summary_last_dropout"}  # heads treerl never runs
-
-# Token mixers that carry state across tokens outside attention: a tree node cannot inherit it from its parent.
-_RECURRENT_WORDS = ("Mamba", "RWKV", "Recurrent", "LinearAttention", "GatedDeltaNet", "ShortConv", "xLSTM", "Mixer")
 
 
 def decoder_module(model: PreTrainedModel) -> torch.nn.Module:
@@ -75,30 +72,23 @@ def check_known_model(model: PreTrainedModel) -> None:
         )
 
 
-def check_tree_model(model: PreTrainedModel) -> None:
-    """What the tree engines (DFS, packed) need beyond the flat reference: attention is the only token mixer."""
+def check_tree_model(model: PreTrainedModel, attention_free: bool = False) -> None:
+    """What the tree engines (DFS, packed) need of attention beyond the flat reference: a node runs at its depth,
+    and every attention layer can be routed. Token mixers other than attention: treerl.engine.recurrent.
+
+    Whether a layer really calls transformers' attention interface is checked where it happens, at the
+    first layer of the first call (treerl.attention.dispatch), before any output or gradient: decided by
+    what the layers do, not by a flag a model class declares. `attention_free`: no layer attends (pure
+    state-space models), so positions do not matter."""
     name = model_name(model)
-    if not getattr(model, "_supports_attention_backend", False):
-        raise UnsupportedModel(
-            f"{name}: transformers does not declare it written against the AttentionInterface "
-            "(_supports_attention_backend), so the tree engines cannot route its attention (use FlatEngine)"
-        )
-    if "position_ids" not in inspect.signature(decoder_module(model).forward).parameters:
+    takes_positions = "position_ids" in inspect.signature(decoder_module(model).forward).parameters
+    if not takes_positions and not attention_free:  # a model without attention (pure Mamba2) needs no positions
         raise UnsupportedModel(
             f"{name}: its body takes no position_ids (positions come from the input length), so a tree node "
             "cannot run at its depth (use FlatEngine)"
         )
-    try:
-        check_layer_types(model)
-    except UnsupportedModel as error:
-        raise UnsupportedModel(f"{name}: {error}") from None
     for path, module in decoder_module(model).named_modules():  # the text body: a vision tower never runs here
         kind = type(module).__name__
-        if any(word in kind for word in _RECURRENT_WORDS):
-            raise UnsupportedModel(
-                f"{name}: {path} ({kind}) carries state across tokens outside attention; the tree engines "
-                "cannot hand it from a node to its children (use FlatEngine)"
-            )
         if kind.endswith("Attention") and not hasattr(module, "layer_idx"):
             raise UnsupportedModel(f"{name}: attention module {path} has no layer_idx; cannot route tree attention")
     if model.training:
@@ -174,9 +164,16 @@ def check_all_layers_routed(model: PreTrainedModel, called: set[int], layers: se
         )
 
 
-def attention_layers(model: PreTrainedModel) -> set[int]:
-    """The layer indices of the text body's modules (attention, and any other layer that holds a cache slot)."""
-    return {m.layer_idx for m in decoder_module(model).modules() if isinstance(getattr(m, "layer_idx", None), int)}
+def attention_layers(model: PreTrainedModel, mixers: set[str] | frozenset[str] = frozenset()) -> set[int]:
+    """The layer indices of the text body's modules (attention, and any other layer that holds a cache slot),
+    leaving out the token mixers named in `mixers` and what is inside or around them (treerl.engine.recurrent)."""
+    modules = list(decoder_module(model).named_modules())
+    skip = [path + "." for path, m in modules if type(m).__name__ in mixers]
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    feed_forward = {i for i, kind in enumerate(layer_types) if kind in ("mlp", "moe")}  # Nemotron-H's MLP layers
+    return {m.layer_idx for path, m in modules if isinstance(getattr(m, "layer_idx", None), int)
+            and m.layer_idx not in feed_forward
+            and not any((path + ".").startswith(k) or k.startswith(path + ".") for k in skip)}
 
 
 @contextlib.contextmanager

@@ -47,6 +47,11 @@ class UnitInputs:
         self.end_slots = None  # their slots, one sequence after another
         self.kv = UnitKV()
         self.graph: dict[str, torch.Tensor] | None = None  # head outputs with their autograd graph
+        self.shape: tuple[int, int] | None = None  # row units: (rows, width) of the call; None: one packed row
+        self.row_of: dict[int, int] = {}  # row units: node -> its row
+        self.open_rows: list[int] = []  # row units: the rows whose last node hands its state to calls below
+        self.cache = None  # row units: the call's TreeStateCache (initial and final recurrent states)
+        self.state_grads: dict[int, dict] = {}  # row units: open node -> gradient its children sent to its state
 
 
 def build_unit_inputs(tree: PrefixTree, plan: WalkPlan, slots: OutputSlots,
@@ -67,6 +72,8 @@ def build_unit_inputs(tree: PrefixTree, plan: WalkPlan, slots: OutputSlots,
 
 def _unit_inputs(tree: PrefixTree, plan: WalkPlan, slots: OutputSlots, unit: Unit, index: HostIndex) -> UnitInputs:
     """Rows, positions, attention layout, output rows and slots of one unit; its sequences' slots."""
+    if unit.rows is not None:
+        return _row_unit_inputs(tree, plan, slots, unit, index)
     run = plan.run
     segments, ids, positions, rows, targets, unit_slots = {}, [], [], [], [], []
     row = 0
@@ -95,6 +102,47 @@ def _unit_inputs(tree: PrefixTree, plan: WalkPlan, slots: OutputSlots, unit: Uni
     path_end = tree.nodes[unit.parent].end if unit.parent != ROOT else 0
     runs, blocks = attention_layout(tree, segments)
     data.layout = UnitLayout(runs, blocks, torch.empty(0), path_end)
+    return data
+
+
+def _row_unit_inputs(tree: PrefixTree, plan: WalkPlan, slots: OutputSlots, unit: Unit,
+                     index: HostIndex) -> UnitInputs:
+    """A row unit (recurrent state): rows x width, each row a chain of nodes from the parent's end, padded on the
+    right by repeating its last token (causal: padding changes no real row's outputs; no open row is padded).
+
+    Row r's tokens are rows `[r * width, (r + 1) * width)` of the flattened call; every row starts at the
+    parent's end position, so the attention layout is one causal run per row over the path's K/V."""
+    run, width = plan.run, unit.width
+    path_end = tree.nodes[unit.parent].end if unit.parent != ROOT else 0
+    segments, ids, rows, targets, unit_slots, row_of = {}, [], [], [], [], {}
+    for r, chain in enumerate(unit.rows):
+        offset = r * width
+        tokens = torch.cat([tree.nodes[n].tokens[: run[n]] for n in chain])
+        ids.append(torch.cat([tokens, tokens[-1:].expand(width - len(tokens))]))
+        for n in chain:
+            node = tree.nodes[n]
+            segments[n] = Segment(offset, run[n], node.start)
+            row_of[n] = r
+            node_rows, node_targets, node_slots = slots.node_rows(node, offset)
+            rows.append(node_rows)
+            targets.append(node_targets)
+            unit_slots.append(node_slots)
+            offset += run[n]
+    data = UnitInputs(segments)
+    data.ends = [s for n in unit.nodes for s in tree.nodes[n].ends]
+    if data.ends:
+        data.end_slots = index.add(torch.cat([slots.sequence(s) for s in data.ends]))
+    if not unit.rows:  # one-token leaves only: their outputs came from the parent's fork rows
+        return data
+    count = len(unit.rows)
+    data.shape, data.row_of = (count, width), row_of
+    data.open_rows = [row_of[o] for o in unit.open]
+    data.ids = index.add(torch.cat(ids))
+    data.positions = index.add(torch.arange(path_end, path_end + width).repeat(count))
+    data.rows = index.add(torch.cat(rows))
+    data.targets, data.slots = index.add(torch.cat(targets)), index.add(torch.cat(unit_slots))
+    runs = [Segment(r * width, width, path_end) for r in range(count)]
+    data.layout = UnitLayout(runs, [], torch.empty(0), path_end)
     return data
 
 

@@ -14,6 +14,14 @@ run (they get the capacity it leaves) or is run again on the way up (recomputed:
 of it, the full capacity below). A cost model in token-equivalents (`PlanCost`: a call's fixed
 cost, a recomputation's forward) chooses each unit: the forest filled up to the capacity, or only
 the part of that fill its descendants attend to, and for each keep or recompute.
+
+*Row units* (`rows=True`, for models whose layers carry a recurrent state beside attention: state-space,
+linear attention, short convolutions): a layer's own code runs each row of a call from one initial state
+to one final state, so a unit is a batch of *rows*, each a chain of nodes hanging below `parent` (they
+all start from its state), padded on the right to the longest. A row ends at a node whose children
+get their own units (it is open: its final state is what they start from, so it must be a row
+without padding) or at a node with nothing below it that runs. Rows are grouped into calls by
+length: a row shorter than its call's longest computes padding, which the cost model counts.
 """
 
 from __future__ import annotations
@@ -68,20 +76,27 @@ class Unit:
     open: list[int] = field(default_factory=list)  # nodes with children in later units, preorder
     keep: bool = False  # keep the graph while `below` runs (else recompute it on the way up)
     below: dict[int, list[Unit]] = field(default_factory=dict)
+    rows: list[list[int]] | None = None  # row units: each row's chain of nodes (the call is rows x width)
+    width: int = 0  # row units: the longest row, to which every row is padded
 
 
 class WalkPlan:
     """The units of one walk over `tree`, in order (a tree of units: `Unit.below`), and what it holds at once."""
 
     def __init__(self, tree: PrefixTree, run: list[int], capacity: int, unit_tokens: int, recompute: Recompute,
-                 cost: PlanCost):
+                 cost: PlanCost, rows: bool = False):
         """`run[n]`: rows node n needs; `capacity`: graph tokens held at once (clamped to the largest node: one
-        node always runs); `unit_tokens`: most rows of one call (0: one node per call)."""
+        node always runs); `unit_tokens`: most rows of one call (0: one node per call); `rows`: row units
+        (a recurrent state beside attention, see the module docstring)."""
         check_recompute(recompute)
         self.tree, self.run, self.cost = tree, run, cost
         self.capacity = max(capacity, max(run[1:], default=0))
-        planner = _Planner(tree, run, self.capacity, recompute, cost)
-        plans = [planner.plan(unit_tokens, spines=False), planner.plan(unit_tokens, spines=True)]
+        if rows:
+            planner: _Planner = _RowPlanner(tree, run, self.capacity, recompute, cost)
+            plans = [planner.plan(unit_tokens, spines=False)]
+        else:
+            planner = _Planner(tree, run, self.capacity, recompute, cost)
+            plans = [planner.plan(unit_tokens, spines=False), planner.plan(unit_tokens, spines=True)]
         if unit_tokens > 0:  # one node per call: no call recomputes a node whose subtree merely shared it
             plans.append(planner.plan(0, spines=False))
         self.units = min(plans, key=lambda units: estimate(units, cost))  # the first (plain fills) on a tie
@@ -288,3 +303,68 @@ class _Planner:
         """About how many calls `tokens` rows take with `room` rows per call."""
         per_call = max(1, min(room, self.unit_tokens))
         return max(1, math.ceil(tokens / per_call))
+
+
+class _RowPlanner(_Planner):
+    """Row units: sibling chains below one node, grouped by length into calls padded to their longest row."""
+
+    def _next_unit(self, parent: int, roots: list[int], room: int,
+                   spines: bool) -> tuple[Unit, list[int], dict[int, list[int]]]:
+        """The forest's first call: its rows and the nodes with nothing to run that hang on them (one-token
+        leaves, whose outputs come from their parent's last row), and whether it keeps its graph."""
+        cap = max(1, min(room, self.unit_tokens)) if self.unit_tokens > 0 else 0  # 0: one node per call
+        chains = sorted((self._chain(r, cap) for r in roots if self.run[r] > 0), key=lambda chain: -self._length(chain))
+        group = self._first_group(chains, cap)
+        taken = [n for chain in group for n in chain]
+        taken += [c for n in [parent, *taken] for c in self.tree.nodes[n].children
+                  if self.run[c] == 0 and (n != parent or c in roots)]  # one-token leaves: no rows of their own
+        unit, outside = self._unit(parent, taken)
+        unit.rows = group
+        unit.width = max((self._length(chain) for chain in group), default=0)
+        unit.tokens = unit.width * len(group)
+        left = [r for r in roots if r not in set(unit.nodes)]
+        below = [c for o in unit.open for c in outside[o]]
+        rest_tokens = sum(self.size[r] for r in left)
+        choices = self._keep_choices(unit.tokens, below, room)
+        unit.keep = min(choices, key=lambda keep: self._estimate(unit.tokens, below, keep, room, rest_tokens))
+        return unit, left, outside
+
+    def _chain(self, node: int, room: int) -> list[int]:
+        """The row from `node` down: a node whose only child with rows still fits continues it (0: one node)."""
+        chain, length = [node], self.run[node]
+        while True:
+            kids = [c for c in self.tree.nodes[chain[-1]].children if self.run[c] > 0]
+            if len(kids) != 1 or length + self.run[kids[0]] > room:
+                return chain
+            chain.append(kids[0])
+            length += self.run[kids[0]]
+
+    def _length(self, chain: list[int]) -> int:
+        return sum(self.run[n] for n in chain)
+
+    def _open(self, chain: list[int]) -> bool:
+        """Whether the row's last node has children that run in calls below it (it hands them its state)."""
+        return any(self.run[c] > 0 for c in self.tree.nodes[chain[-1]].children)
+
+    def _first_group(self, chains: list[list[int]], cap: int) -> list[list[int]]:
+        """The first call of the cheapest split of `chains` (longest first) into calls of consecutive rows.
+
+        A call of k rows padded to its longest, L, costs `call + k * L`; an open row must be a longest row
+        (its final state is read after its last token, padding would run past it); k * L stays within `cap`
+        unless one row alone is longer. Consecutive groups of rows sorted by length are optimal for this cost.
+        """
+        n = len(chains)
+        if n == 0:
+            return []
+        lengths = [self._length(c) for c in chains]
+        best = [0.0] * (n + 1)  # best[i]: cost of chains[i:]
+        first = [n] * (n + 1)  # first[i]: end of the first group of chains[i:]
+        for i in range(n - 1, -1, -1):
+            best[i] = math.inf
+            for j in range(i + 1, n + 1):
+                if j - i > 1 and (lengths[i] * (j - i) > cap or (self._open(chains[j - 1]) and lengths[j - 1] < lengths[i])):
+                    break  # sorted longest first: a larger group has the same fault
+                cost = self.cost.call + lengths[i] * (j - i) + best[j]
+                if cost < best[i]:
+                    best[i], first[i] = cost, j
+        return chains[: first[0]]

@@ -1,0 +1,342 @@
+"""How a recurrent state travels through the tree, for models whose token mixers are not all attention.
+
+Hybrid models (Qwen3.5 / Qwen3-Next's Gated DeltaNet, Kimi Linear's KDA, the Mamba2 hybrids, LFM2's short
+convolutions, MiniMax's lightning attention) carry a fixed-size state along the sequence beside attention's
+growing K/V. In the tree a node starts from its parent's final state and hands its own final state to each
+of its children, exactly as its K/V are what they attend to; on the way back up it receives the sum of its
+children's gradients with respect to that state and returns the gradient with respect to its own initial
+state. The state enters a call as a detached leaf with `requires_grad`, like the path's K/V.
+
+treerl does not re-write the layers: each reads and writes its state through transformers' cache interface
+(`get_conv_state` / `update_conv_state`, `get_recurrent_state` / `update_recurrent_state`,
+`get_linear_cache` / `set_linear_cache`), and `TreeStateCache` answers those calls for one model call of
+the DFS walk: it hands out the parent's final state and keeps each layer's final state *by reference*, so
+autograd connects them (transformers' own caches copy states in place, which breaks backward through
+them). A layer's one-token step writes its state in place (`state.copy_(new)`); the state treerl hands
+it records that write instead of doing it (`_HandedState`).
+
+`MIXERS` is the one table of token mixers treerl knows: how each one's state is read, handed on and given
+its gradient, or why it is refused. A mixer the table does not know is refused before compute, naming
+the layer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+
+from treerl.attention import UnsupportedModel
+from treerl.engine.support import decoder_module, model_name
+
+StateKey = tuple[int, str, int]  # (layer index, "conv" | "recurrent" | "linear", state index)
+
+
+@dataclass(frozen=True)
+class MixerKind:
+    """One kind of token mixer with a state: what it carries and how it reads and hands it on."""
+
+    name: str
+    classes: tuple[str, ...]  # transformers module classes of this kind
+    state: str  # what travels from a node to its children
+    entry: str  # the layer's own entry points the state goes through
+    refused: str | None = None  # why the tree engines cannot reproduce it (None: exact)
+    cache_class: str | None = None  # a cache class the model insists on (its module's attribute name)
+
+
+_CACHE = "cache `get_conv_state` / `update_conv_state` and `get_recurrent_state` / `update_recurrent_state`"
+MIXERS: tuple[MixerKind, ...] = (
+    MixerKind("Gated DeltaNet", ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
+                                 "Qwen4ExpTextGatedDeltaNet", "OlmoHybridGatedDeltaNet", "BailingHybridDeltaAttention"),
+              "the short-convolution window and the delta-rule state", _CACHE),
+    MixerKind("KDA (Kimi delta attention)", ("KimiLinearDeltaAttention",),
+              "the short-convolution window and the delta-rule state (transformers keeps it in float32)", _CACHE),
+    MixerKind("Mamba2", ("Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer", "FalconH1Mixer", "Zamba2MambaMixer",
+                         "GraniteMoeHybridMambaLayer"),
+              "the convolution window and the SSM state", _CACHE),
+    MixerKind("short convolution", ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv", "InklingShortConvolution",
+                                    "Inkling2ShortConvolution", "Inkling2DynamicShortConvolution"),
+              "the convolution window", "cache `get_conv_state` / `update_conv_state`"),
+    MixerKind("lightning attention", ("MiniMaxLightningAttention",), "the decayed K^T V state",
+              "cache `get_linear_cache` / `set_linear_cache`", cache_class="MiniMaxCache"),
+    MixerKind("Mamba (selective scan)", ("MambaMixer", "FalconMambaMixer", "ZambaMambaMixer", "JambaMambaMixer"),
+              "the convolution window and the SSM state", _CACHE,
+              refused="transformers' Mamba selective scan starts every multi-token call from a zero SSM state "
+                      "(`mamba_selective_scan` takes no initial state, so continuing from a cache is not exact even "
+                      "in transformers), so a tree node cannot continue its parent's state"),
+)
+_BY_CLASS = {cls: kind for kind in MIXERS for cls in kind.classes}
+
+# Class-name words of modules that carry state along the sequence outside attention.
+_STATEFUL_WORDS = ("Mamba", "RWKV", "Recurrent", "DeltaNet", "DeltaAttention", "ShortConv", "xLSTM", "Mixer",
+                   "Lightning", "Rglru")
+_NORM = re.compile(r"Norm(Gated)?$")  # Mamba2RMSNorm: a norm named after its model, no state
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+
+
+@dataclass(frozen=True)
+class Mixers:
+    """The stateful token mixers of a model's text body: layer index -> kind, and the cache class it needs."""
+
+    layers: dict[int, MixerKind]
+    cache_class: type[Cache]
+    cache_kwarg: str  # "past_key_values", or "cache_params" (pure Mamba2)
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    def classes(self) -> set[str]:
+        """Class names of the mixers (their layers run no attention of their own)."""
+        return {cls for kind in self.layers.values() for cls in kind.classes}
+
+
+def find_mixers(model: PreTrainedModel) -> Mixers:
+    """The model's stateful token mixers; refuses one the table does not know or cannot reproduce, naming it."""
+    body = decoder_module(model)
+    layers: dict[int, MixerKind] = {}
+    known: list[str] = []  # module paths of known mixers (what is inside one is part of it)
+    base: type[Cache] = DynamicCache
+    for path, module in body.named_modules():
+        kind = _BY_CLASS.get(type(module).__name__)
+        if kind is None:
+            continue
+        if kind.refused is not None:
+            raise UnsupportedModel(f"{model_name(model)}: {path} ({type(module).__name__}, {kind.name}): {kind.refused}")
+        index = getattr(module, "layer_idx", None)
+        if not isinstance(index, int):
+            raise UnsupportedModel(f"{model_name(model)}: {path} ({type(module).__name__}) has no layer_idx; treerl "
+                                   "cannot tell which layer's state it reads")
+        layers[index] = kind
+        known.append(path + ".")
+        if kind.cache_class is not None:
+            base = getattr(sys.modules[type(module).__module__], kind.cache_class)
+    _refuse_unknown_mixers(model, body, known, set(layers))
+    kwarg = "cache_params" if "cache_params" in _parameters(body) and "past_key_values" not in _parameters(body) \
+        else "past_key_values"
+    return Mixers(layers, _cache_class(base), kwarg)
+
+
+def _refuse_unknown_mixers(model: PreTrainedModel, body: torch.nn.Module, known: list[str], mixer_layers: set[int]):
+    """A module that looks stateful outside every known mixer, or a non-attention layer type without one."""
+    for path, module in body.named_modules():
+        name = type(module).__name__
+        prefix = path + "." if path else ""
+        inside_or_around = any(prefix.startswith(k) or k.startswith(prefix) for k in known)  # a mixer, or its block
+        looks_stateful = (any(w in name for w in _STATEFUL_WORDS) and not _NORM.search(name)) \
+            or isinstance(module, torch.nn.Conv1d)
+        if looks_stateful and not inside_or_around:
+            raise UnsupportedModel(
+                f"{model_name(model)}: {path} ({name}) carries state across tokens outside attention, and treerl's "
+                "table of token mixers (treerl.engine.recurrent.MIXERS) does not know how to hand it from a tree node "
+                "to its children (use FlatEngine)"
+            )
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    for index, kind in enumerate(layer_types):
+        if kind not in _ATTENTION_LAYER_TYPES and kind not in ("mlp", "moe", "hybrid") and index not in mixer_layers:
+            raise UnsupportedModel(
+                f"{model_name(model)}: layer {index} is of type {kind!r}, neither softmax attention nor a token mixer "
+                "in treerl's table (treerl.engine.recurrent.MIXERS) (use FlatEngine)"
+            )
+
+
+def _parameters(module: torch.nn.Module) -> set[str]:
+    return set(inspect.signature(module.forward).parameters)
+
+
+_CACHE_CLASSES: dict[type, type] = {}
+
+
+def _cache_class(base: type[Cache]) -> type[Cache]:
+    """TreeStateCache, also an instance of the cache class a model insists on (MiniMax checks its own)."""
+    if base is DynamicCache:
+        return TreeStateCache
+    if base not in _CACHE_CLASSES:
+        _CACHE_CLASSES[base] = type(f"TreeState{base.__name__}", (TreeStateCache, base), {})
+    return _CACHE_CLASSES[base]
+
+
+class _HandedState(torch.Tensor):
+    """A state handed to a layer: `copy_` into it (a one-token step updating the state in place) is recorded
+    as the layer's new state instead of writing into the parent's state; every other op runs as usual."""
+
+    written: torch.Tensor | None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_ and isinstance(args[0], _HandedState):
+            args[0].written = args[1]
+            return args[0]
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+class TreeStateCache(DynamicCache):
+    """transformers' cache interface for one call of the DFS walk: every row starts from the parent's final
+    state (`initial`, None at the root) and each layer's final state is kept by reference (`final`).
+
+    Attention layers get their own K/V back unchanged from `update`: treerl's attention adds the path's.
+    """
+
+    def __init__(self, initial: dict[StateKey, torch.Tensor] | None, rows: int, past: int):
+        Cache.__init__(self, layers=[])
+        self.initial, self.rows, self.past = initial, rows, past
+        self.final: dict[StateKey, torch.Tensor] = {}
+        self.handed: dict[StateKey, _HandedState] = {}
+        self.read: set[StateKey] = set()
+        self.replaying = False  # set after the forward: gradient checkpointing's recomputation writes nothing
+
+    # -- attention layers: their K/V go to treerl's attention as they are
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.past
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.past + query_length, 0
+
+    def __len__(self) -> int:
+        return 0
+
+    # -- recurrent layers
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return self.initial is not None
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def _start(self, key: StateKey) -> torch.Tensor | None:
+        """The parent's final state for this key, one copy per row (a view: the gradient sums over rows)."""
+        if self.initial is None or key not in self.initial:
+            return None
+        self.read.add(key)
+        state = self.initial[key]
+        return state.expand(self.rows, *state.shape[1:])
+
+    def _hand(self, key: StateKey) -> torch.Tensor | None:
+        start = self._start(key)
+        if start is None:
+            return None
+        handed = start.as_subclass(_HandedState)
+        handed.written = None
+        self.handed[key] = handed
+        return handed
+
+    def _keep(self, key: StateKey, state: torch.Tensor) -> None:
+        if not self.replaying:
+            self.final[key] = state
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._hand((layer_idx, "conv", state_idx))
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+        """The new inputs behind the parent's window (what the causal convolution reads); keep the new window."""
+        key = (layer_idx, "conv", state_idx)
+        start = self._start(key)
+        width = conv_kernel_size or (start.shape[-1] if start is not None else conv_states.shape[-1])
+        if start is not None:
+            full = torch.cat([start.to(conv_states.dtype), conv_states], dim=-1)
+        elif conv_states.shape[-1] < width:
+            full = torch.nn.functional.pad(conv_states, (width - conv_states.shape[-1], 0))
+        else:
+            full = conv_states
+        self._keep(key, full[..., -width:])
+        return full
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._hand((layer_idx, "recurrent", state_idx))
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        self._keep((layer_idx, "recurrent", state_idx), recurrent_states)
+        return recurrent_states
+
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        return self._hand((layer_idx, "linear", 0))
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+        self._keep((layer_idx, "linear", 0), linear_cache)
+
+    def finish(self) -> None:
+        """After the forward: take the in-place steps' writes as final states; later calls are replays."""
+        for key, handed in self.handed.items():
+            if handed.written is not None and key not in self.final:
+                self._keep(key, handed.written)
+        self.replaying = True
+
+    def check_handed_on(self, layers: dict[int, MixerKind], open_rows: list[int]) -> None:
+        """Every layer read the state it was handed, and (when a row hands on its state) gave back its final one.
+
+        A layer that skipped either would leave a node's children starting from a state that is not its
+        own: refused, naming the layer, before any output or gradient of the call is used."""
+        unread = sorted(set(self.initial or {}) - self.read)
+        if unread:
+            raise UnsupportedModel(f"layer {unread[0][0]} ({layers.get(unread[0][0], '?')}) did not read the "
+                                   f"{unread[0][1]} state handed to it, so a tree node would not continue its parent")
+        if open_rows:
+            for index, kind in sorted(layers.items()):
+                if not any(key[0] == index for key in self.final):
+                    raise UnsupportedModel(f"layer {index} ({kind.name}) gave back no final state through the cache, "
+                                           "so a tree node's children could not continue it")
+
+    def row_states(self, row: int) -> dict[StateKey, torch.Tensor]:
+        """The final states of one row (`[1, ...]`), what its last node hands to its children."""
+        return {key: state[row : row + 1] for key, state in self.final.items()}
+
+
+class PathStates:
+    """The final states of the current path's open nodes, innermost last, and the gradient sent back to each.
+
+    A unit reads the innermost entry as its rows' initial state (a detached leaf per call, `leaves`); after
+    its backward the leaves' gradients are added to the entry; when the node's subtree is done the entry is
+    popped and its gradient goes into the unit that computed the state.
+    """
+
+    def __init__(self, with_grads: bool):
+        self.with_grads = with_grads
+        self.states: list[dict[StateKey, torch.Tensor]] = []
+        self.grads: list[dict[StateKey, torch.Tensor]] = []
+
+    def leaves(self) -> dict[StateKey, torch.Tensor] | None:
+        """The innermost node's final states as leaves of a new graph (None at the root: no state yet)."""
+        if not self.states:
+            return None
+        if not self.with_grads or not torch.is_grad_enabled():
+            return {key: state.clone() for key, state in self.states[-1].items()}  # a layer may write into it
+        return {key: state.detach().requires_grad_() for key, state in self.states[-1].items()}
+
+    def add_grads(self, leaves: dict[StateKey, torch.Tensor] | None) -> None:
+        """Add the gradients a unit's backward left in its leaves to the innermost entry."""
+        if leaves is None or not self.with_grads:
+            return
+        grads = self.grads[-1]
+        for key, leaf in leaves.items():
+            if leaf.grad is not None:
+                grads[key] = leaf.grad if key not in grads else grads[key] + leaf.grad
+
+    def push(self, states: dict[StateKey, torch.Tensor]) -> None:
+        self.states.append({key: state.detach() for key, state in states.items()})
+        self.grads.append({})
+
+    def pop(self) -> dict[StateKey, torch.Tensor]:
+        """Leave the innermost node: the gradient its children sent to its final states."""
+        self.states.pop()
+        return self.grads.pop()
+
+
+def iter_state_grads(cache: TreeStateCache, row: int,
+                     grads: dict[StateKey, torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(final state of `row`, its gradient) pairs for a backward: the children's gradient of what it handed on."""
+    for key, grad in grads.items():
+        state = cache.final.get(key)
+        if state is None or not state.requires_grad:
+            raise UnsupportedModel(f"layer {key[0]}'s {key[1]} state has no graph in its recomputation (gradient "
+                                   "checkpointing recomputes it without one?); its gradient cannot reach the node")
+        yield state[row : row + 1], grad.to(state.dtype)
