@@ -41,6 +41,32 @@ def exact_norms(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def float64_throughout() -> Iterator[None]:
+    """Keep float64 tensors in float64 where transformers rounds them to float32 (`.float()`, `.to(float32)`).
+
+    The recurrent mixers' torch paths (the delta rule, the Mamba2 scan) compute in float32 even in a float64
+    model, which puts a ~1e-7 floor under every comparison of a hybrid model; inside this block a tree engine
+    must match the flat reference to float64 rounding, so that any real difference stands out."""
+    to, to_float = torch.Tensor.to, torch.Tensor.float
+
+    def to_keeping_float64(self, *args, **kwargs):
+        if self.dtype == torch.float64:
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
+        return to(self, *args, **kwargs)
+
+    def float_keeping_float64(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else to_float(self, *args, **kwargs)
+
+    torch.Tensor.to, torch.Tensor.float = to_keeping_float64, float_keeping_float64
+    try:
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.float = to, to_float
+
+
 def tiny_model(shape: str = "tiny-qwen3", vocab_size: int = 64, exact: bool = True):
     """A cached float64 model; tests must leave its parameters and .grad as they found them.
 

@@ -14,12 +14,27 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    BambaConfig,
+    LlamaConfig,
+    Lfm2Config,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+)
 
 from treerl.errors import ModelPathError, UserError
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # the parameter dtypes a model may be built or loaded in
-ARCHITECTURES = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}
+ARCHITECTURES = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig,
+                 "qwen3_5_text": Qwen3_5TextConfig, "bamba": BambaConfig, "lfm2": Lfm2Config}
+# Hybrids: Gated DeltaNet beside gated attention (Qwen3.5), Mamba2 beside attention (Bamba), short convolutions
+# beside attention (LFM2); their recurrent layers' state travels through the tree (treerl.engine.recurrent).
+_QWEN35_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
 
 # Named shapes: (architecture, overrides). "tiny" ones are for tests and the CPU demo.
 SHAPES: dict[str, tuple[str, dict]] = {
@@ -29,11 +44,24 @@ SHAPES: dict[str, tuple[str, dict]] = {
                                  num_key_value_heads=2)),
     "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2)),
+    "tiny-qwen3.5": ("qwen3_5_text", dict(**_QWEN35_TINY, num_hidden_layers=2,
+                                          layer_types=["linear_attention", "full_attention"])),
+    "tiny-bamba": ("bamba", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16,
+                                 mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16)),
+    "tiny-lfm2": ("lfm2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, layer_types=["conv", "full_attention"],
+                               block_auto_adjust_ff_dim=False)),
     "small-qwen3": ("qwen3", dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                                   num_key_value_heads=4, head_dim=32)),
     "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                                  tie_word_embeddings=True, rope_theta=1_000_000.0)),
+    "small-qwen3.5": ("qwen3_5_text", dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                           num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                                           linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+                                           linear_value_head_dim=32, layer_types=["linear_attention"] * 3
+                                           + ["full_attention"])),
 }
 
 

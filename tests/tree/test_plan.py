@@ -14,11 +14,11 @@ token_lists = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=14), min
 
 
 def _plan(lists: list[list[int]], chunk: int, capacity: int, unit_tokens: int, recompute: str,
-          cost: PlanCost | None = None) -> WalkPlan:
+          cost: PlanCost | None = None, rows: bool = False) -> WalkPlan:
     tree = PrefixTree.build([TokenSequence(torch.tensor(t)) for t in lists]).chunked(chunk)
     run = [n.length - (0 if n.children else 1) for n in tree.nodes]  # shifted: a leaf's last token predicts nothing
     run[ROOT] = 0
-    return WalkPlan(tree, run, capacity, unit_tokens, recompute, cost or PlanCost())  # type: ignore[arg-type]
+    return WalkPlan(tree, run, capacity, unit_tokens, recompute, cost or PlanCost(), rows)  # type: ignore[arg-type]
 
 
 def _ancestors(plan: WalkPlan, node: int) -> list[int]:
@@ -108,3 +108,49 @@ def test_unit_tokens_zero_is_one_node_per_call():
     lists = [[0, 1, 2, 3], [0, 1, 3, 3], [0, 2, 2, 2, 2]]
     plan = _plan(lists, chunk=100, capacity=100, unit_tokens=0, recompute="auto")
     assert all(sum(1 for n in u.nodes if plan.run[n]) <= 1 for u in plan.all_units())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lists=token_lists,
+    chunk=st.sampled_from([1, 2, 3, 100]),
+    capacity=st.integers(0, 60),
+    unit_tokens=st.sampled_from([0, 1, 4, 16, 8192]),
+    recompute=st.sampled_from(["auto", "always", "never"]),
+)
+def test_row_units_are_chains_from_the_parent_and_an_open_row_is_never_padded(lists, chunk, capacity, unit_tokens,
+                                                                              recompute):
+    """Row units (a recurrent state): each row a chain hanging below the unit's parent, every row padded to the
+    longest, a row that hands its state to calls below unpadded; every node once, within the budget."""
+    plan = _plan(lists, chunk, capacity, unit_tokens, recompute, rows=True)
+    tree, run = plan.tree, plan.run
+    seen: list[int] = []
+    for unit in plan.all_units():
+        assert unit.rows is not None and unit.tokens == unit.width * len(unit.rows)
+        in_rows = {n for row in unit.rows for n in row}
+        assert {n for n in unit.nodes if run[n]} == in_rows  # every node with rows is in a row; others have none
+        for row in unit.rows:
+            assert tree.nodes[row[0]].parent == unit.parent  # every row starts from the parent's state
+            assert all(tree.nodes[b].parent == a for a, b in zip(row, row[1:]))
+            assert all(n not in unit.open for n in row[:-1])  # only a row's last node hands its state on
+            if row[-1] in unit.open:
+                assert sum(run[n] for n in row) == unit.width  # no padding after the state it hands on
+        if len(unit.rows) > 1:
+            assert unit.tokens <= max(min(plan.capacity, unit_tokens), max(run[n] for n in unit.nodes))
+        seen += unit.nodes
+    assert sorted(seen) == list(range(1, len(tree.nodes)))
+    if recompute != "never":
+        assert plan.peak_graph_tokens() <= plan.capacity
+
+
+def test_row_units_batch_a_grpo_group_by_length():
+    """A prompt, then its samples: rows of similar length share a call; one shorter by more than a call's cost
+    (PlanCost.call: 48 rows) gets its own call rather than padding."""
+    group = [[0] * 10 + [1 + i] + [9] * 60 for i in range(6)] + [[0] * 10 + [8, 9]]
+    plan = _plan(group, chunk=100, capacity=1000, unit_tokens=8192, recompute="auto", rows=True)
+    prompt, below = plan.units[0], plan.units[0].below[1]
+    assert prompt.rows == [[1]] and prompt.width == 10
+    assert [len(u.rows) for u in below] == [6, 1] and below[0].width == 60 and below[1].width == 1
+    near = _plan([[0] * 10 + [1 + i] + [9] * 60 for i in range(6)] + [[0] * 10 + [8] + [9] * 40], chunk=100,
+                 capacity=1000, unit_tokens=8192, recompute="auto", rows=True)
+    assert [len(u.rows) for u in near.units[0].below[1]] == [7]  # 20 rows of padding cost less than a call

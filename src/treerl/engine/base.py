@@ -22,7 +22,7 @@ from treerl.attention import (
     engine_attention,
     routed_call,
 )
-from treerl.engine.recurrent import Mixers, find_mixers
+from treerl.engine.recurrent import Mixers, check_checkpointing, find_mixers
 from treerl.engine.support import (
     attention_layers,
     check_all_layers_routed,
@@ -217,6 +217,8 @@ def check_tree_engine(model: PreTrainedModel, carries_state: bool) -> Mixers:
     mixers = find_mixers(model)
     check_tree_model(model, attention_free=bool(mixers) and not attention_layers(model, mixers.classes()))
     check_routed(model, mixers)
+    if mixers and carries_state:
+        check_checkpointing(model)
     if mixers and not carries_state:
         kinds = ", ".join(sorted({kind.name for kind in mixers.layers.values()}))
         raise UnsupportedModel(

@@ -40,7 +40,7 @@ from transformers import PreTrainedModel
 from treerl.attention import PathKV, TreeCall, engine_attention
 from treerl.engine.base import Head, LossFn, OutputSlots, StepStats, check_batch, final_hidden, output_dtype, run_length
 from treerl.engine.head import PolicyHead
-from treerl.engine.recurrent import PathStates, find_mixers, iter_state_grads
+from treerl.engine.recurrent import PathStates, cache_under_checkpointing, find_mixers, iter_state_grads
 from treerl.engine.support import attention_layers, check_all_layers_routed, decoder_module
 from treerl.engine.unit_inputs import UnitInputs, build_unit_inputs
 from treerl.engine.walk_outputs import WalkOutputs
@@ -73,7 +73,7 @@ class DfsEngine:
         # proximal, reference) must be bit-identical to the ones the update computes, or the on-policy ratio is
         # off by low-precision rounding (bf16 matmuls round differently when the rows of a call change).
         walk = _Walk(self, model, tree, self.plan(model, tree), loss_fn=None)
-        with torch.no_grad(), engine_attention(model):
+        with torch.no_grad(), engine_attention(model), cache_under_checkpointing(model):
             walk.run()
         return walk.outputs.per_sequence(walk.all_slots)
 
@@ -81,7 +81,7 @@ class DfsEngine:
         started = time.perf_counter()
         tree = self._tree(model, sequences)
         walk = _Walk(self, model, tree, self.plan(model, tree), loss_fn=loss_fn)
-        with engine_attention(model):
+        with engine_attention(model), cache_under_checkpointing(model):
             walk.run()
         stats = walk.outputs.stats
         stats.loss = float(walk.outputs.total_loss)

@@ -22,6 +22,7 @@ the layer.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import sys
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from treerl.attention import UnsupportedModel
 from treerl.engine.support import decoder_module, model_name
@@ -289,6 +291,39 @@ class TreeStateCache(DynamicCache):
     def row_states(self, row: int) -> dict[StateKey, torch.Tensor]:
         """The final states of one row (`[1, ...]`), what its last node hands to its children."""
         return {key: state[row : row + 1] for key, state in self.final.items()}
+
+
+def checkpointing_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The layers transformers will recompute in backward (gradient checkpointing on, training mode)."""
+    if not model.training:
+        return []
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+
+
+def check_checkpointing(model: PreTrainedModel) -> None:
+    """Reentrant checkpointing runs a layer without a graph: the state a node hands on would have none."""
+    for layer in checkpointing_layers(model):
+        function = getattr(layer, "_gradient_checkpointing_func", None)
+        if getattr(function, "keywords", {}).get("use_reentrant", True):
+            raise UnsupportedModel(
+                f"{model_name(model)}: reentrant gradient checkpointing runs each layer without an autograd graph, so "
+                "the recurrent state a tree node hands its children would carry no gradient back; enable it with "
+                "use_reentrant=False (transformers' default)"
+            )
+
+
+@contextlib.contextmanager
+def cache_under_checkpointing(model: PreTrainedModel) -> Iterator[None]:
+    """Let checkpointed layers keep the cache (transformers drops it by default, or the replay in backward
+    would write it twice): TreeStateCache ignores the replay's writes and hands it the same states."""
+    layers = [layer for layer in checkpointing_layers(model) if not layer._can_checkpoint_with_cache]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache
 
 
 class PathStates:

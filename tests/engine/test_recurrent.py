@@ -1,0 +1,181 @@
+"""Hybrid models: DfsEngine hands each tree node's recurrent state to its children, exactly.
+
+One model per kind of state (treerl.engine.recurrent.MIXERS): Gated DeltaNet (tiny-qwen3.5: the short-
+convolution window and the delta-rule state), Mamba2 (tiny-bamba: the convolution window and the SSM
+state), short convolutions (tiny-lfm2: the window alone), each beside softmax attention. Inside
+`float64_throughout` (transformers' float32 casts kept in float64) every plan matches the flat reference
+to float64 rounding; the stock models (their mixers compute in float32) to 1e-6.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support import float64_throughout, fresh_model
+from test_exactness import HAND, ORACLE, _with_data, random_batches, sequence_loss, token_loss
+
+from treerl.attention import UnsupportedModel
+from treerl.engine import DfsEngine, FlatEngine, PackedEngine
+from treerl.engine.recurrent import find_mixers
+from treerl.testing import assert_engines_agree, assert_matches_model, compare_runs, run_engine
+from treerl.tree.plan import PlanCost
+
+VOCAB = 64
+EXACT = 1e-9  # float64 throughout: measured <= 1e-11 (a near-zero dt_bias gradient), whole gradient ~1e-15
+KINDS = {"deltanet": "tiny-qwen3.5", "mamba2": "tiny-bamba", "short-conv": "tiny-lfm2"}
+PLANS = {
+    "default": DfsEngine(),
+    "keep-graph": DfsEngine(recompute="never"),
+    "recompute": DfsEngine(recompute="always"),
+    "one-node-per-call": DfsEngine(batch_tokens=0),
+    "chunks-carry-state": DfsEngine(chunk_tokens=2),
+    "one-token-rows": DfsEngine(chunk_tokens=1, recompute="always", batch_tokens=0),  # the layers' one-token step
+    "small-calls": DfsEngine(chunk_tokens=3, batch_tokens=8),
+    "tight-budget": DfsEngine(memory_budget_tokens=1, batch_tokens=16),
+}
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _model(kind: str) -> torch.nn.Module:
+    if kind not in _MODELS:
+        _MODELS[kind] = fresh_model(KINDS[kind], VOCAB, exact=True)
+    return _MODELS[kind]
+
+
+def _every_shape(seed: int = 1) -> list:
+    """The degenerate trees at once: a GRPO group (rows of unequal length), a chain, a fork below a chain,
+    one-token nodes, a prefix of another, duplicates."""
+    rng = random.Random(seed)
+    lists = HAND["grpo group"] + HAND["fork below a chain"] + HAND["single-token nodes"] + HAND["prefix of another"]
+    lists += HAND["identical duplicates"][:2]
+    return [_with_data(t, rng, str(i)) for i, t in enumerate(lists)]
+
+
+FAST_PLANS = ["default", "keep-graph", "one-token-rows"]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("plans", [pytest.param(FAST_PLANS, id="fast"), pytest.param(
+    [p for p in PLANS if p not in FAST_PLANS], id="more", marks=pytest.mark.slow)])
+def test_every_plan_carries_the_state_exactly(kind, plans):
+    """Per state kind: batched rows of unequal length, keep / recompute, chunks, one-token rows (the layers'
+    in-place step), a budget of one node. The first three plans are the fast selection; the rest are slow."""
+    seqs = _every_shape()
+    with float64_throughout():
+        for name in plans:
+            engine = PLANS[name]
+            for loss in (token_loss, sequence_loss):
+                try:
+                    assert_engines_agree(_model(kind), seqs, loss, engine, ORACLE, tol=EXACT)
+                except AssertionError as error:
+                    raise AssertionError(f"{kind}, plan {name}: {error}") from None
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_stock_hybrids_match_their_own_forward(kind):
+    """Without the float64 patch: log-probs equal the model's own forward on each sequence alone, the gradient
+    the flat reference's, within the float32 rounding of transformers' mixers."""
+    model = fresh_model(KINDS[kind], VOCAB, exact=False)
+    seqs = _every_shape(2)
+    engine = DfsEngine(chunk_tokens=3)
+    assert_matches_model(model, seqs, engine.forward(model, seqs), tol=1e-6)
+    errors = compare_runs(run_engine(engine, model, seqs, token_loss), run_engine(ORACLE, model, seqs, token_loss))
+    assert errors["gradient"] <= 1e-6 and errors["loss"] <= 1e-6
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lists=random_batches(),
+    kind=st.sampled_from(list(KINDS)),
+    chunk=st.sampled_from([1, 2, 3, 5, 2048]),
+    recompute=st.sampled_from(["auto", "always", "never"]),
+    batch_tokens=st.sampled_from([0, 1, 6, 8192]),
+    budget=st.sampled_from([None, 1, 300_000, 1 << 30]),
+    call_cost=st.sampled_from([0.0, 48.0, 1e6]),
+    sequence_level=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_trees_and_plans(lists, kind, chunk, recompute, batch_tokens, budget, call_cost, sequence_level, seed):
+    rng = random.Random(seed)
+    seqs = [_with_data(t, rng, f"s{i}") for i, t in enumerate(lists)]
+    engine = DfsEngine(chunk_tokens=chunk, recompute=recompute, batch_tokens=batch_tokens, memory_budget_bytes=budget,
+                       plan_cost=PlanCost(call=call_cost, forward_call=call_cost / 3))
+    with float64_throughout():
+        assert_engines_agree(_model(kind), seqs, sequence_loss if sequence_level else token_loss, engine, ORACLE,
+                             tol=EXACT)
+
+
+@pytest.mark.parametrize("kind", ["deltanet", "mamba2"])
+def test_bfloat16_error_no_larger_than_the_flat_references(kind):
+    """bf16 autocast over float32 weights, as users train: DfsEngine's error from the float64 run is at most
+    1.5x FlatEngine's (plus a floor of a few bf16 ulps)."""
+    rng = random.Random(3)
+    seqs = [_with_data(t, rng, str(i)) for i, t in enumerate(HAND["grpo group"] + HAND["fork below a chain"])]
+    low = fresh_model(KINDS[kind], VOCAB, exact=False, dtype=torch.float32)
+    high = fresh_model(KINDS[kind], VOCAB, exact=False, dtype=torch.float64)
+    high.load_state_dict({k: v.double() for k, v in low.state_dict().items()})
+    reference = run_engine(ORACLE, high, seqs, token_loss)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        flat = compare_runs(run_engine(ORACLE, low, seqs, token_loss), reference)
+        ours = compare_runs(run_engine(DfsEngine(chunk_tokens=4), low, seqs, token_loss), reference)
+    for part in ("logprobs", "entropy", "loss", "gradient"):
+        flat_worst = max(e for k, e in flat.items() if k.endswith(part))
+        our_worst = max(e for k, e in ours.items() if k.endswith(part))
+        assert our_worst <= 1.5 * flat_worst + 2e-2, (part, our_worst, flat_worst)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_gradient_checkpointing(kind):
+    """transformers' non-reentrant checkpointing (its default) keeps the state's graph: exact. Reentrant
+    checkpointing runs each layer without one: refused before any gradient."""
+    rng = random.Random(4)
+    seqs = [_with_data(t, rng, str(i)) for i, t in enumerate(HAND["fork below a chain"] + HAND["grpo group"])]
+    with float64_throughout():
+        for reentrant in (False, True):
+            model = fresh_model(KINDS[kind], VOCAB, exact=True).train()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            reference = fresh_model(KINDS[kind], VOCAB, exact=True).train()
+            engine = DfsEngine(chunk_tokens=4)
+            if reentrant:
+                with pytest.raises(UnsupportedModel, match="use_reentrant=False"):
+                    engine.forward_backward(model, seqs, token_loss)
+                assert all(p.grad is None for p in model.parameters())
+                continue
+            errors = compare_runs(run_engine(engine, model, seqs, token_loss),
+                                  run_engine(ORACLE, reference, seqs, token_loss))
+            assert max(errors.values()) <= EXACT, max(errors, key=errors.get)
+
+
+@pytest.mark.parametrize("engine", [PackedEngine(), FlatEngine(layout="packed")], ids=["packed", "flat-packed"])
+def test_engines_that_pack_rows_refuse_a_recurrent_state_and_name_the_one_that_serves_it(engine):
+    model = _model("deltanet")
+    with pytest.raises(UnsupportedModel, match="Gated DeltaNet.*DfsEngine"):
+        engine.forward_backward(model, _every_shape(), token_loss)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_mixer_the_table_does_not_know_is_refused_naming_the_layer():
+    model = fresh_model("tiny-qwen3", VOCAB)
+
+    class MyRecurrentBlock(torch.nn.Module):  # a state carried along the sequence that treerl cannot see
+        def forward(self, x):
+            return x
+
+    model.model.layers[1].token_state = MyRecurrentBlock()
+    with pytest.raises(UnsupportedModel, match=r"layers\.1\.token_state \(MyRecurrentBlock\).*MIXERS"):
+        find_mixers(model)
+    with pytest.raises(UnsupportedModel, match="MyRecurrentBlock"):
+        DfsEngine().forward_backward(model, _every_shape(), token_loss)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_table_names_how_each_kind_carries_its_state():
+    model = _model("mamba2")
+    mixers = find_mixers(model)
+    assert {kind.name for kind in mixers.layers.values()} == {"Mamba2"} and list(mixers.layers) == [0]
+    assert find_mixers(fresh_model("tiny-qwen3", VOCAB)).layers == {}
