@@ -78,7 +78,8 @@ class EmbeddedEngine:
                     use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1]
 
-        cache.batch_repeat_interleave(n)
+        # n rows per prompt; reorder_cache serves every layer kind (recurrent layers have no batch_repeat_interleave)
+        cache.reorder_cache(torch.arange(len(prompts), device=device).repeat_interleave(n))
         logits = logits.repeat_interleave(n, dim=0)
         mask = mask.repeat_interleave(n, dim=0)
         next_position = positions[:, -1].repeat_interleave(n) + 1
@@ -102,7 +103,7 @@ class EmbeddedEngine:
                 break
             if bool(stopped.any()):  # drop finished rows from the cache
                 keep = (~stopped).nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
+                cache.reorder_cache(keep)  # recurrent layers too (they have no batch_select_indices)
                 active, token, mask, next_position = active[keep], token[keep], mask[keep], next_position[keep]
             mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
             out = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position[:, None],

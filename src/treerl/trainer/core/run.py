@@ -30,7 +30,7 @@ import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treerl.distributed import DistEnv, init_distributed
-from treerl.engine import AutocastEngine, FlatEngine
+from treerl.engine import AutocastEngine, DfsEngine, FlatEngine
 from treerl.engine.base import check_model
 from treerl.models import base_fingerprint, is_lora
 from treerl.trainer.core.balancer import Balancer
@@ -203,7 +203,8 @@ class Run:
         for learner in self.learners():
             engine = learner.engine
             inner = engine.engine if isinstance(engine, AutocastEngine) else engine
-            check_model(learner.model, inner.head, not isinstance(inner, FlatEngine), longest)
+            check_model(learner.model, inner.head, not isinstance(inner, FlatEngine), longest,
+                        carries_state=isinstance(inner, DfsEngine))
 
     def trainables(self) -> dict[str, Trainable]:
         """What a checkpoint holds: the policy ("") and, with PPO, the critic."""
