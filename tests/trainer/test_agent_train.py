@@ -67,3 +67,26 @@ def test_async_agent_training_drops_and_shares_as_the_synchronous_loop_does(tiny
     assert result.counters["dropped_failed"] == 1 and result.counters["trained"] == 3
     assert "the tool server is down" in (tmp_path / "async" / "dropped.jsonl").read_text()
     assert "compression=" in capsys.readouterr().err
+
+
+SLOW_TOOL_AGENT = """
+import asyncio
+
+async def episode(client, task):
+    await asyncio.sleep(2.5)  # a slow tool: no model call for longer than trainer.worker_timeout
+    messages = [{"role": "user", "content": task["question"]}]
+    await client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+    return 1.0
+"""
+
+
+@pytest.mark.slow
+def test_an_async_worker_waiting_on_a_slow_agent_tool_is_not_taken_for_hung(tiny_config, tmp_path):
+    """The worker beats while its episodes' event loop runs, so 2.5 s of tool time with no model forward does not
+    trip a 1.5 s worker_timeout (no restart allowed here)."""
+    agent = tmp_path / "slow_tool_agent.py"
+    agent.write_text(SLOW_TOOL_AGENT)
+    result = train(tiny_config(f"rollout.agent={agent}:episode", "trainer.steps=1", "trainer.mode=async",
+                               "trainer.worker_timeout=1.5", "rollout.reward_timeout=1", "trainer.max_worker_restarts=0",
+                               config="agent_tools"))
+    assert result.counters["restarts"] == 0 and result.counters["trained"] == 2 and result.dropped_samples == 0
