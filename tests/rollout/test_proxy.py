@@ -212,6 +212,7 @@ def test_loss_over_an_episode_tree_equals_the_flat_loss(serve, policy, tokenizer
 @pytest.mark.parametrize("body, message", [
     ({"temperature": 0.5}, "differs from the trainer's"),
     ({"tool_choice": "required"}, "needs 'tools'"),
+    ({"tools": [LOOKUP], "tool_choice": "always"}, "'tool_choice' 'always' is not one of auto, none, required"),
     ({"tools": [LOOKUP], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "not in 'tools'"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"stop": ["no such"]}, "single-token stop"),

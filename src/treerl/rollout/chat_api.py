@@ -44,9 +44,7 @@ class ModelRequest:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.tool_choice not in (*TOOL_CHOICES, "function"):
-            raise HTTPException(400, f"'tool_choice' {self.tool_choice!r} is not one of {', '.join(TOOL_CHOICES)} "
-                                     "or a named function")
+        """A tool choice the offered tools cannot meet is refused (HTTP 400)."""
         offered = [(tool.get("function") or tool).get("name") for tool in self.tools or []]
         if self.tool_choice in ("required", "function") and not offered:
             raise HTTPException(400, f"tool_choice {self.tool_choice!r} needs 'tools'")
@@ -166,15 +164,27 @@ class ChatRequest(BaseModel):
             raise HTTPException(400, "'response_format' is not supported (no constrained decoding)")
         if self.top_logprobs:
             raise HTTPException(400, "'top_logprobs' is not supported (only the sampled tokens' log-probs)")
-        choice, name = self.tool_choice or "auto", None
-        if isinstance(choice, dict):
-            choice, name = "function", (choice.get("function") or {}).get("name")
+        choice, name = read_tool_choice(self.tool_choice, lambda named: (named.get("function") or {}).get("name"))
         return ModelRequest(
             [normalise_message(m, f"messages[{i}]") for i, m in enumerate(self.messages)], self.tools, choice, name,
             parallel_tool_calls=self.parallel_tool_calls is not False, n=self.n,
             max_tokens=self.max_completion_tokens or self.max_tokens, temperature=self.temperature, top_p=self.top_p,
             stop=self.stop, seed=self.seed,
         )
+
+
+def read_tool_choice(value: str | dict[str, Any] | None, name_of: Any) -> tuple[str, str | None]:
+    """A request's `tool_choice` as (auto | none | required | function, the function's name); `name_of` reads the
+    name from the API's named-function object."""
+    if value is None:
+        return "auto", None
+    if isinstance(value, dict):
+        if value.get("type") != "function":
+            raise HTTPException(400, f"tool_choice of type {value.get('type')!r} is not supported (a function only)")
+        return "function", name_of(value)
+    if value not in TOOL_CHOICES:
+        raise HTTPException(400, f"'tool_choice' {value!r} is not one of {', '.join(TOOL_CHOICES)} or a named function")
+    return value, None
 
 
 # ---------------------------------------------------------------------------------------------- responses

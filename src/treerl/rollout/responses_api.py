@@ -29,7 +29,7 @@ from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ConfigDict
 
 from treerl.rollout.chat import Message, Tool
-from treerl.rollout.chat_api import Answer, ModelRequest, json_string, text_content, tool_call
+from treerl.rollout.chat_api import Answer, ModelRequest, json_string, read_tool_choice, text_content, tool_call
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for the sampled tokens' log-probs
@@ -66,11 +66,7 @@ class ResponsesRequest(BaseModel):
                                    else self.input)
         if not messages:
             raise HTTPException(400, "'input' is empty")
-        choice, name = self.tool_choice or "auto", None
-        if isinstance(choice, dict):
-            if choice.get("type") != "function":
-                raise HTTPException(400, f"tool_choice of type {choice.get('type')!r} is not supported (function only)")
-            choice, name = "function", choice.get("name")
+        choice, name = read_tool_choice(self.tool_choice, lambda named: named.get("name"))
         return ModelRequest(messages, chat_tools(self.tools), choice, name,
                             parallel_tool_calls=self.parallel_tool_calls is not False,
                             max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p)
