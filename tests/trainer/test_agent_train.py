@@ -1,4 +1,5 @@
-"""`treerl train agent_tools`: the example agent file (no treerl import) trained end to end through the proxy."""
+"""`treerl train agent_tools`: agent files trained end to end through the proxy, synchronously and in the rollout
+workers of trainer.mode=async."""
 
 from __future__ import annotations
 
