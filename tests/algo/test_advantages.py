@@ -1,4 +1,4 @@
-"""Known answers for advantages: group normalisation, leave-one-out, GAE, returns and multi-turn rewards."""
+"""Known answers for advantages: group normalisation, leave-one-out, GAE, returns, multi-turn and per-turn rewards."""
 
 from __future__ import annotations
 
@@ -197,3 +197,69 @@ def test_sequences_of_one_trajectory_must_share_its_reward() -> None:
     ]
     with pytest.raises(BatchError, match=r"sequence 1 \('call1'\): field 'reward' is 0.5.*trajectory 't'"):
         compute_advantages(AlgoConfig(loss="grpo"), batch)
+
+
+def turn_batch(trajectories: dict[str, dict[int, tuple[int | None, float]]], group: str = "g") -> list[TokenSequence]:
+    """One sequence per turn: {trajectory: {turn: (parent, turn_reward)}}, each with two trained tokens."""
+    return [
+        TokenSequence(torch.arange(4), {"loss_mask": torch.tensor([0.0, 0.0, 1.0, 1.0])},
+                      {"reward": 0.0, "group": group, "trajectory": t, "turn": k, "parent": parent,
+                       "turn_reward": reward}, name=f"{t}/call{k}")
+        for t, turns in trajectories.items() for k, (parent, reward) in turns.items()
+    ]
+
+
+def advantage_of(batch: list[TokenSequence]) -> dict[str, float]:
+    """Each sequence's advantage (its two trained tokens share it)."""
+    out = {}
+    for seq in batch:
+        first, second = seq.fields["advantages"][2:].tolist()
+        assert first == pytest.approx(second) and seq.fields["advantages"][:2].tolist() == [0.0, 0.0]
+        out[seq.name] = first
+    return out
+
+
+def test_per_turn_rewards_train_each_turn_on_the_rewards_from_it_on() -> None:
+    """returns: G_k = r_k + turn_discount * mean of the G of the turns that continue k (turn 1 branched into two)."""
+    batch = turn_batch({"t": {0: (None, 1.0), 1: (0, 0.0), 2: (1, 2.0), 3: (1, 0.0)}})
+    compute_advantages(AlgoConfig(loss="reinforce_pp", whiten=False, kl_in_reward=False, turn_discount=0.5), batch)
+    g1 = 0.0 + 0.5 * (2.0 + 0.0) / 2
+    assert advantage_of(batch) == pytest.approx({"t/call0": 1.0 + 0.5 * g1, "t/call1": g1, "t/call2": 2.0,
+                                                 "t/call3": 0.0})
+
+
+@pytest.mark.parametrize("loss", ["dr_grpo", "grpo", "rloo"])
+def test_per_turn_group_advantages_normalise_turn_rewards_over_the_group(loss: str) -> None:
+    """Group estimators with per-turn rewards (process supervision): each turn reward is normalised against all the
+    group's turn rewards, then a turn's advantage sums the normalised rewards from it on; a group without turn
+    rewards in the same batch keeps trajectory rewards."""
+    batch = turn_batch({"a": {0: (None, 0.5), 1: (0, 1.0)}, "b": {0: (None, 0.0), 1: (0, 1.0), 2: (0, 0.0)}})
+    plain = [TokenSequence(torch.arange(3), {"loss_mask": torch.tensor([0.0, 1.0, 1.0])},
+                           {"reward": r, "group": "h"}, name=f"h{i}") for i, r in enumerate([1.0, 3.0])]
+    compute_advantages(AlgoConfig(loss=loss, adv_eps=0.0), batch + plain)
+    rewards = torch.tensor([0.5, 1.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    if loss == "rloo":
+        a0, a1, b0, b1, b2 = rloo_advantages(rewards, ["g"] * 5).tolist()
+    else:
+        a0, a1, b0, b1, b2 = group_advantages(rewards, ["g"] * 5, scale_std=loss == "grpo", eps=0.0).tolist()
+    assert advantage_of(batch) == pytest.approx(
+        {"a/call0": a0 + a1, "a/call1": a1, "b/call0": b0 + (b1 + b2) / 2, "b/call1": b1, "b/call2": b2})
+    if loss == "dr_grpo":  # by hand: mean 0.5
+        assert advantage_of(batch)["b/call0"] == pytest.approx(-0.5 + (0.5 - 0.5) / 2)
+        assert [s.fields["advantages"][2].item() for s in plain] == [-1.0, 1.0]
+
+
+def test_per_turn_rewards_that_do_not_fit_are_errors_naming_the_field() -> None:
+    mixed = turn_batch({"a": {0: (None, 1.0)}}) + [
+        TokenSequence(torch.arange(3), {"loss_mask": torch.tensor([0.0, 1.0, 1.0])}, {"reward": 1.0, "group": "g"})]
+    with pytest.raises(BatchError, match="group 'g' mixes sequences with and without info 'turn_reward'"):
+        compute_advantages(AlgoConfig(loss="grpo"), mixed)
+    orphan = turn_batch({"a": {0: (None, 1.0), 1: (7, 1.0)}})
+    with pytest.raises(BatchError, match="turn 1 continues turn 7, which is not in the batch"):
+        compute_advantages(AlgoConfig(loss="grpo"), orphan)
+    loop = turn_batch({"a": {0: (1, 1.0), 1: (0, 1.0)}})
+    with pytest.raises(BatchError, match="form a cycle"):
+        compute_advantages(AlgoConfig(loss="reinforce_pp"), loop)
+    bad = turn_batch({"a": {0: (None, float("nan"))}})
+    with pytest.raises(BatchError, match=r"sequence 0 \('a/call0'\): field 'turn_reward' is nan"):
+        compute_advantages(AlgoConfig(loss="grpo"), bad)

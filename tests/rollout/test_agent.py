@@ -174,3 +174,68 @@ def test_the_example_agent_is_plain_python_with_no_treerl_import():
     readme = (ROOT / "README.md").read_text()
     assert source.strip() in readme
     assert load_agent(f"{EXAMPLE}:episode").__name__ == "episode"
+
+
+def test_per_turn_rewards_name_their_responses_and_reach_each_calls_sequence(chat, scripted):
+    """An episode returns {"reward", "turn_rewards": {response.id: r}}: each call's sequence carries its own turn's
+    reward (one per choice of an n=2 request), plus the outcome on the calls nothing continues; the other episode of
+    the task (a plain number) gets per-turn rewards too; a task of plain numbers gets none; an unknown id drops."""
+    plain_given = []
+
+    async def agent(client, task):
+        messages = [{"role": "user", "content": "q"}]
+        first = await client.chat.completions.create(model="p", messages=messages)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        second = await client.chat.completions.create(model="p", messages=messages, n=2)
+        if task["kind"] == 2:
+            return {"reward": 1.0, "turn_rewards": {"chatcmpl-nope": 1.0}}
+        if task["kind"] == 1 or plain_given:
+            return 1.0
+        plain_given.append(True)
+        return {"reward": 1.0, "turn_rewards": {first.id: 0.5, second.id: [0.25, -0.25]}}
+
+    sequences, stats = _play(chat, scripted(lambda p, j: "ok"), agent, 3, group_size=2, episode_timeout=30)
+    by_task = {kind: [s for s in sequences if s.info["group"] == f"t{kind}"] for kind in range(3)}
+    assert [sorted(s.info["turn_reward"] for s in by_task[0])] == [sorted([0.5, 1.25, 0.75, 0.0, 1.0, 1.0])]
+    assert all("turn_reward" not in s.info for s in by_task[1]) and by_task[2] == []
+    assert stats.dropped["agent_turn_rewards"] == 2 and "chatcmpl-nope" in stats.dropped_samples[0].reason
+    assert sorted(stats.rewards) == [1.0] * 4 and all(s.info["reward"] == 1.0 for s in sequences)
+
+
+def test_a_cut_history_is_a_new_subtree_counted_in_the_metrics(chat, scripted):
+    """An agent that drops its oldest turns: the call after the cut follows the one before it (info parent, cut)
+    and the step's metrics say how many tokens of sharing the cut lost, and what share of the reusable tokens."""
+    async def agent(client, task):
+        messages = [{"role": "user", "content": "a"}]
+        for text in ["b", "c"]:
+            reply = await client.chat.completions.create(model="p", messages=messages)
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": text}]
+        await client.chat.completions.create(model="p", messages=messages[2:])  # the first exchange dropped
+        return 1.0
+
+    sequences, stats = _play(chat, scripted(lambda p, j: "ok"), agent, 1, group_size=1)
+    assert [(s.info["parent"], s.info["cut"]) for s in sequences] == [(None, False), (0, False), (1, True)]
+    full = [len(s.tokens) for s in sequences]
+    lost = full[1] - 2  # only "<bos><user>" is still shared: the cut prompt goes on "b", not "a"
+    metrics = stats.metrics()
+    assert (metrics["rollout/history_mismatches"], metrics["rollout/sharing_lost_tokens"]) == (1, lost)
+    assert metrics["rollout/sharing_lost_ratio"] == pytest.approx(lost / (lost + full[0]))
+
+
+def test_an_agent_file_imports_the_modules_beside_it(tmp_path, chat, scripted, monkeypatch):
+    """The agent file's directory is on the import path while it loads and while its episodes run."""
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    folder = tmp_path / "agent_dir"
+    folder.mkdir()
+    (folder / "beside_at_load.py").write_text("QUESTION = 'hello'\n")
+    (folder / "beside_at_run.py").write_text("def score(text):\n    return float(text == 'ok')\n")
+    (folder / "my_file_agent.py").write_text(
+        "from beside_at_load import QUESTION\n\n"
+        "async def episode(client, task):\n"
+        "    import beside_at_run\n"
+        "    reply = await client.chat.completions.create(model='p', messages=[{'role': 'user', 'content': QUESTION}])\n"
+        "    return beside_at_run.score(reply.choices[0].message.content)\n")
+    monkeypatch.chdir(tmp_path)  # not the agent's directory
+    agent = load_agent(f"{folder / 'my_file_agent.py'}:episode")
+    _, stats = _play(chat, scripted(lambda p, j: "ok"), agent, 1, group_size=2)
+    assert stats.rewards == [1.0, 1.0] and not stats.dropped

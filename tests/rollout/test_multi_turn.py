@@ -47,7 +47,7 @@ def test_episode_tree_shape_sequences_and_rewards(chat, scripted, tokenizer):
             assert later.tokens[:n].tolist() == earlier.tokens.tolist()
             assert later.fields["loss_mask"][:n].sum() == 0
         assert len({s.info["reward"] for s in calls}) == 1
-        assert sum(s.info["turn_reward"] for s in calls) == pytest.approx(calls[0].info["reward"])
+        assert sum(s.info["env_reward"] for s in calls) == pytest.approx(calls[0].info["reward"])
         assert all(s.info["turns"] == 3 and s.info["group"] == "e0" for s in calls)
     # the calls before the fork appear once per branch, identical, so the prefix tree shares them
     assert PrefixTree.build(sequences).stats().compression > 2

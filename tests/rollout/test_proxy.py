@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import openai
@@ -11,18 +12,27 @@ import torch
 
 from treerl.algo import AlgoConfig, LossNormalizer, build_loss, compute_advantages
 from treerl.engine import DfsEngine, FlatEngine, PolicyHead
-from treerl.rollout import EmbeddedEngine
+from treerl.rollout import ChatFormat, EmbeddedEngine
 from treerl.rollout.agent import AgentWorkflow
 from treerl.rollout.proxy import ChatProxy
 from treerl.rollout.stats import RolloutStats
 from treerl.rollout.tasks.base import Prompt
-from treerl.rollout.tool_parsers import ToolCall, get_tool_parser, parse_hermes
+from treerl.rollout.tokenizer import BUILTIN_CHAT_TEMPLATE, PLAIN_CHAT_TEMPLATE, builtin_tokenizer
+from treerl.rollout.tool_parsers import (
+    ToolCall,
+    detect_tool_parser,
+    get_tool_parser,
+    parse_hermes,
+    parse_llama3_json,
+    parse_qwen3_coder,
+)
 from treerl.testing import assert_engines_agree
 from treerl.tree import PrefixTree, TokenSequence
 
 LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "a record",
                                            "parameters": {"type": "object", "properties": {"id": {"type": "integer"}}}}}
 NAMED = {"type": "function", "function": {"name": "lookup"}}
+FLAT_LOOKUP = {"type": "function", **LOOKUP["function"]}  # the Responses API's tool format
 
 
 @pytest.fixture
@@ -43,6 +53,12 @@ def serve(chat):
 
 def play(proxy: ChatProxy, agent, episode_id: str = "e0"):
     """Run `agent(client)` as one recorded episode; returns (its result, the recorded calls)."""
+    result, log = play_log(proxy, agent, episode_id)
+    return result, log.calls
+
+
+def play_log(proxy: ChatProxy, agent, episode_id: str = "e0"):
+    """Run `agent(client)` as one recorded episode; returns (its result, the episode's log)."""
     proxy.recorder.open(episode_id)
 
     async def main():
@@ -55,8 +71,8 @@ def play(proxy: ChatProxy, agent, episode_id: str = "e0"):
     try:
         result = asyncio.run(main())
     finally:
-        calls = proxy.recorder.close(episode_id).calls
-    return result, calls
+        log = proxy.recorder.close(episode_id)
+    return result, log
 
 
 def test_hermes_parser_reads_calls_and_keeps_malformed_ones_as_content():
@@ -195,7 +211,9 @@ def test_loss_over_an_episode_tree_equals_the_flat_loss(serve, policy, tokenizer
 
 @pytest.mark.parametrize("body, message", [
     ({"temperature": 0.5}, "differs from the trainer's"),
-    ({"stream": True}, "streaming is not supported"),
+    ({"tool_choice": "required"}, "needs 'tools'"),
+    ({"tools": [LOOKUP], "tool_choice": "always"}, "'tool_choice' 'always' is not one of auto, none, required"),
+    ({"tools": [LOOKUP], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "not in 'tools'"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"stop": ["no such"]}, "single-token stop"),
     ({"messages": [{"role": "user", "content": "x" * 60}]}, "max_context_tokens"),
@@ -225,3 +243,216 @@ def test_unknown_episode_is_not_found_and_unrecorded_v1_still_answers(serve, scr
             assert [m.id for m in (await client.models.list()).data] == ["policy"]
 
     asyncio.run(agent())
+
+
+def test_qwen3_coder_and_llama3_parsers_and_the_template_choosing_them():
+    """The XML form types values by the tool's schema (a string stays text) and keeps a malformed call as content;
+    the Llama-3 form is the whole reply as JSON calls; `auto` reads the format off the chat template."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"id": {"type": "integer"}, "note": {"type": "string"}}}}}]
+    xml = "let me see\n<tool_call>\n<function=lookup>\n<parameter=id>\n3\n</parameter>\n<parameter=note>\n12\n" \
+          "</parameter>\n</function>\n</tool_call>"
+    assert parse_qwen3_coder(xml, tools) == ("let me see", [ToolCall("lookup", '{"id": 3, "note": "12"}')])
+    assert parse_qwen3_coder(xml)[1] == [ToolCall("lookup", '{"id": 3, "note": 12}')]  # no schema: JSON if it parses
+    broken = "<tool_call><function=lookup><parameter=id>3</function></tool_call>"
+    assert parse_qwen3_coder(broken, tools) == (broken, [])
+    assert parse_llama3_json('{"name": "lookup", "parameters": {"id": 3}}') == ("", [ToolCall("lookup", '{"id": 3}')])
+    two = '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}'
+    assert parse_llama3_json(two)[1] == [ToolCall("a", "{}"), ToolCall("b", '{"x": 1}')]
+    for text in ['It is {"name": "a", "parameters": {}}', '{"answer": 3}', '{"name": "a", "parameters": {}} and']:
+        assert parse_llama3_json(text) == (text, [])
+    llama = "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}<|eot_id|>"
+    assert [detect_tool_parser(t) for t in (BUILTIN_CHAT_TEMPLATE, XML_TEMPLATE, llama, PLAIN_CHAT_TEMPLATE)] == [
+        "hermes", "qwen3_coder", "llama3_json", "none"]
+    assert get_tool_parser("auto", XML_TEMPLATE) is get_tool_parser("qwen3.5") is parse_qwen3_coder
+
+
+XML_TEMPLATE = BUILTIN_CHAT_TEMPLATE.split("{% for call in")[0] + (  # the built-in template, tool calls as Qwen3-Coder
+    "{% for call in message['tool_calls'] or [] %}{{ '<tool_call>\n<function=' + call['function']['name'] + '>\n' }}"
+    "{% for key, value in call['function']['arguments'].items() %}"
+    "{{ '<parameter=' + key + '>\n' + (value | string) + '\n</parameter>\n' }}{% endfor %}"
+    "{{ '</function>\n</tool_call>' }}{% endfor %}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}")
+
+
+def test_a_qwen3_coder_template_gets_its_parser_and_its_calls_continue_token_for_token(scripted):
+    """rollout.tool_parser=auto with a template that writes the XML form: the model's XML call comes back as a
+    structured call, and the next call extends the recorded tokens."""
+    tokenizer = builtin_tokenizer()
+    tokenizer.chat_template = XML_TEMPLATE
+    written = "<tool_call>\n<function=lookup>\n<parameter=id>\n3\n</parameter>\n</function>\n</tool_call>"
+    proxy = ChatProxy(scripted(lambda p, j: written if p.endswith("?<eos><assistant>") else "q"), ChatFormat(tokenizer))
+    proxy.start()
+    try:
+        async def agent(client):
+            messages = [{"role": "user", "content": "code of 3?"}]
+            first = await client.chat.completions.create(model="p", messages=messages, tools=[LOOKUP])
+            call = first.choices[0].message.tool_calls[0]
+            assert (call.function.name, call.function.arguments, first.choices[0].finish_reason) == (
+                "lookup", '{"id": 3}', "tool_calls")
+            messages += [first.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": "q"}]
+            await client.chat.completions.create(model="p", messages=messages, tools=[LOOKUP])
+
+        _, calls = play(proxy, agent)
+    finally:
+        proxy.stop()
+    assert calls[1].parent == 0 and calls[1].prompt[: len(calls[0].prompt) + len(calls[0].completion.tokens)] == (
+        calls[0].prompt + calls[0].completion.tokens)
+
+
+def test_streamed_chat_completions_are_answered_and_recorded_like_plain_ones(serve, scripted):
+    """stream=true, read chunk by chunk and through the SDK's stream helper: the same reply, tool call, finish reason
+    and usage as without streaming, recorded the same, and a later call extends the streamed one token for token."""
+    proxy = serve(scripted(_tool_script))
+
+    async def agent(client):
+        messages = [{"role": "user", "content": "code of 3?"}]
+        plain = await client.chat.completions.create(model="p", messages=messages, tools=[LOOKUP])
+        stream = await client.chat.completions.create(model="p", messages=messages, tools=[LOOKUP], stream=True,
+                                                      stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        deltas = [chunk.choices[0] for chunk in chunks if chunk.choices]
+        [call] = [c for d in deltas for c in d.delta.tool_calls or []]
+        assert "".join(d.delta.content or "" for d in deltas) == plain.choices[0].message.content == "checking"
+        assert (call.function.name, call.function.arguments) == ("lookup", '{"id": 3}')
+        assert [d.finish_reason for d in deltas if d.finish_reason] == ["tool_calls"]
+        assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+        messages += [{"role": "assistant", "content": "checking", "tool_calls": [
+            {"id": call.id, "type": "function", "function": call.function.model_dump()}]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"code": "q"}'}]
+        async with client.chat.completions.stream(model="p", messages=messages, tools=[LOOKUP]) as helper:
+            final = await helper.get_final_completion()
+        return final.choices[0].message.content
+
+    answer, calls = play(proxy, agent)
+    assert answer == "it is q" and [c.parent for c in calls] == [None, None, 0]  # 0 and 1: the same tokens
+    assert (calls[0].prompt, calls[0].completion.tokens) == (calls[1].prompt, calls[1].completion.tokens)
+    streamed = calls[1].prompt + calls[1].completion.tokens
+    assert calls[2].prompt[: len(streamed)] == streamed
+
+
+def test_responses_api_items_and_previous_response_id_continue_the_recorded_calls(serve, scripted, chat):
+    """client.responses.create (and its stream helper): instructions and input items render as the same chat
+    messages, output items sent back (or previous_response_id) extend the recorded call token for token."""
+    proxy = serve(scripted(_tool_script, version=4))
+    brief = "be brief"
+
+    async def agent(client):
+        first = await client.responses.create(model="p", instructions=brief, input="code of 3?", tools=[FLAT_LOOKUP])
+        text, call = first.output
+        assert (text.type, first.output_text, call.type, call.name, json.loads(call.arguments)) == (
+            "message", "checking", "function_call", "lookup", {"id": 3})
+        items = [{"role": "user", "content": "code of 3?"}, *(i.model_dump(exclude_none=True) for i in first.output),
+                 {"type": "function_call_output", "call_id": call.call_id, "output": '{"code": "q"}'}]
+        second = await client.responses.create(model="p", instructions=brief, input=items, tools=[FLAT_LOOKUP])
+        third = await client.responses.create(model="p", instructions=brief, previous_response_id=second.id,
+                                              input="sure?", tools=[FLAT_LOOKUP])
+        async with client.responses.stream(model="p", instructions=brief, previous_response_id=third.id,
+                                           input="again?", tools=[FLAT_LOOKUP]) as stream:
+            events = [event.type async for event in stream]
+            final = await stream.get_final_response()
+        assert events[0] == "response.created" and events[-1] == "response.completed"
+        return [second.output_text, third.output_text, final.output_text, final.usage.output_tokens]
+
+    answers, calls = play(proxy, agent)
+    assert answers == ["it is q", "it is q", "it is q", len(calls[3].completion.tokens)]
+    assert [c.parent for c in calls] == [None, 0, 1, 2] and calls[0].tools == [LOOKUP]
+    question = [{"role": "system", "content": brief}, {"role": "user", "content": "code of 3?"}]
+    assert calls[0].messages == question and calls[0].prompt == chat.prompt(question, [LOOKUP])
+    for before, after in itertools.pairwise(calls):
+        assert after.prompt[: len(before.prompt) + len(before.completion.tokens)] == (
+            before.prompt + before.completion.tokens)
+        assert after.completion.versions == [4] * len(after.completion.tokens)
+
+
+def test_endpoints_not_served_answer_404_naming_those_served(serve, scripted):
+    proxy = serve(scripted(lambda p, j: "hello"))
+
+    async def agent(client):
+        with pytest.raises(openai.NotFoundError, match=r"/v1/completions is not served .* POST /v1/responses"):
+            await client.completions.create(model="p", prompt="x")
+        with pytest.raises(openai.BadRequestError, match="only function tools"):
+            await client.responses.create(model="p", input="x", tools=[{"type": "web_search"}])
+
+    _, calls = play(proxy, agent)
+    assert calls == []
+
+
+def test_required_tool_choice_never_returns_a_reply_without_a_call(serve, scripted):
+    """tool_choice="required": a reply holding a call is returned; one without fails with HTTP 422, is not recorded,
+    and is counted."""
+    proxy = serve(scripted(lambda p, j: "no call" if "plain" in p else '<tool_call>{"name": "lookup", '
+                                                                        '"arguments": {"id": 1}}</tool_call>'))
+
+    async def agent(client):
+        ok = await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "look"}],
+                                                  tools=[LOOKUP], tool_choice="required")
+        assert ok.choices[0].message.tool_calls[0].function.name == "lookup"
+        with pytest.raises(openai.UnprocessableEntityError, match="tool_choice='required' but the model wrote no"):
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "plain"}],
+                                                 tools=[LOOKUP], tool_choice="required")
+        with pytest.raises(openai.UnprocessableEntityError, match="tool_choice='required'"):
+            await client.responses.create(model="p", input="plain", tools=[FLAT_LOOKUP], tool_choice="required")
+
+    _, log = play_log(proxy, agent)
+    assert len(log.calls) == 1 and log.tool_choice_failures == 2
+
+
+TWO_CALLS = '<tool_call>{"name": "lookup", "arguments": {"id": 1}}</tool_call>\n' \
+            '<tool_call>{"name": "lookup", "arguments": {"id": 2}}</tool_call>'
+
+
+def test_parallel_tool_calls_false_returns_and_records_only_the_first_call(serve, scripted, tokenizer, chat):
+    """The model writes two calls: both come back by default; with parallel_tool_calls=false only the first, and
+    the recorded completion is cut after it, so the next call's context holds exactly the call the agent ran."""
+    proxy = serve(scripted(lambda p, j: TWO_CALLS if p.endswith("ids?<eos><assistant>") else "done"))
+
+    async def agent(client):
+        messages = [{"role": "user", "content": "ids?"}]
+        both = await client.chat.completions.create(model="p", messages=messages, tools=[LOOKUP])
+        one = await client.chat.completions.create(model="p", messages=messages, tools=[LOOKUP],
+                                                   parallel_tool_calls=False)
+        assert [json.loads(c.function.arguments)["id"] for c in both.choices[0].message.tool_calls] == [1, 2]
+        [call] = one.choices[0].message.tool_calls
+        assert json.loads(call.function.arguments) == {"id": 1} and one.choices[0].finish_reason == "tool_calls"
+        messages += [one.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "x"}]
+        await client.chat.completions.create(model="p", messages=messages, tools=[LOOKUP])
+        return messages
+
+    messages, calls = play(proxy, agent)
+    cut = calls[1].completion
+    assert tokenizer.decode(cut.tokens) == TWO_CALLS.split("\n")[0] and cut.finish_reason == "cut"
+    assert len(cut.logprobs) == len(cut.versions) == len(cut.tokens)
+    after = calls[2]
+    assert after.parent == 1 and '"id": 2' not in tokenizer.decode(after.prompt)
+    assert after.prompt == calls[1].prompt + cut.tokens + chat.continuation(messages[2:], False, [LOOKUP])
+
+
+def test_a_cut_history_starts_a_new_subtree_and_counts_the_sharing_it_lost(serve, scripted, chat):
+    """An agent summarises its history: the call after the cut is rendered afresh and follows the call before it;
+    the tokens of that call it no longer shares are counted; the next call extends it, a new subtree."""
+    proxy = serve(scripted(lambda p, j: "r"))
+    system = {"role": "system", "content": "sys"}
+
+    async def agent(client):
+        messages = [system, {"role": "user", "content": "a"}]
+        for text in ["b", "c"]:
+            reply = await client.chat.completions.create(model="p", messages=messages)
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": text}]
+        cut = [system, {"role": "user", "content": "summary"}, *messages[4:]]  # the last reply and question kept
+        reply = await client.chat.completions.create(model="p", messages=cut)
+        await client.chat.completions.create(model="p", messages=[*cut, reply.choices[0].message.model_dump(
+            exclude_none=True), {"role": "user", "content": "d"}])
+
+    _, log = play_log(proxy, agent)
+    calls = log.calls
+    full = [c.prompt + c.completion.tokens for c in calls]
+    assert [(c.parent, c.follows) for c in calls] == [(None, None), (0, 0), (None, 1), (2, 2)]
+    kept = len(chat.render([system], add_generation_prompt=False)) + 1  # "<bos><system>sys<eos>" and "<user>"
+    assert full[1][:kept] == full[2][:kept] and full[1][kept] != full[2][kept]
+    assert (log.history_mismatches, log.sharing_lost_tokens) == (1, len(full[1]) - kept)
+    assert log.shared_tokens == len(full[0]) + len(full[2])
+    stats = PrefixTree.build([TokenSequence(torch.tensor(f)) for f in full]).stats()
+    assert stats.unique_tokens == len(full[1]) + len(full[3]) - kept  # two subtrees below the shared system prompt

@@ -5,8 +5,9 @@ holds a whole multi-turn episode, a list with one reward per turn, where a turn 
 of trained tokens (loss_mask > 0). Token-level estimators (gae, returns) put each turn's reward
 on the turn's last trained token (an outcome reward on the last trained token) and discount
 from one trained token to the next by `gamma`, times `turn_discount` across a turn boundary.
-When every model call of an episode is its own sequence, give call k the discounted return
-`turn_returns(rewards, turn_discount)[k]` as its reward.
+When every model call of an episode is its own sequence, give each call its own turn's reward in
+`info["turn_reward"]` (with `turn` and `parent`): every estimator then uses the per-turn rewards
+(`treerl.algo.turn_rewards`: reward to go, process-supervised group baselines).
 
 Group estimators need `info["group"]` (sequences answering the same prompt share it); sequences
 with the same `info["trajectory"]` in a group are one trajectory (the model calls of a multi-turn
@@ -26,6 +27,7 @@ import torch
 from treerl.algo.checks import check_mask_and_logprobs, check_reward, require_field
 from treerl.algo.config import AlgoConfig
 from treerl.algo.policy import kl_penalty
+from treerl.algo.turn_rewards import has_turn_rewards, turn_group_advantages, turn_returns_per_sequence
 from treerl.tree import BatchError, TokenSequence, validate_sequences
 
 
@@ -153,14 +155,51 @@ def compute_advantages(config: AlgoConfig, sequences: Sequence[TokenSequence]) -
     masks = [seq.fields["loss_mask"] for seq in sequences]
     rewards = [check_reward(seq, i) for i, seq in enumerate(sequences)]
     if config.advantage in ("group", "group_mean", "rloo"):
-        advantages = _group_estimate(config, sequences, rewards, masks)
+        advantages = _group_estimate_per_kind(config, sequences, rewards, masks)
     else:
-        advantages = _token_estimate(config, sequences, rewards, masks)
+        returns = turn_returns_per_sequence(sequences, config.turn_discount)  # per-turn rewards: each turn's return
+        advantages = _token_estimate(config, sequences, [returns.get(i, r) for i, r in enumerate(rewards)], masks)
     if config.whiten:
         advantages = whiten(advantages, masks, config.adv_eps)
     dtype = torch.get_default_dtype()
     for seq, adv in zip(sequences, advantages):
         seq.fields["advantages"] = adv.to(dtype)
+
+
+def _group_estimate_per_kind(
+    config: AlgoConfig, sequences: Sequence[TokenSequence], rewards: list, masks: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Group advantages: trajectory rewards (`_group_estimate`), or per-turn rewards for the groups that give them
+    (`treerl.algo.turn_rewards`); one group cannot mix the two."""
+    per_turn = [i for i, seq in enumerate(sequences) if has_turn_rewards(seq)]
+    if not per_turn:
+        return _group_estimate(config, sequences, rewards, masks)
+    rest = [i for i, seq in enumerate(sequences) if not has_turn_rewards(seq)]
+    mixed = {sequences[i].info.get("group") for i in per_turn} & {sequences[i].info.get("group") for i in rest}
+    if mixed:
+        raise BatchError(f"group {min(mixed, key=repr)!r} mixes sequences with and without info 'turn_reward'; "
+                         "give every trajectory of a group per-turn rewards, or none")
+    out: list[torch.Tensor] = [torch.zeros(0)] * len(sequences)
+    kept = _group_estimate(config, [sequences[i] for i in rest], [rewards[i] for i in rest], [masks[i] for i in rest])
+    for i, advantages in zip(rest, kept):
+        out[i] = advantages
+    values = turn_group_advantages(sequences, per_turn, _turn_normaliser(config), config.turn_discount)
+    for i in per_turn:
+        out[i] = torch.where(masks[i] > 0, values[i], 0.0).double()
+    return out
+
+
+def _turn_normaliser(config: AlgoConfig):
+    """How a group's turn rewards are normalised: the group estimator's formula, each turn a member."""
+    def normalise(rewards: torch.Tensor, groups: list) -> torch.Tensor:
+        if config.advantage != "rloo":
+            return group_advantages(rewards, groups, scale_std=config.advantage == "group", eps=config.adv_eps)
+        try:
+            return rloo_advantages(rewards, groups)
+        except ValueError as e:
+            raise BatchError(f"algo.advantage=rloo with per-turn rewards: {e}") from None
+
+    return normalise
 
 
 def _group_estimate(

@@ -13,8 +13,17 @@ episodes of a step concurrently on one asyncio loop (at most `max_concurrent_epi
 Training data: every recorded model call is a sequence, the exact prompt token ids plus the
 sampled completion (loss mask on the completion, behaviour log-probs there), with the episode's
 reward in `info["reward"]`; `group` is the task, `trajectory` the episode (counted once in the
-group baseline), `turn` the call's index. Calls that extend each other token for token (the proxy
-reuses recorded tokens, see `treerl.rollout.proxy`) share their prefix in the tree.
+group baseline), `turn` the call's index, `parent` the call it continues, `cut` whether its history
+was cut (it starts a new subtree, see `treerl.rollout.proxy`). Calls that extend each other token
+for token (the proxy reuses recorded tokens) share their prefix in the tree.
+
+Per-turn rewards. An episode may return `{"reward": outcome, "turn_rewards": {response.id: r}}`
+instead of a number: `r` is the reward of the turn that response answered (a list: one per choice
+of an `n` > 1 request), the id being the one the OpenAI SDK gives (`chatcmpl-...` or `resp_...`).
+Each call's sequence then carries `info["turn_reward"]`: its own reward (0 if none was given) plus
+the outcome on the calls no later call continues, and the advantage estimators train each turn on
+the rewards from it on (`treerl.algo.turn_rewards`). The other episodes of the task get per-turn
+rewards too (the outcome on their last turns), so one group is all of one kind.
 
 An episode that raises, times out (`episode_timeout`), returns something that is not a finite
 number, or makes no model call is dropped: counted under `rollout/dropped_<reason>` and reported
@@ -30,12 +39,12 @@ import itertools
 import json
 import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from treerl.errors import UserError
 from treerl.rollout.inference import InferenceEngine
-from treerl.rollout.proxy import ChatProxy, EpisodeLog
+from treerl.rollout.proxy import ChatProxy, EpisodeLog, RecordedCall
 from treerl.rollout.rewards import RewardFailure, check_reward, import_object
 from treerl.rollout.sequences import model_call_sequence
 from treerl.rollout.stats import DroppedSample, RolloutStats
@@ -43,6 +52,7 @@ from treerl.rollout.tasks.base import Prompt
 from treerl.tree import TokenSequence
 
 AgentFn = Callable[[Any, dict[str, Any]], Awaitable[Any]]
+HEARTBEAT_SECONDS = 1.0
 
 
 def load_agent(spec: str) -> AgentFn:
@@ -67,6 +77,14 @@ def openai_client(base_url: str, timeout: float) -> Any:
     return openai.AsyncOpenAI(base_url=base_url, api_key="treerl", max_retries=0, timeout=timeout)
 
 
+@dataclass(frozen=True)
+class EpisodeReward:
+    """What an episode returned: its outcome, and the rewards of single turns by response id (possibly none)."""
+
+    reward: float
+    turns: dict[str, list[float]] = field(default_factory=dict)  # response id -> a reward per choice, or one for all
+
+
 @dataclass
 class Episode:
     """One play of a task: its outcome and the calls the proxy recorded."""
@@ -74,7 +92,51 @@ class Episode:
     prompt: Prompt
     sample: int  # which of the task's group_size plays
     log: EpisodeLog
-    reward: float | RewardFailure
+    reward: EpisodeReward | RewardFailure
+
+
+def episode_reward(value: Any) -> EpisodeReward | RewardFailure:
+    """An episode's return value: a number, or {"reward": number, "turn_rewards": {response id: number | [number]}}."""
+    if not isinstance(value, dict):
+        reward = check_reward(value)
+        return reward if isinstance(reward, RewardFailure) else EpisodeReward(reward)
+    expected = 'a number or {"reward": number, "turn_rewards": {response id: number or [number per choice]}}'
+    unknown = set(value) - {"reward", "turn_rewards"}
+    turns = value.get("turn_rewards", {})
+    if unknown or not isinstance(turns, dict):
+        return RewardFailure("not_a_number", f"returned {str(value)[:200]}, not {expected}")
+    reward = check_reward(value.get("reward", 0.0))
+    if isinstance(reward, RewardFailure):
+        return reward
+    checked: dict[str, list[float]] = {}
+    for response_id, given in turns.items():
+        values = [check_reward(v) for v in (given if isinstance(given, (list, tuple)) else [given])]
+        failure = next((v for v in values if isinstance(v, RewardFailure)), None)
+        if failure is not None:
+            return RewardFailure(failure.kind, f"turn_rewards[{response_id!r}]: {failure.message}")
+        checked[str(response_id)] = values  # type: ignore[assignment]
+    return EpisodeReward(reward, checked)
+
+
+def turn_rewards(calls: list[RecordedCall], outcome: EpisodeReward) -> dict[int, float] | RewardFailure:
+    """Each call's own reward: the agent's for its response (0 if none), plus the outcome on the calls no call
+    continues; or why the agent's turn rewards do not fit its calls."""
+    rewards = dict.fromkeys((call.index for call in calls), 0.0)
+    for response_id, values in outcome.turns.items():
+        answered = [call for call in calls if call.response_id == response_id]
+        if not answered:
+            return RewardFailure("agent_turn_rewards", f"turn_rewards names response {response_id!r}, which this "
+                                                       "episode did not get")
+        if len(values) not in (1, len(answered)):
+            return RewardFailure("agent_turn_rewards", f"turn_rewards[{response_id!r}] has {len(values)} rewards "
+                                                       f"for its {len(answered)} choices")
+        for call, value in zip(answered, values * len(answered) if len(values) == 1 else values):
+            rewards[call.index] = value
+    continued = {call.follows for call in calls}
+    for call in calls:
+        if call.index not in continued:
+            rewards[call.index] += outcome.reward
+    return rewards
 
 
 @dataclass
@@ -87,6 +149,7 @@ class AgentWorkflow:
     episode_timeout: float = 600.0  # seconds for one episode, its model calls included
     max_concurrent_episodes: int = 256
     max_calls: int | None = None  # model calls per episode at most (rollout.max_turns)
+    heartbeat: Callable[[], None] | None = None  # called every second while episodes run (an async worker's pulse)
 
     def __post_init__(self) -> None:
         self._ids = itertools.count()
@@ -100,23 +163,30 @@ class AgentWorkflow:
         self.proxy.sampler.seed = seed
         stats.prompts += len(prompts)
         episodes = run_coroutine(self._play_all(prompts))
+        per_turn = {e.prompt.id for e in episodes if isinstance(e.reward, EpisodeReward) and e.reward.turns}
         sequences: list[TokenSequence] = []
         for episode in episodes:
-            stats.history_mismatches += episode.log.history_mismatches
-            for call in episode.log.calls:
-                stats.count_reply(call.completion)
-            reward = episode.reward
-            if not isinstance(reward, RewardFailure) and not episode.log.calls:
-                reward = RewardFailure("agent_no_model_calls", "made no model call (nothing to train)")
-            if isinstance(reward, RewardFailure):
+            count_calls(episode.log, stats)
+            outcome = self._outcome(episode, per_turn=episode.prompt.id in per_turn)
+            if isinstance(outcome, RewardFailure):
                 task = json.dumps(episode.prompt.answer, default=str)[:500]
                 name = f"{episode.prompt.id}/{episode.sample}"
-                stats.drop(DroppedSample(f"agent episode {reward.message}", name, task, ""), reward.kind)
+                stats.drop(DroppedSample(f"agent episode {outcome.message}", name, task, ""), outcome.kind)
                 continue
-            stats.keep(reward)
-            sequences.extend(self._sequences(episode, reward))
+            stats.keep(outcome[0])
+            sequences.extend(self._sequences(episode, *outcome))
         stats.sequences += len(sequences)
         return sequences
+
+    @staticmethod
+    def _outcome(episode: Episode, per_turn: bool) -> tuple[float, dict[int, float]] | RewardFailure:
+        """The episode's reward and (`per_turn`) each call's own reward; or why the episode is dropped."""
+        if isinstance(episode.reward, RewardFailure):
+            return episode.reward
+        if not episode.log.calls:
+            return RewardFailure("agent_no_model_calls", "made no model call (nothing to train)")
+        rewards = turn_rewards(episode.log.calls, episode.reward) if per_turn else {}
+        return rewards if isinstance(rewards, RewardFailure) else (episode.reward.reward, rewards)
 
     async def _play_all(self, prompts: list[Prompt]) -> list[Episode]:
         limit = asyncio.Semaphore(self.max_concurrent_episodes)
@@ -126,10 +196,19 @@ class AgentWorkflow:
             async with limit:
                 return await self._play(shared, prompt, sample)
 
+        beating = asyncio.create_task(self._beat()) if self.heartbeat is not None else None
         try:
             return list(await asyncio.gather(*(bounded(p, j) for p in prompts for j in range(self.group_size))))
         finally:
+            if beating is not None:
+                beating.cancel()
             await shared.close()
+
+    async def _beat(self) -> None:
+        """Call `heartbeat` every second for as long as the episodes' event loop runs (a blocked loop stops it)."""
+        while True:
+            self.heartbeat()  # type: ignore[misc]
+            await asyncio.sleep(HEARTBEAT_SECONDS)
 
     async def _play(self, shared: Any, prompt: Prompt, sample: int) -> Episode:
         """One episode; whatever the agent does, its calls are collected and its outcome classified."""
@@ -138,7 +217,7 @@ class AgentWorkflow:
         client = shared.with_options(base_url=self.proxy.episode_url(episode_id))  # shares the connection pool
         try:
             value = await asyncio.wait_for(self.agent(client, copy.deepcopy(prompt.answer)), self.episode_timeout)
-            reward = check_reward(value)
+            reward = episode_reward(value)
             if isinstance(reward, RewardFailure):
                 reward = RewardFailure(f"reward_{reward.kind}", reward.message)
         except TimeoutError:
@@ -149,19 +228,29 @@ class AgentWorkflow:
             log = self.proxy.recorder.close(episode_id)
         return Episode(prompt, sample, log, reward)
 
-    def _sequences(self, episode: Episode, reward: float) -> list[TokenSequence]:
-        """One training sequence per recorded call, each carrying the episode's reward."""
+    def _sequences(self, episode: Episode, reward: float, own: dict[int, float]) -> list[TokenSequence]:
+        """One training sequence per recorded call, each carrying the episode's reward (and its own turn's)."""
         name = f"{episode.prompt.id}/{episode.sample}"
         calls = episode.log.calls
-        return [
-            model_call_sequence(
-                call.prompt, call.completion,
-                info={"reward": reward, "group": episode.prompt.id, "trajectory": name, "turn": call.index,
-                      "turns": len(calls), "parent": call.parent, "finish_reason": call.completion.finish_reason},
-                name=f"{name}/call{call.index}",
-            )
-            for call in calls
-        ]
+        sequences = []
+        for call in calls:
+            info = {"reward": reward, "group": episode.prompt.id, "trajectory": name, "turn": call.index,
+                    "turns": len(calls), "parent": call.follows, "finish_reason": call.completion.finish_reason,
+                    "cut": call.parent is None and call.follows is not None}
+            if own:
+                info["turn_reward"] = own[call.index]
+            sequences.append(model_call_sequence(call.prompt, call.completion, info, f"{name}/call{call.index}"))
+        return sequences
+
+
+def count_calls(log: EpisodeLog, stats: RolloutStats) -> None:
+    """Add an episode's calls, cut histories and the sharing they kept or lost to the step's counters."""
+    for call in log.calls:
+        stats.count_reply(call.completion)
+    stats.history_mismatches += log.history_mismatches
+    stats.shared_tokens += log.shared_tokens
+    stats.sharing_lost_tokens += log.sharing_lost_tokens
+    stats.tool_choice_failures += log.tool_choice_failures
 
 
 def run_coroutine(coroutine: Awaitable[Any]) -> Any:

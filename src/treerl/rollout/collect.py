@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -94,6 +95,13 @@ class Rollout:
             )
         else:
             self.workflow = SingleTurnWorkflow(self.task, self.chat, sampling, self.user_code)
+
+    def watch(self, beat: Callable[[], None]) -> None:
+        """Call `beat` before every reward or environment call and every second while agent episodes run (an
+        asynchronous rollout worker's sign of life while it waits on user code)."""
+        self.user_code.on_call = beat
+        if isinstance(self.workflow, AgentWorkflow):
+            self.workflow.heartbeat = beat
 
     def collect(self, step: int) -> RolloutBatch:
         """The training sequences of step `step` and their counters."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from treerl.rollout.tool_parsers import PARSER_NAMES
 from treerl.tree.io import MAX_LINE_BYTES
 
 TASKS = ("arithmetic", "guess_number", "dataset", "agent", "agent_tools")
@@ -50,7 +51,7 @@ class RolloutConfig:
 
     # Agents (task = "agent": your `async def episode(client, task)`; "agent_tools": the built-in tool world).
     agent: str | None = None  # "file.py:function" or "module:function"; agent_tools: its built-in agent
-    tool_parser: str = "hermes"  # tool-call format of the model family: hermes (= qwen, qwen2.5, qwen3) | none
+    tool_parser: str = "auto"  # tool-call format: auto (the chat template's) | hermes (qwen2.5, qwen3) | qwen3_coder (qwen3.5) | llama3_json | none
     episode_timeout: float = 600.0  # seconds one episode may take; a slower one is dropped (agent_timeout)
     max_concurrent_episodes: int = 256  # episodes running at once (each waits on the model most of the time)
 
@@ -82,6 +83,8 @@ class RolloutConfig:
         if self.task == "agent" and (not self.data_path or not self.agent):
             raise ValueError("rollout.task = 'agent' needs rollout.agent (my_agent.py:episode) and rollout.data_path "
                              "(a JSONL of tasks)")
+        if self.tool_parser not in PARSER_NAMES:
+            raise ValueError(f"rollout.tool_parser: {self.tool_parser!r} is not one of {', '.join(PARSER_NAMES)}")
         if self.server_type not in SERVER_TYPES:
             raise ValueError(f"rollout.server_type: {self.server_type!r} is not one of {', '.join(SERVER_TYPES)}")
         for name in ("episode_timeout", "max_concurrent_episodes"):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "cut"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class Completion:
 
     tokens: list[int]  # generated token ids, the stop token included when finish_reason == "stop"
     logprobs: list[float]  # behaviour log-prob of each generated token (see module docstring)
-    finish_reason: FinishReason  # "stop": emitted a stop token; "length": reached max_new_tokens
+    finish_reason: FinishReason  # "stop": emitted a stop token; "length": reached max_new_tokens; "cut": the agent
+    # proxy kept only its first tool call (parallel_tool_calls=false), so it ends without a stop token
     versions: list[int] = field(default_factory=list)  # policy version that produced each token
 
     def __post_init__(self) -> None:

@@ -14,7 +14,8 @@ identical tokens and that branch's reward (the prefix tree merges the copies, so
 nothing), which gives exactly the policy gradient of training each trajectory on its own.
 
 Reward choice: a sequence's `reward` is its trajectory's return (the sum of the environment's
-turn rewards along the path); the turn's own reward is in `turn_reward`. Other info: `group`
+turn rewards along the path); the environment's reward of the turn is in `env_reward`, for inspection
+(a `turn_reward` would make the estimators train on per-turn rewards, `treerl.algo.turn_rewards`). Other info: `group`
 (the episode), `trajectory` (the path), `turn`, `turns` (calls in the trajectory),
 `finish_reason` of the reply, `truncated` (the trajectory hit max_turns or max_context_tokens
 before the environment was done). An environment that raises, or returns a NaN/inf reward,
@@ -140,7 +141,7 @@ class MultiTurnWorkflow:
             model_call_sequence(
                 call.context,
                 call.completion,
-                info={"reward": trajectory.reward, "turn_reward": call.turn_reward, "group": trajectory.prompt.id,
+                info={"reward": trajectory.reward, "env_reward": call.turn_reward, "group": trajectory.prompt.id,
                       "trajectory": trajectory.id, "turn": call.turn, "turns": len(trajectory.calls),
                       "finish_reason": call.completion.finish_reason, "truncated": trajectory.truncated},
                 name=f"{trajectory.id}/turn{call.turn}",

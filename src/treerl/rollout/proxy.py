@@ -1,11 +1,18 @@
-"""An OpenAI-compatible chat proxy that records every model call of an agent at token level.
+"""An OpenAI-compatible proxy that records every model call of an agent at token level.
 
 An agent written with the OpenAI SDK talks to `{proxy.url}/episodes/<id>/v1` (one id per
-episode); the proxy renders the messages with the model's own chat template (tools included),
-samples with the inference engine (the embedded one, or a vLLM / SGLang / `treerl serve` server
-through `CompletionsClient`), parses tool calls with the model family's parser
-(`treerl.rollout.tool_parsers`) and answers in OpenAI's `chat.completion` shape. Each call is
-recorded: prompt token ids, completion token ids, behaviour log-probs and policy versions.
+episode). The proxy serves
+
+    POST /v1/chat/completions   chat completions, `stream` or not   (`treerl.rollout.chat_api`)
+    POST /v1/responses          the Responses API, `stream` or not  (`treerl.rollout.responses_api`)
+    GET  /v1/models             the one model, `policy`
+
+and answers any other path with HTTP 404 and a JSON body naming these. A request is rendered with
+the model's own chat template (tools included), sampled with the inference engine (the embedded
+one, or a vLLM / SGLang / `treerl serve` server through `CompletionsClient`), and its tool calls are
+parsed with the model family's parser (`treerl.rollout.tool_parsers`). Each call is recorded:
+prompt token ids, completion token ids, behaviour log-probs and policy versions, the same whichever
+API or wire format asked for it.
 
 Token-in / token-out. A chat template may render an earlier turn differently from how it was
 sampled (a tool call the model wrote as bare arguments is re-rendered as `<tool_call>{...}`;
@@ -14,17 +21,34 @@ request's messages start with the messages of a recorded call of the same episod
 the assistant reply the proxy returned for it (compared as messages: role, text, tool calls), its
 prompt is that call's prompt + completion token ids, as recorded, plus the template's tokens for
 the messages after the reply (`ChatFormat.continuation`). Such calls extend each other token for
-token and form one family in the prefix tree; a request that matches no recorded reply is
-rendered afresh (counted in `history_mismatches`).
+token and form one family in the prefix tree.
+
+A cut history. A request that holds earlier replies but extends no recorded call (the agent
+truncated or summarised its history, or edited a reply) is rendered afresh: a new subtree, whose
+later calls extend it as usual. It is counted (`history_mismatches`), it `follows` the call before
+the cut (the latest call whose reply it still holds, else the episode's latest call), and the
+tokens of that call it no longer shares are counted too (`sharing_lost_tokens`, beside
+`shared_tokens`, the tokens that extending calls reuse), so a run's metrics say how much sharing
+the cuts cost.
 
 Sampling semantics: `temperature` must be the trainer's (the one its loss recomputes log-probs
-at) or unset; `max_tokens` / `max_completion_tokens` are capped at the rollout's budget; `stop`
-strings must each be one token; `n` samples are recorded as sibling calls. Nothing constrains
-decoding (a grammar would make the sampling distribution differ from the policy the trainer
-trains): `tool_choice="required"` is not enforced, and with a named `tool_choice` the reply is
-read as that function's call: the parsed call if the model wrote one, else the reply text as its
-arguments (vLLM's named tool choice also answers with the arguments alone). Streaming, penalties,
-`logit_bias` and `response_format` are refused with HTTP 400.
+at) or unset; `max_tokens` / `max_completion_tokens` / `max_output_tokens` are capped at the
+rollout's budget; `stop` strings must each be one token; `n` samples are recorded as sibling
+calls. Nothing constrains decoding (a grammar would make the sampling distribution differ from
+the policy the trainer trains), so tool choices are enforced on what the model wrote:
+- `tool_choice="required"`: a reply without a tool call is not returned: the request fails with
+  HTTP 422 (`tool_call_required`) and that sample is not recorded (it is counted in
+  `tool_choice_failures`), so the agent never sees a reply that breaks the contract; an agent may
+  catch the error and retry or end the episode with a low reward.
+- a named `tool_choice`: the reply is read as that function's call: the parsed call if the model
+  wrote one, else the reply text as its arguments (vLLM's named tool choice also answers with the
+  arguments alone).
+- `parallel_tool_calls=false`: at most one tool call per reply. A reply with more is cut after
+  its first call, and the recorded completion is cut there too (its later tokens are neither
+  returned nor trained; the turn is closed with a stop token that is not trained), so the next
+  call's context holds exactly the call the agent ran.
+- `tool_choice="none"`: the reply is all content.
+Penalties, `logit_bias`, constrained output formats and `top_logprobs` are refused with HTTP 400.
 
 Requests are answered concurrently; the `BatchingSampler` gathers the requests in flight into one
 engine call (the embedded engine samples them as one batch), behind a lock.
@@ -33,7 +57,7 @@ engine call (the embedded engine samples them as one batch), behind a lock.
 from __future__ import annotations
 
 import asyncio
-import json
+import bisect
 import socket
 import threading
 import time
@@ -43,12 +67,23 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from treerl.rollout.chat import ChatFormat, Message, Tool
+from treerl.rollout.chat_api import (
+    Answer,
+    ChatRequest,
+    ModelRequest,
+    chat_chunks,
+    chat_response,
+    same_turn,
+    tool_call,
+)
 from treerl.rollout.inference import Completion, InferenceEngine, SamplingParams
+from treerl.rollout.responses_api import ResponsesRequest, continued, response_events, response_object
 from treerl.rollout.tool_parsers import ToolCall, get_tool_parser
+
+ENDPOINTS = "POST /v1/chat/completions (stream or not), POST /v1/responses (stream or not), GET /v1/models"
 
 
 # ---------------------------------------------------------------------------------------------- records
@@ -63,6 +98,20 @@ class RecordedCall:
     completion: Completion  # the sampled token ids, their behaviour log-probs and policy versions
     reply: Message  # the assistant message returned for this choice, normalised
     parent: int | None  # the recorded call whose prompt + completion this prompt extends (None: rendered afresh)
+    follows: int | None = None  # the call this one continues: `parent`, or the call before a cut history
+    response_id: str = ""  # the id of the response that returned it (per-turn rewards name it)
+    instructions: str | None = None  # the Responses API's instructions (not carried over by previous_response_id)
+
+
+@dataclass
+class Context:
+    """A request's prompt token ids and where they come from."""
+
+    tokens: list[int]
+    parent: int | None = None  # the recorded call these tokens extend
+    follows: int | None = None  # the call the request continues (`parent`, or the call before a cut)
+    shared: int = 0  # tokens reused from `parent`
+    lost: int = 0  # tokens of `follows` the prompt no longer shares (a cut history)
 
 
 @dataclass
@@ -71,8 +120,18 @@ class EpisodeLog:
 
     id: str
     calls: list[RecordedCall] = field(default_factory=list)
-    history_mismatches: int = 0  # requests holding an assistant turn the proxy never returned (rendered afresh)
+    history_mismatches: int = 0  # requests holding earlier replies that extend no recorded call (rendered afresh)
+    shared_tokens: int = 0  # prompt tokens reused from the calls they extend
+    sharing_lost_tokens: int = 0  # tokens of the call before a cut that the call after it no longer shares
+    tool_choice_failures: int = 0  # samples not returned: tool_choice="required" and no tool call written
     max_calls: int | None = None
+
+    def response(self, response_id: str) -> RecordedCall:
+        """The recorded call that answered `response_id` (its first choice)."""
+        for call in self.calls:
+            if call.response_id == response_id:
+                return call
+        raise HTTPException(400, f"previous_response_id {response_id!r} is not a response of episode {self.id!r}")
 
 
 class CallRecorder:
@@ -103,55 +162,6 @@ class CallRecorder:
     @property
     def open_count(self) -> int:
         return len(self._open)
-
-
-# ---------------------------------------------------------------------------------------------- messages
-def normalise_message(message: dict[str, Any], where: str) -> Message:
-    """An OpenAI message as the chat template expects it: text content, tool-call arguments as objects."""
-    role = message.get("role")
-    if role not in ("system", "developer", "user", "assistant", "tool"):
-        raise HTTPException(400, f"{where}: unknown role {role!r}")
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: only text is supported
-        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-            raise HTTPException(400, f"{where}: only text content parts are supported")
-        content = "".join(p.get("text", "") for p in content)
-    if content is not None and not isinstance(content, str):
-        raise HTTPException(400, f"{where}: content must be a string or a list of text parts")
-    out: Message = {"role": "system" if role == "developer" else role, "content": content or ""}
-    if message.get("tool_calls"):
-        calls = []
-        for call in message["tool_calls"]:
-            function = call.get("function") or {}
-            if not isinstance(function.get("name"), str):
-                raise HTTPException(400, f"{where}: a tool call without a function name")
-            calls.append({"id": call.get("id"), "type": "function",
-                          "function": {"name": function["name"], "arguments": _arguments(function.get("arguments"))}})
-        out["tool_calls"] = calls
-    for key in ("tool_call_id", "name"):
-        if message.get(key) is not None:
-            out[key] = message[key]
-    return out
-
-
-def _arguments(arguments: Any) -> Any:
-    """Tool-call arguments as an object for the template (a JSON string is parsed; anything else kept)."""
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments
-    return {} if arguments is None else arguments
-
-
-def same_turn(a: Message, b: Message) -> bool:
-    """Two messages say the same thing (tool-call ids aside)."""
-    def key(m: Message) -> tuple:
-        calls = [(c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
-                 for c in m.get("tool_calls", [])]
-        return m["role"], m["content"], calls, m.get("tool_call_id"), m.get("name")
-
-    return key(a) == key(b)
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -231,31 +241,11 @@ class BatchingSampler:
                     completions = completions[m.params.n :]
 
 
-# ---------------------------------------------------------------------------------------------- the API
-class ChatRequest(BaseModel):
-    """The fields of an OpenAI chat-completions request the proxy reads (others are ignored)."""
+# ---------------------------------------------------------------------------------------------- the proxy
+class ToolCallRequired(HTTPException):
+    """HTTP 422: tool_choice="required" and a sampled reply holds no tool call."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    n: int = Field(1, ge=1, le=64)
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    stream: bool | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
-    return_token_ids: bool = False  # vLLM's extension: prompt_token_ids and each choice's token_ids
+    code = "tool_call_required"
 
 
 @dataclass
@@ -264,7 +254,7 @@ class ChatProxy:
 
     engine: InferenceEngine
     chat: ChatFormat
-    tool_parser: str = "hermes"
+    tool_parser: str = "auto"  # a name of treerl.rollout.tool_parsers; auto: the chat template's format
     temperature: float = 1.0  # the trainer's: requests must use it (or leave it unset)
     top_p: float = 1.0  # default for requests that do not set it
     max_new_tokens: int = 256  # cap of max_tokens / max_completion_tokens (and the default)
@@ -272,7 +262,7 @@ class ChatProxy:
     model_name: str = "policy"
 
     def __post_init__(self) -> None:
-        self.parse = get_tool_parser(self.tool_parser)
+        self.parse = get_tool_parser(self.tool_parser, self.chat.tokenizer.chat_template)
         self.recorder = CallRecorder()
         self.sampler = BatchingSampler(self.engine, expected=lambda: self.recorder.open_count)
         self.app = build_proxy_app(self)
@@ -313,40 +303,50 @@ class ChatProxy:
         return f"{self.url}/episodes/{episode_id}/v1"
 
     # ------------------------------------------------------------------ one request
-    def prepare(self, request: ChatRequest, log: EpisodeLog | None) -> tuple[list[Message], list[int], int | None,
-                                                                           SamplingParams]:
-        """Check the request; its normalised messages, prompt token ids, parent call, sampling parameters."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(request, name):
-                raise HTTPException(400, f"'{name}' is not supported: it would change the sampled policy")
-        if request.stream:
-            raise HTTPException(400, "streaming is not supported by the treerl proxy")
-        if request.logit_bias:
-            raise HTTPException(400, "'logit_bias' is not supported: it would change the sampled policy")
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            raise HTTPException(400, "'response_format' is not supported (no constrained decoding)")
-        if request.top_logprobs:
-            raise HTTPException(400, "'top_logprobs' is not supported (only the sampled tokens' log-probs)")
+    async def answer(self, request: ModelRequest, log: EpisodeLog | None, response_id: str,
+                     instructions: str | None = None) -> tuple[list[int], list[Answer]]:
+        """Sample the request's replies, enforce its tool choice, record them; the prompt and the answers."""
+        context, params = self.prepare(request, log)
+        try:
+            completions: list[Completion] = await asyncio.wrap_future(self.sampler.submit(context.tokens, params))
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+        answers = [self.reply(completion, request) for completion in completions]
+        missing = sum(not a.reply.get("tool_calls") for a in answers) if request.tool_choice == "required" else 0
+        if missing:
+            if log is not None:
+                log.tool_choice_failures += missing
+            raise ToolCallRequired(422, "tool_choice='required' but the model wrote no tool call (treerl does not "
+                                        "constrain decoding; the sample is not recorded): retry, or end the episode")
+        if log is not None:
+            log.shared_tokens += context.shared * len(answers)
+            log.sharing_lost_tokens += context.lost * len(answers)
+            for answer in answers:
+                log.calls.append(RecordedCall(len(log.calls), request.messages, request.tools, context.tokens,
+                                              answer.completion, answer.reply, context.parent, context.follows,
+                                              response_id, instructions))
+        return context.tokens, answers
+
+    def prepare(self, request: ModelRequest, log: EpisodeLog | None) -> tuple[Context, SamplingParams]:
+        """Check the request; its prompt (and where it comes from) and sampling parameters."""
         if request.temperature is not None and abs(request.temperature - self.temperature) > 1e-9:
             raise HTTPException(400, f"temperature {request.temperature} differs from the trainer's "
                                      f"{self.temperature} (rollout.temperature); leave it unset")
         if log is not None and log.max_calls is not None and len(log.calls) >= log.max_calls:
             raise HTTPException(400, f"episode {log.id!r} made {len(log.calls)} model calls, the limit "
                                      "(rollout.max_turns)")
-        messages = [normalise_message(m, f"messages[{i}]") for i, m in enumerate(request.messages)]
-        prompt, parent = self._prompt(messages, request.tools, log)
-        budget = min(request.max_completion_tokens or request.max_tokens or self.max_new_tokens, self.max_new_tokens)
-        if len(prompt) + budget > self.max_context_tokens:
-            raise HTTPException(400, f"the prompt has {len(prompt)} tokens; with max_tokens {budget} it exceeds "
-                                     f"rollout.max_context_tokens={self.max_context_tokens}")
+        context = self._context(request.messages, request.tools, log)
+        budget = min(request.max_tokens or self.max_new_tokens, self.max_new_tokens)
+        if len(context.tokens) + budget > self.max_context_tokens:
+            raise HTTPException(400, f"the prompt has {len(context.tokens)} tokens; with max_tokens {budget} it "
+                                     f"exceeds rollout.max_context_tokens={self.max_context_tokens}")
         params = SamplingParams(n=request.n, max_new_tokens=budget, temperature=self.temperature,
                                 top_p=request.top_p if request.top_p is not None else self.top_p,
                                 stop_token_ids=tuple(self.chat.stop_token_ids + self._stop_ids(request.stop)),
                                 seed=request.seed)
-        return messages, prompt, parent, params
+        return context, params
 
-    def _prompt(self, messages: list[Message], tools: list[Tool] | None,
-                log: EpisodeLog | None) -> tuple[list[int], int | None]:
+    def _context(self, messages: list[Message], tools: list[Tool] | None, log: EpisodeLog | None) -> Context:
         """Token-in/token-out: extend the recorded call whose conversation + reply this request continues."""
         best: RecordedCall | None = None
         if log is not None:
@@ -357,13 +357,26 @@ class ChatProxy:
                         and same_turn(messages[k], call.reply)):
                     best = call
         if best is None:
-            if log is not None and any(m["role"] == "assistant" for m in messages):
-                log.history_mismatches += 1
-            return self.chat.prompt(messages, tools), None
+            return self._cut(messages, tools, log)
         rest = messages[len(best.messages) + 1 :]
         stopped = best.completion.finish_reason == "stop"
         continuation = self.chat.continuation(rest, reply_stopped=stopped, tools=tools)
-        return best.prompt + best.completion.tokens + continuation, best.index
+        extended = best.prompt + best.completion.tokens
+        return Context(extended + continuation, best.index, best.index, shared=len(extended))
+
+    def _cut(self, messages: list[Message], tools: list[Tool] | None, log: EpisodeLog | None) -> Context:
+        """A request rendered afresh; if it holds earlier replies, the call before the cut and the sharing lost."""
+        tokens = self.chat.prompt(messages, tools)
+        replies = [m for m in messages if m["role"] == "assistant"]
+        if log is None or not replies:
+            return Context(tokens)
+        log.history_mismatches += 1
+        if not log.calls:  # replies the proxy never returned (few-shot examples): nothing was shared to lose
+            return Context(tokens)
+        held = [call for call in log.calls if any(same_turn(m, call.reply) for m in replies)]
+        before = (held or log.calls)[-1]
+        full = before.prompt + before.completion.tokens
+        return Context(tokens, None, before.index, lost=len(full) - common_prefix(full, tokens))
 
     def _stop_ids(self, stop: str | list[str] | None) -> list[int]:
         """Stop strings as token ids (each must be one token of the tokenizer)."""
@@ -376,99 +389,115 @@ class ChatProxy:
             ids.append(encoded[0])
         return ids
 
-    def reply(self, completion: Completion, tool_choice: str | dict | None, has_tools: bool) -> tuple[Message, str]:
-        """The assistant message of one sampled completion (tool calls parsed), and its finish reason."""
+    def reply(self, completion: Completion, request: ModelRequest) -> Answer:
+        """The answer of one sampled completion: tool calls parsed, the named or single-call choice applied."""
         text = self.chat.reply_text(completion.tokens)
         calls: list[ToolCall] = []
         content = text
-        named = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
-        if has_tools and tool_choice != "none":
-            content, calls = self.parse(text)
-            if named is not None:  # the reply is that function's call: the one written, or the text as arguments
-                chosen = [c for c in calls if c.name == named]
-                calls, content = [chosen[0] if chosen else ToolCall(named, text.strip())], ""
+        if request.tools and request.tool_choice != "none":
+            content, calls = self.parse(text, request.tools)
+            if request.tool_choice == "function":  # that function's call: the one written, or the text as arguments
+                chosen = [c for c in calls if c.name == request.tool_name]
+                calls, content = [chosen[0] if chosen else ToolCall(str(request.tool_name), text.strip())], ""
+            elif len(calls) > 1 and not request.parallel_tool_calls:
+                completion = self._cut_after(completion, calls[0].end)
+                content, calls = self.parse(self.chat.reply_text(completion.tokens), request.tools)
         message: Message = {"role": "assistant", "content": content}
         if calls:
-            message["tool_calls"] = [
-                {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": c.name, "arguments": _arguments(c.arguments)}} for c in calls]
+            message["tool_calls"] = [tool_call(f"call_{uuid.uuid4().hex[:24]}", c.name, c.arguments) for c in calls]
         if completion.finish_reason == "length":
             finish = "length"
         else:
-            finish = "tool_calls" if calls and named is None else "stop"
-        return message, finish
+            finish = "tool_calls" if calls and request.tool_choice != "function" else "stop"
+        return Answer(message, finish, completion)
+
+    def _cut_after(self, completion: Completion, end: int) -> Completion:
+        """The completion's shortest prefix whose text reaches offset `end` (a reply cut after its first call)."""
+        def length(k: int) -> int:
+            return len(self.chat.tokenizer.decode(completion.tokens[:k], skip_special_tokens=False))
+
+        k = bisect.bisect_left(range(len(completion.tokens) + 1), end, key=length)
+        return Completion(completion.tokens[:k], completion.logprobs[:k], "cut", completion.versions[:k])
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Token ids as the tokenizer's token strings (OpenAI's `logprobs` shape)."""
+        return self.chat.tokenizer.convert_ids_to_tokens(token_ids)
 
 
-def _wire_message(message: Message) -> dict[str, Any]:
-    """A normalised assistant message in OpenAI's response shape (arguments as JSON strings)."""
-    out: dict[str, Any] = {"role": "assistant", "content": message["content"] or None}
-    if message.get("tool_calls"):
-        out["tool_calls"] = [
-            {"id": c["id"], "type": "function",
-             "function": {"name": c["function"]["name"], "arguments": _json_string(c["function"]["arguments"])}}
-            for c in message["tool_calls"]]
-    return out
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
-def _json_string(arguments: Any) -> str:
-    return arguments if isinstance(arguments, str) else json.dumps(arguments)
-
-
+# ---------------------------------------------------------------------------------------------- the app
 def build_proxy_app(proxy: ChatProxy) -> FastAPI:
-    """`/v1/chat/completions` and `/v1/models`, recorded under `/episodes/{id}/v1/...`, unrecorded at `/v1/...`."""
+    """The endpoints of `ENDPOINTS`, recorded under `/episodes/{id}/v1/...`, unrecorded at `/v1/...`."""
     app = FastAPI(title="treerl agent proxy")
 
     @app.exception_handler(HTTPException)
     def openai_error(_: Request, exc: HTTPException) -> JSONResponse:
+        code = getattr(exc, "code", exc.status_code)
         return JSONResponse(status_code=exc.status_code,
                             content={"error": {"message": str(exc.detail), "type": "invalid_request_error",
-                                               "code": exc.status_code}})
+                                               "code": code}})
 
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": proxy.model_name, "object": "model", "owned_by": "treerl"}]}
 
-    async def complete(request: ChatRequest, episode_id: str | None) -> dict[str, Any]:
+    async def chat(request: ChatRequest, episode_id: str | None) -> Any:
         log = proxy.recorder.get(episode_id) if episode_id is not None else None
-        messages, prompt, parent, params = proxy.prepare(request, log)
-        try:
-            completions: list[Completion] = await asyncio.wrap_future(proxy.sampler.submit(prompt, params))
-        except ValueError as e:
-            raise HTTPException(400, str(e)) from None
-        choices = []
-        for i, completion in enumerate(completions):
-            reply, finish = proxy.reply(completion, request.tool_choice, bool(request.tools))
-            if log is not None:
-                log.calls.append(RecordedCall(len(log.calls), messages, request.tools, prompt, completion, reply,
-                                              parent))
-            choice: dict[str, Any] = {"index": i, "message": _wire_message(reply), "finish_reason": finish,
-                                      "logprobs": None}
-            if request.logprobs:
-                tokens = proxy.chat.tokenizer.convert_ids_to_tokens(completion.tokens)
-                choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
-                                                  for t, lp in zip(tokens, completion.logprobs)]}
-            if request.return_token_ids:
-                choice["token_ids"] = completion.tokens
-            choices.append(choice)
-        generated = sum(len(c.tokens) for c in completions)
-        response = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": request.model or proxy.model_name, "choices": choices,
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": generated,
-                      "total_tokens": len(prompt) + generated},
-        }
-        if request.return_token_ids:
-            response["prompt_token_ids"] = prompt
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        prompt, answers = await proxy.answer(request.model_request(), log, response_id)
+        response = chat_response(request, response_id, request.model or proxy.model_name, prompt, answers,
+                                 proxy.token_strings)
+        if request.stream:
+            return StreamingResponse(chat_chunks(response, request), media_type="text/event-stream")
+        return response
+
+    async def responses(request: ResponsesRequest, episode_id: str | None) -> Any:
+        log = proxy.recorder.get(episode_id) if episode_id is not None else None
+        previous: list[Message] = []
+        if request.previous_response_id is not None:
+            if log is None:
+                raise HTTPException(400, "previous_response_id is served only for recorded episodes "
+                                         "(/episodes/<id>/v1/responses)")
+            before = log.response(request.previous_response_id)
+            previous = continued(before.messages, before.instructions, before.reply)
+        response_id = f"resp_{uuid.uuid4().hex}"
+        prompt, [answer] = await proxy.answer(request.model_request(previous), log, response_id, request.instructions)
+        response = response_object(request, response_id, request.model or proxy.model_name, prompt, answer,
+                                   proxy.token_strings)
+        if request.stream:
+            return StreamingResponse(response_events(response), media_type="text/event-stream")
         return response
 
     @app.post("/episodes/{episode_id}/v1/chat/completions")
-    async def episode_chat(episode_id: str, request: ChatRequest) -> dict[str, Any]:
-        return await complete(request, episode_id)
+    async def episode_chat(episode_id: str, request: ChatRequest) -> Any:
+        return await chat(request, episode_id)
 
     @app.post("/v1/chat/completions")
-    async def chat(request: ChatRequest) -> dict[str, Any]:
-        return await complete(request, None)
+    async def plain_chat(request: ChatRequest) -> Any:
+        return await chat(request, None)
+
+    @app.post("/episodes/{episode_id}/v1/responses")
+    async def episode_responses(episode_id: str, request: ResponsesRequest) -> Any:
+        return await responses(request, episode_id)
+
+    @app.post("/v1/responses")
+    async def plain_responses(request: ResponsesRequest) -> Any:
+        return await responses(request, None)
 
     app.get("/episodes/{episode_id}/v1/models")(lambda episode_id: models())
     app.get("/v1/models")(models)
     app.get("/health")(lambda: {"status": "ok"})
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    def not_served(path: str) -> None:
+        raise HTTPException(404, f"/{path} is not served by the treerl proxy; it serves {ENDPOINTS}")
+
     return app

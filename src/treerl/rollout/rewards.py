@@ -157,15 +157,22 @@ def check_reward(value: Any) -> float | RewardFailure:
 
 
 def _import(module_name: str) -> Any:
-    """Import a module by dotted name (current directory included), or from a .py file path."""
+    """Import a module by dotted name (current directory included), or from a .py file path (its directory
+    included, as `python path/to/file.py` would: the file may import modules next to it, when it loads or later)."""
     if module_name.endswith(".py"):
         path = Path(module_name)
         if not path.is_file():
             raise FileNotFoundError(f"no file {module_name}")
+        _importable(str(path.resolve().parent))
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
         spec.loader.exec_module(module)  # type: ignore[union-attr]
         return module
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    _importable(os.getcwd())
     return importlib.import_module(module_name)
+
+
+def _importable(directory: str) -> None:
+    """Put `directory` first on the import path (once), so the user's modules in it can be imported."""
+    if directory not in sys.path:
+        sys.path.insert(0, directory)

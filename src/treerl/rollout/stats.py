@@ -38,7 +38,10 @@ class RolloutStats:
     generated_tokens: int = 0
     truncated_replies: int = 0  # replies cut off at max_new_tokens
     context_limit: int = 0  # trajectories ended because the context would exceed max_context_tokens
-    history_mismatches: int = 0  # agent calls whose history held an assistant turn the proxy never returned
+    history_mismatches: int = 0  # agent calls whose history held earlier replies but extended no recorded call (cut)
+    shared_tokens: int = 0  # agent prompt tokens reused from the recorded calls they extend
+    sharing_lost_tokens: int = 0  # tokens of the call before a cut history that the call after it no longer shares
+    tool_choice_failures: int = 0  # agent replies refused: tool_choice="required" and no tool call written
     seconds: float = 0.0
     rewards: list[float] = field(default_factory=list)  # one per kept trajectory
     dropped: Counter[str] = field(default_factory=Counter)  # reason -> count
@@ -70,6 +73,12 @@ class RolloutStats:
     def reward_mean(self) -> float:
         return statistics.fmean(self.rewards) if self.rewards else float("nan")
 
+    @property
+    def sharing_lost_ratio(self) -> float:
+        """Of the tokens later agent calls would reuse from earlier ones, the share cut histories lost."""
+        total = self.shared_tokens + self.sharing_lost_tokens
+        return self.sharing_lost_tokens / total if total else 0.0
+
     def metrics(self) -> dict[str, float]:
         """Flat scalars for TensorBoard / JSONL, names prefixed `rollout/`."""
         rewards = self.rewards or [float("nan")]
@@ -88,6 +97,9 @@ class RolloutStats:
             "rollout/truncated_replies": self.truncated_replies,
             "rollout/context_limit": self.context_limit,
             "rollout/history_mismatches": self.history_mismatches,
+            "rollout/sharing_lost_tokens": self.sharing_lost_tokens,
+            "rollout/sharing_lost_ratio": self.sharing_lost_ratio,
+            "rollout/tool_choice_failures": self.tool_choice_failures,
             "rollout/seconds": self.seconds,
             "rollout/tokens_per_second": self.generated_tokens / self.seconds if self.seconds > 0 else 0.0,
         }

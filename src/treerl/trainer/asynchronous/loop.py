@@ -7,6 +7,10 @@
         learn(run, batch, reference, step)          # proximal log-probs (current weights), advantages, update
         weights.publish(policy, step + 1)           # workers take them before their next chunk (or segment)
 
+Agent tasks (`rollout.task=agent`, `agent_tools`) run the same way: each worker serves its own recording
+proxy (`treerl.rollout.proxy`) and plays a task's `group_size` episodes as one group, under the same
+admission, staleness bound and counters; a worker beats its heartbeat every second while its episodes run.
+
 Only the source of the batch differs from the synchronous loop (`treerl.trainer.rl.sync`): preparation,
 the update, evaluation, checkpoints and metrics are the same functions. Generation never waits for
 training and training waits only when no batch within the staleness bound is ready.
@@ -59,7 +63,7 @@ def train_async(config: Config) -> AsyncTrainResult:
     if config.trainer.decoupled_loss:
         config = replace(config, algo=decoupled(config.algo))
     run = Run.start(config, temperature=config.rollout.temperature)  # its thread count leaves the workers theirs
-    pool = None
+    pool = evaluation = None
     try:
         run.check_model(config.rollout.max_context_tokens)
         if run.env.world_size > 1:
@@ -88,12 +92,15 @@ def train_async(config: Config) -> AsyncTrainResult:
             pool.counters.check()
             return {"async": asdict(pool.counters)}
 
-        result = train_loop(run, evaluation_rollout(run, sampler), train_step, started, counters)
+        evaluation = evaluation_rollout(run, sampler)
+        result = train_loop(run, evaluation, train_step, started, counters)
         pool.close()
         pool.counters.check()
         return AsyncTrainResult(**asdict(result), counters=asdict(pool.counters))
     finally:
         if pool is not None:
             pool.close()
+        if evaluation is not None:
+            evaluation.close()  # an agent task's proxy
         run.finish()
 

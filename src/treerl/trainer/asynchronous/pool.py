@@ -5,7 +5,8 @@
     ...train, then weights.publish(policy, version + 1)...
     pool.close()
 
-The unit of work is a group: one prompt with its `group_size` samples, or one multi-turn episode.
+The unit of work is a group: one prompt with its `group_size` samples, one multi-turn episode, or
+one agent task with its `group_size` episodes.
 Groups come from the same prompt stream as the synchronous loop (prompt i of step s is stream
 position s * B + i), in chunks of `trainer.worker_prompts` per worker call.
 

@@ -5,8 +5,9 @@
                         ("done", [GroupResult], stats)  the training sequences of each job of a chunk
                         ("error", traceback)            a Python error: the trainer stops with it
     weights             SharedWeights, pulled before each chunk (and each segment, with on_update=interrupt)
-    heartbeat           a shared float per worker, set at every model forward and before every reward /
-                        environment call (each limited by rollout.reward_timeout), so a hung worker shows
+    heartbeat           a shared float per worker, set at every model forward, before every reward /
+                        environment call (each limited by rollout.reward_timeout) and every second while
+                        agent episodes run (their event loop is alive), so a hung worker shows
     pulse               another shared float, set every PULSE_SECONDS by a thread of its own from the start,
                         so a stopped (SIGSTOP) or frozen process shows, busy or idle, ready or still loading
     signals             SIGINT and SIGTERM are ignored: the trainer stops its workers when it stops
@@ -113,7 +114,7 @@ def worker_main(slot: int, config: Config, weights: SharedWeights, jobs: Connect
         sampler = engine if config.trainer.on_update == "finish" else InterruptibleEngine(
             engine, refresh, config.trainer.interrupt_tokens)
         rollout = Rollout(config.rollout, tokenizer, sampler)
-        rollout.user_code.on_call = beat
+        rollout.watch(beat)
         outbox.put(("ready", os.getpid()))
         while (chunk := receive(jobs)) is not None:
             beat()

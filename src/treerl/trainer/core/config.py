@@ -25,7 +25,6 @@ from treerl.algo import AlgoConfig
 from treerl.errors import UserError
 from treerl.models import DTYPES, SHAPES
 from treerl.rollout import RolloutConfig
-from treerl.rollout.config import AGENT_TASKS
 from treerl.trainer.core.precision import canonical, parameter_dtype
 from treerl.tree.io import MAX_LINE_BYTES
 
@@ -151,7 +150,7 @@ class TrainerConfig:
     wandb: bool = False  # also log to Weights & Biases (pip install 'treerl[wandb]'; WANDB_MODE=offline: local only)
     wandb_project: str = "treerl"  # the W&B project of the run
     wandb_name: str | None = None  # the W&B run name; null: W&B picks one
-    progress: bool = True  # show a progress bar (step, reward, loss)
+    progress: bool = True  # show a progress bar (step, reward, loss, token compression T/U of the batch)
 
 
 @dataclass
@@ -214,9 +213,6 @@ def check_choices(config: Config) -> None:
         value = get(config, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
-    if config.trainer.mode == "async" and config.rollout.task in AGENT_TASKS:
-        raise ConfigError(f"rollout.task={config.rollout.task} runs agents through the proxy of the synchronous loop; "
-                          "use trainer.mode=sync")
     if config.model.lora.rank and config.rollout.server_url:
         raise ConfigError("model.lora.rank > 0 with rollout.server_url: pushing the policy to an inference server "
                           "each step is not implemented for LoRA; sample with the embedded engine (no server_url), "

@@ -86,7 +86,8 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
             rewards.append(reward)
             if len(first) < REWARD_WINDOW:
                 first.append(reward)
-        run.end_step(step, metrics, {"reward": reward, "loss": metrics.get("train/loss", float("nan"))})
+        run.end_step(step, metrics, {"reward": reward, "loss": metrics.get("train/loss", float("nan")),
+                                     "compression": metrics.get("batch/compression", float("nan"))})
     reward_end = float("nan") if run.stopped_by else evaluate(run, evaluation, config.trainer.steps, "end")
     result = TrainResult(
         reward_start=reward_start, reward_end=reward_end,
