@@ -9,13 +9,17 @@ to float64 rounding; the stock models (their mixers compute in float32) to 1e-6.
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import float64_throughout, fresh_model
+from transformers import AutoModelForCausalLM
+from zoo import tiny_config
 from test_exactness import HAND, ORACLE, _with_data, random_batches, sequence_loss, token_loss
 
 from treerl.attention import UnsupportedModel
@@ -179,3 +183,41 @@ def test_the_table_names_how_each_kind_carries_its_state():
     mixers = find_mixers(model)
     assert {kind.name for kind in mixers.layers.values()} == {"Mamba2"} and list(mixers.layers) == [0]
     assert find_mixers(fresh_model("tiny-qwen3", VOCAB)).layers == {}
+
+
+@contextlib.contextmanager
+def ties_to_the_earliest() -> Iterator[None]:
+    """torch.topk with ties broken toward the lower index, for the flat reference and the tree alike.
+
+    torch.topk leaves the order of equal values unspecified, and which of several keys tied at the k-th index
+    score it returns depends on the width of the call, in transformers' own forward too; with a stable choice,
+    any difference left is treerl's."""
+    topk = torch.Tensor.topk
+
+    def stable_topk(self, k, dim=-1, largest=True, sorted=True):
+        order = torch.sort(self, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
+        return torch.return_types.topk((self.gather(dim, order), order))
+
+    torch.Tensor.topk = stable_topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = topk
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_chooses_each_querys_keys_among_its_ancestors(model_type):
+    """DeepSeek sparse attention (DSA): the indexer keys of the path travel like K/V, each query's top-3 keys are
+    chosen among its own ancestors, and the attention over them matches each sequence alone, in every plan."""
+    config = tiny_config(model_type)
+    config.index_topk, config.vocab_size = 3, VOCAB  # a real choice: fewer keys than most queries see
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation="sdpa",
+                                             experts_implementation="eager").eval()
+    seqs = _every_shape(5)
+    with float64_throughout(), ties_to_the_earliest():
+        for name in ["default", "one-token-rows", "small-calls"]:
+            errors = compare_runs(run_engine(PLANS[name], model, seqs, sequence_loss),
+                                  run_engine(ORACLE, model, seqs, sequence_loss))
+            outputs = max(e for k, e in errors.items() if k.startswith("seq"))
+            assert outputs <= EXACT and errors["gradient"] <= EXACT, (name, outputs, errors["gradient"])

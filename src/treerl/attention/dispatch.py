@@ -36,6 +36,7 @@ from treerl.errors import UserError
 
 ATTENTION_NAME = "treerl"
 CALL_KWARG = "treerl_call"
+TREE_MASK = "treerl_causal_mask"  # attribute of a mask treerl handed out (plain causal over [path | row])
 
 
 class UnsupportedModel(UserError, NotImplementedError):
@@ -48,6 +49,7 @@ class LayerAttention:
 
     spec: AttentionSpec
     sinks: torch.Tensor | None = None  # [heads]: one learned logit per head joins the softmax
+    indices: torch.Tensor | None = None  # [rows, queries, k]: the keys a learned indexer chose (sparse attention)
 
 
 AttentionCall = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, LayerAttention], torch.Tensor]
@@ -76,6 +78,9 @@ def layer_attention(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) 
         sinks = kwargs.pop("sinks", None)
     window = kwargs.pop("sliding_window", None)
     softcap = kwargs.pop("softcap", None)
+    indices = kwargs.pop("indices", None)
+    if indices is not None and (sinks is not None or window is not None or softcap):
+        raise UnsupportedModel(f"{name}: indexed sparse attention with sinks, a window or soft-capping")
     for key, value in kwargs.items():
         if key not in _IGNORED and value is not None and value is not False:
             raise UnsupportedModel(f"{name}: attention argument {key!r} is not supported by the tree engines")
@@ -90,7 +95,7 @@ def layer_attention(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) 
         window=window,
         chunk=chunk,
     )
-    return LayerAttention(spec, sinks)
+    return LayerAttention(spec, sinks, indices)
 
 
 def common_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
@@ -116,7 +121,7 @@ def dispatch(module, query, key, value, attention_mask, **kwargs):
     if call is None and _IN_ENGINE.get():
         call = _call_in_context(module)
     if call is not None:
-        if attention_mask is not None:
+        if attention_mask is not None and not getattr(attention_mask, TREE_MASK, False):
             raise UnsupportedModel(
                 f"{type(module).__name__}: the model builds its own attention mask outside transformers' mask "
                 "interface; treerl cannot tell what it hides"
@@ -159,9 +164,18 @@ def routed_call(call: AttentionCall, checkpointing: bool) -> Iterator[None]:
 
 
 def dispatch_mask(*args, config=None, **kwargs):
-    """transformers mask function: no mask inside an engine call (treerl builds its own), else the user's."""
+    """transformers mask function: no mask inside an engine call (treerl builds its own), else the user's.
+
+    A call whose layers read the mask themselves (a sparse-attention indexer scores every earlier key under
+    it) gets the plain causal mask over [path | own row] that the cache's sizes describe, marked as treerl's:
+    its attention computes the same pairs from the tree and ignores it."""
     if _IN_ENGINE.get():
-        return None
+        current = _CURRENT_CALL.get()
+        if current is None or not getattr(current[0], "wants_mask", False):
+            return None
+        mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](*args, config=config, **{**kwargs, "allow_is_causal_skip": False})
+        setattr(mask, TREE_MASK, True)
+        return mask
     original = _ORIGINAL.get(id(config), "sdpa")
     return ALL_MASK_ATTENTION_FUNCTIONS[original](*args, config=config, **kwargs)
 

@@ -310,10 +310,11 @@ class TreeCall:
     a forward's kwargs, and every layer must write into this one unit.
     """
 
-    def __init__(self, path: PathKV | None, unit: UnitKV, layout: UnitLayout):
+    def __init__(self, path: PathKV | None, unit: UnitKV, layout: UnitLayout, wants_mask: bool = False):
         self.path, self.unit, self.layout = path, unit, layout
         self.layers_called: set[int] = set()
         self.forward_done = False  # set by the engine; later calls are gradient checkpointing's recomputation
+        self.wants_mask = wants_mask  # the layers read a causal mask themselves (a sparse-attention indexer)
 
     def __call__(self, module, query, key, value, layer: LayerAttention) -> torch.Tensor:
         index = module.layer_idx
@@ -323,6 +324,8 @@ class TreeCall:
                 "or repeated attention); the tree path stores one K/V per layer (use PackedEngine or FlatEngine)"
             )
         self.layers_called.add(index)
+        if layer.indices is not None:
+            return indexed_attention(query, key, value, layer, self.path, self.unit, self.layout, index)
         rows = query.shape[0]
         if rows > 1:  # a batch of rows (a unit of a recurrent model): one row of rows x width, a causal run each
             query, key, value = (_one_row(x) for x in (query, key, value))
@@ -336,3 +339,78 @@ def _one_row(x: torch.Tensor) -> torch.Tensor:
     """[rows, heads, width, D] -> [1, heads, rows * width, D]: row r's tokens at `[r * width, (r + 1) * width)`."""
     rows, heads, width, dim = x.shape
     return x.transpose(0, 1).reshape(1, heads, rows * width, dim)
+
+
+# ---------------------------------------------------------------- sparse attention with a learned indexer
+
+def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerAttention, path: PathKV | None,
+                      unit: UnitKV, layout: UnitLayout, index: int) -> torch.Tensor:
+    """DeepSeek sparse attention for a unit of rows (each a chain starting at the path's end): every query sees
+    the keys its indexer chose among [path | own row] (`layer.indices`, positions in that order), causally.
+
+    The indexer scored exactly the keys the query has on its sequence alone (the path is its ancestors), so
+    the chosen set is the same. Computed densely with a mask (exact; the flash-MLA kernel is for CUDA);
+    the path's K/V gradient goes to the path store, what descendants sent to this unit's K/V is added."""
+    rows, heads, width, _ = q.shape
+    groups = heads // k.shape[1]
+    unit.keys[index], unit.values[index] = _one_row(k), _one_row(v)  # the path store reads segments of them
+    k, v = _WithDescendantGrads.apply(k, v, unit, index)
+    end = layout.path_end
+    if path is not None and end > 0:
+        path_k, path_v = _PathRead.apply(_DIFFERENTIABLE, path, index, end, k.dtype)
+        k = torch.cat([path_k.expand(rows, -1, -1, -1), k], dim=2)
+        v = torch.cat([path_v.expand(rows, -1, -1, -1), v], dim=2)
+    keys = torch.arange(end + width, device=q.device)
+    allowed = keys[None, :] <= end + torch.arange(width, device=q.device)[:, None]  # causal over [path | row]
+    chosen = torch.zeros(rows, width, end + width, dtype=torch.bool, device=q.device)
+    chosen.scatter_(-1, layer.indices.long(), True)
+    allowed = (allowed & chosen)[:, None]
+    k, v = _expand_heads_batched(k, groups), _expand_heads_batched(v, groups)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * layer.spec.scale
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")).float(), dim=-1).to(q.dtype)
+    return torch.matmul(weights, v).transpose(1, 2).contiguous()
+
+
+def _expand_heads_batched(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _unflatten(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Inverse of `_one_row`: [1, heads, rows * width, D] -> [rows, heads, width, D]."""
+    return x.reshape(x.shape[1], rows, -1, x.shape[-1]).transpose(0, 1)
+
+
+_DIFFERENTIABLE = torch.zeros((), requires_grad=True)  # an input that makes a read of the path differentiable
+
+
+class _PathRead(torch.autograd.Function):
+    """The path's K/V as a copy (the store is written in place later); backward adds into the gradient store."""
+
+    @staticmethod
+    def forward(ctx, _flag, path: PathKV, layer: int, end: int, dtype: torch.dtype):
+        ctx.path, ctx.layer, ctx.end = path, layer, end
+        k, v = path.ancestors(layer, 0, end)
+        return k.to(dtype, copy=True), v.to(dtype, copy=True)
+
+    @staticmethod
+    def backward(ctx, dk, dv):
+        if ctx.path.with_grads:
+            ctx.path.add_ancestor_grads(ctx.layer, 0, ctx.end, dk.sum(0, keepdim=True), dv.sum(0, keepdim=True))
+        return None, None, None, None, None
+
+
+class _WithDescendantGrads(torch.autograd.Function):
+    """The unit's own K/V; backward adds what its descendants sent to them (collected when their subtrees ended)."""
+
+    @staticmethod
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, unit: UnitKV, layer: int):
+        ctx.unit, ctx.layer, ctx.rows = unit, layer, k.shape[0]
+        return k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, dk, dv):
+        unit = ctx.unit
+        if unit.key_grads is not None:
+            dk = dk + _unflatten(unit.key_grads[ctx.layer], ctx.rows).to(dk.dtype)
+            dv = dv + _unflatten(unit.value_grads[ctx.layer], ctx.rows).to(dv.dtype)
+        return dk, dv, None, None

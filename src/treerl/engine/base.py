@@ -222,9 +222,10 @@ def check_tree_engine(model: PreTrainedModel, carries_state: bool) -> Mixers:
     if mixers and not carries_state:
         kinds = ", ".join(sorted({kind.name for kind in mixers.layers.values()}))
         raise UnsupportedModel(
-            f"{model_name(model)}: its {kinds} layers carry a recurrent state along each row, and this engine packs "
-            "several nodes or sequences into one row, which would run the state on from one into the next; "
-            "DfsEngine hands each node's state to its children (or use FlatEngine's layout='sequences')"
+            f"{model_name(model)}: its {kinds} layers read each row as one sequence (a recurrent state carried "
+            "along it, or an indexer scoring every earlier key), and this engine packs several nodes or sequences "
+            "into one row, which would run one into the next; DfsEngine hands each node's state (and keys) to its "
+            "children (or use FlatEngine's layout='sequences')"
         )
     return mixers
 
@@ -246,7 +247,7 @@ def check_routed(model: PreTrainedModel, mixers: Mixers) -> None:
 def _probe(model: PreTrainedModel, mixers: Mixers) -> str | None:
     device = model.get_input_embeddings().weight.device
     positions = torch.arange(2, device=device)
-    call = TreeCall(None, UnitKV(), UnitLayout([Segment(0, 2, 0)], [], positions, 0))
+    call = TreeCall(None, UnitKV(), UnitLayout([Segment(0, 2, 0)], [], positions, 0), wants_mask=mixers.indexed)
     inputs = {"input_ids": torch.zeros(1, 2, dtype=torch.long, device=device), CALL_KWARG: call}
     if "position_ids" in inspect.signature(decoder_module(model).forward).parameters:
         inputs["position_ids"] = positions[None]

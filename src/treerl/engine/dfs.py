@@ -40,7 +40,13 @@ from transformers import PreTrainedModel
 from treerl.attention import PathKV, TreeCall, engine_attention
 from treerl.engine.base import Head, LossFn, OutputSlots, StepStats, check_batch, final_hidden, output_dtype, run_length
 from treerl.engine.head import PolicyHead
-from treerl.engine.recurrent import PathStates, cache_under_checkpointing, find_mixers, iter_state_grads
+from treerl.engine.recurrent import (
+    PathIndexKeys,
+    PathStates,
+    cache_under_checkpointing,
+    find_mixers,
+    iter_state_grads,
+)
 from treerl.engine.support import attention_layers, check_all_layers_routed, decoder_module
 from treerl.engine.unit_inputs import UnitInputs, build_unit_inputs
 from treerl.engine.walk_outputs import WalkOutputs
@@ -163,6 +169,7 @@ class _Walk:
         self.layers = attention_layers(model, self.mixers.classes())
         self.path = PathKV(max(len(s) for s in tree.sequences), with_grads=loss_fn is not None)
         self.states = PathStates(with_grads=loss_fn is not None) if self.mixers else None  # recurrent state
+        self.index_path = PathIndexKeys(self.path.capacity) if self.mixers.indexed else None  # sparse attention
         self.positions = "position_ids" in inspect.signature(decoder_module(model).forward).parameters  # not Mamba2
         slots = OutputSlots(tree, self.head.shifted)  # where each token's outputs land, the fork rows' included
         device = _device(model)
@@ -179,6 +186,9 @@ class _Walk:
                 self.path.push(data.kv, [data.segments[n] for n in self.plan.chain(unit, node) if n in data.segments])
                 if self.states is not None:
                     self.states.push(data.cache.row_states(data.row_of[node]))
+                if self.index_path is not None:
+                    self.index_path.push(data.cache.index_keys, [data.segments[n] for n in self.plan.chain(unit, node)
+                                                                 if n in data.segments])
             elif event == "pop":
                 self.path.pop(data.kv, [data.segments[n] for n in self.plan.chain(unit, node) if n in data.segments])
                 if self.states is not None:
@@ -209,7 +219,7 @@ class _Walk:
         if data.layout is None:
             return None
         self.outputs.stats.model_tokens += data.layout.rows
-        call = TreeCall(self.path, data.kv, data.layout)
+        call = TreeCall(self.path, data.kv, data.layout, wants_mask=self.index_path is not None)
         inputs = {"input_ids": data.ids[None], "position_ids": data.positions[None], "treerl_call": call}
         if data.shape is not None:  # a row unit: rows x width, each row from the parent's recurrent state
             inputs["input_ids"], inputs["position_ids"] = data.ids.view(data.shape), data.positions.view(data.shape)
@@ -217,7 +227,8 @@ class _Walk:
             del inputs["position_ids"]
         with torch.set_grad_enabled(grad):
             if self.states is not None:
-                data.cache = self.mixers.cache_class(self.states.leaves(), data.shape[0], data.layout.path_end)
+                data.cache = self.mixers.cache_class(self.states.leaves(), data.shape[0], data.layout.path_end,
+                                                     self.index_path)
                 inputs.update({self.mixers.cache_kwarg: data.cache, "use_cache": True})
             hidden = final_hidden(self.model, **inputs).flatten(0, 1)
             if data.cache is not None:

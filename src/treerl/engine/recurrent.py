@@ -50,6 +50,7 @@ class MixerKind:
     entry: str  # the layer's own entry points the state goes through
     refused: str | None = None  # why the tree engines cannot reproduce it (None: exact)
     cache_class: str | None = None  # a cache class the model insists on (its module's attribute name)
+    in_attention: bool = False  # part of an attention layer (an indexer), not a token mixer of its own
 
 
 _CACHE = "cache `get_conv_state` / `update_conv_state` and `get_recurrent_state` / `update_recurrent_state`"
@@ -67,6 +68,10 @@ MIXERS: tuple[MixerKind, ...] = (
               "the convolution window", "cache `get_conv_state` / `update_conv_state`"),
     MixerKind("lightning attention", ("MiniMaxLightningAttention",), "the decayed K^T V state",
               "cache `get_linear_cache` / `set_linear_cache`", cache_class="MiniMaxCache"),
+    MixerKind("DeepSeek sparse-attention indexer", ("DeepseekV32Indexer", "GlmMoeDsaIndexer"),
+              "the indexer keys of every earlier token (one per token, kept on the path like K/V; no gradient: the "
+              "indexer runs without one), so a query's top-k is chosen among its own ancestors",
+              "cache `update_indexer` and the causal mask it scores under", in_attention=True),
     MixerKind("Mamba (selective scan)", ("MambaMixer", "FalconMambaMixer", "ZambaMambaMixer", "JambaMambaMixer"),
               "the convolution window and the SSM state", _CACHE,
               refused="transformers' Mamba selective scan starts every multi-token call from a zero SSM state "
@@ -94,8 +99,13 @@ class Mixers:
         return bool(self.layers)
 
     def classes(self) -> set[str]:
-        """Class names of the mixers (their layers run no attention of their own)."""
-        return {cls for kind in self.layers.values() for cls in kind.classes}
+        """Class names of the token mixers (their layers run no attention of their own)."""
+        return {cls for kind in self.layers.values() if not kind.in_attention for cls in kind.classes}
+
+    @property
+    def indexed(self) -> bool:
+        """Whether an attention layer picks its keys with an indexer (it reads a causal mask and `indices`)."""
+        return any(kind.in_attention for kind in self.layers.values())
 
 
 def find_mixers(model: PreTrainedModel) -> Mixers:
@@ -115,16 +125,19 @@ def find_mixers(model: PreTrainedModel) -> Mixers:
             raise UnsupportedModel(f"{model_name(model)}: {path} ({type(module).__name__}) has no layer_idx; treerl "
                                    "cannot tell which layer's state it reads")
         layers[index] = kind
+        if kind.in_attention:
+            continue
         known.append(path + ".")
         if kind.cache_class is not None:
             base = getattr(sys.modules[type(module).__module__], kind.cache_class)
-    _refuse_unknown_mixers(model, body, known, set(layers))
+    _refuse_unknown_mixers(model, body, known, set(layers), any(k.in_attention for k in layers.values()))
     kwarg = "cache_params" if "cache_params" in _parameters(body) and "past_key_values" not in _parameters(body) \
         else "past_key_values"
     return Mixers(layers, _cache_class(base), kwarg)
 
 
-def _refuse_unknown_mixers(model: PreTrainedModel, body: torch.nn.Module, known: list[str], mixer_layers: set[int]):
+def _refuse_unknown_mixers(model: PreTrainedModel, body: torch.nn.Module, known: list[str], mixer_layers: set[int],
+                           indexed: bool) -> None:
     """A module that looks stateful outside every known mixer, or a non-attention layer type without one."""
     for path, module in body.named_modules():
         name = type(module).__name__
@@ -139,8 +152,9 @@ def _refuse_unknown_mixers(model: PreTrainedModel, body: torch.nn.Module, known:
                 "to its children (use FlatEngine)"
             )
     layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    allowed = _ATTENTION_LAYER_TYPES | {"mlp", "moe", "hybrid"} | ({"indexed_attention"} if indexed else set())
     for index, kind in enumerate(layer_types):
-        if kind not in _ATTENTION_LAYER_TYPES and kind not in ("mlp", "moe", "hybrid") and index not in mixer_layers:
+        if kind not in allowed and index not in mixer_layers:
             raise UnsupportedModel(
                 f"{model_name(model)}: layer {index} is of type {kind!r}, neither softmax attention nor a token mixer "
                 "in treerl's table (treerl.engine.recurrent.MIXERS) (use FlatEngine)"
@@ -185,9 +199,11 @@ class TreeStateCache(DynamicCache):
     Attention layers get their own K/V back unchanged from `update`: treerl's attention adds the path's.
     """
 
-    def __init__(self, initial: dict[StateKey, torch.Tensor] | None, rows: int, past: int):
+    def __init__(self, initial: dict[StateKey, torch.Tensor] | None, rows: int, past: int,
+                 index_path: PathIndexKeys | None = None):
         Cache.__init__(self, layers=[])
-        self.initial, self.rows, self.past = initial, rows, past
+        self.initial, self.rows, self.past, self.index_path = initial, rows, past, index_path
+        self.index_keys: dict[int, torch.Tensor] = {}  # layer -> this call's indexer keys [rows, width, D]
         self.final: dict[StateKey, torch.Tensor] = {}
         self.handed: dict[StateKey, _HandedState] = {}
         self.read: set[StateKey] = set()
@@ -266,6 +282,15 @@ class TreeStateCache(DynamicCache):
     def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
         self._keep((layer_idx, "linear", 0), linear_cache)
 
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """This call's indexer keys behind the path's: what each query's top-k is chosen among."""
+        if not self.replaying:
+            self.index_keys[layer_idx] = indexer_key_states
+        past = self.index_path.read(layer_idx, self.past) if self.index_path is not None else None
+        if past is None:
+            return indexer_key_states
+        return torch.cat([past.expand(self.rows, -1, -1).to(indexer_key_states.dtype), indexer_key_states], dim=1)
+
     def finish(self) -> None:
         """After the forward: take the in-place steps' writes as final states; later calls are replays."""
         for key, handed in self.handed.items():
@@ -280,11 +305,13 @@ class TreeStateCache(DynamicCache):
         own: refused, naming the layer, before any output or gradient of the call is used."""
         unread = sorted(set(self.initial or {}) - self.read)
         if unread:
-            raise UnsupportedModel(f"layer {unread[0][0]} ({layers.get(unread[0][0], '?')}) did not read the "
+            kind = layers.get(unread[0][0])
+            raise UnsupportedModel(f"layer {unread[0][0]} ({kind.name if kind else '?'}) did not read the "
                                    f"{unread[0][1]} state handed to it, so a tree node would not continue its parent")
         if open_rows:
             for index, kind in sorted(layers.items()):
-                if not any(key[0] == index for key in self.final):
+                handed_on = index in self.index_keys if kind.in_attention else any(k[0] == index for k in self.final)
+                if not handed_on:
                     raise UnsupportedModel(f"layer {index} ({kind.name}) gave back no final state through the cache, "
                                            "so a tree node's children could not continue it")
 
@@ -324,6 +351,32 @@ def cache_under_checkpointing(model: PreTrainedModel) -> Iterator[None]:
     finally:
         for layer in layers:
             del layer._can_checkpoint_with_cache
+
+
+class PathIndexKeys:
+    """The indexer keys of the current path's tokens, per layer, at their positions (as PathKV holds K/V).
+
+    No gradient travels back: the indexer runs without one (its choice of keys is not differentiable)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> [1, capacity, D]
+
+    def read(self, layer: int, end: int) -> torch.Tensor | None:
+        """Keys of positions [0, end) of the path (None when there is no path yet)."""
+        if end == 0 or layer not in self.keys:
+            return None
+        return self.keys[layer][:, :end]
+
+    @torch.no_grad()
+    def push(self, keys: dict[int, torch.Tensor], segments: list) -> None:
+        """Make these segments (rows of the flattened call, at their positions) part of the path."""
+        for layer, k in keys.items():
+            flat = k.reshape(-1, k.shape[-1])
+            if layer not in self.keys:
+                self.keys[layer] = flat.new_zeros(1, self.capacity, flat.shape[-1])
+            for s in segments:
+                self.keys[layer][0, s.position : s.position + s.length] = flat[s.row : s.end]
 
 
 class PathStates:
