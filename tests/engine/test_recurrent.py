@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from test_exactness import HAND, ORACLE, _with_data, random_batches, sequence_lo
 
 from treerl.attention import UnsupportedModel
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
-from treerl.engine.recurrent import find_mixers
+from treerl.engine.recurrent import MIXERS, find_mixers
 from treerl.testing import assert_engines_agree, assert_matches_model, compare_runs, run_engine
 from treerl.tree.plan import PlanCost
 
@@ -221,3 +222,10 @@ def test_sparse_attention_chooses_each_querys_keys_among_its_ancestors(model_typ
                                   run_engine(ORACLE, model, seqs, sequence_loss))
             outputs = max(e for k, e in errors.items() if k.startswith("seq"))
             assert outputs <= EXACT and errors["gradient"] <= EXACT, (name, outputs, errors["gradient"])
+
+
+def test_the_hybrid_page_names_every_kind_in_the_table():
+    """docs/hybrid-models.md explains MIXERS: a kind added to the table gets its row in the page."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "hybrid-models.md").read_text()
+    for kind in MIXERS:
+        assert f"| {kind.name} |" in page, kind.name

@@ -94,6 +94,20 @@ def test_a_training_step_with_a_tree_engine_equals_flat(tiny_config, task, engin
         assert dfs_metrics[key] == pytest.approx(flat_metrics[key], rel=1e-6, abs=1e-9)
 
 
+def test_a_hybrid_model_trains_on_the_tree_like_flat(tiny_config):
+    """Qwen3.5-style Gated DeltaNet + attention through the whole RL step: DfsEngine's gradient equals flat's
+    (as one vector: the delta rule computes in float32 inside the float64 model, ~1e-7 noise per parameter)."""
+    common = ["model.shape=tiny-qwen3.5", "model.dtype=float64", "rollout.task=arithmetic", "algo.kl_coef=0.0",
+              "algo.loss=grpo", "trainer.recompute_logprobs=true", "rollout.prompts_per_step=3"]
+    dfs, dfs_loss, _ = _gradients(tiny_config(*common, "engine.name=dfs", "engine.chunk_tokens=7"))
+    flat, flat_loss, _ = _gradients(tiny_config(*common, "engine.name=flat", name="flat"))
+    assert dfs_loss == pytest.approx(flat_loss, rel=1e-6, abs=1e-9)
+    assert set(dfs) == set(flat) and any("linear_attn" in name for name in flat)
+    names = sorted(flat)
+    whole = lambda grads: torch.cat([grads[name].flatten() for name in names])
+    assert relative_error(whole(dfs), whole(flat)) <= 1e-6
+
+
 def _critic_gradients(config) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
     """PPO with a critic, step 0: the policy's and the critic's first gradients, and the batch's GAE fields."""
     run = Run.start(config, temperature=config.rollout.temperature)
