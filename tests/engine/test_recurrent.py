@@ -206,12 +206,15 @@ def ties_to_the_earliest() -> Iterator[None]:
         torch.Tensor.topk = topk
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa", "qwen4_exp_text"])
 def test_sparse_attention_chooses_each_querys_keys_among_its_ancestors(model_type):
-    """DeepSeek sparse attention (DSA): the indexer keys of the path travel like K/V, each query's top-3 keys are
-    chosen among its own ancestors, and the attention over them matches each sequence alone, in every plan."""
+    """Sparse attention with a learned indexer: the indexer keys of the path travel like K/V, each query's keys
+    are chosen among its own ancestors (DeepSeek-V3.2 / GLM-DSA: top-3 keys; Qwen4-Exp: top-2 blocks of 4 keys),
+    and the attention over them matches each sequence alone, in every plan."""
     config = tiny_config(model_type)
-    config.index_topk, config.vocab_size = 3, VOCAB  # a real choice: fewer keys than most queries see
+    config.vocab_size = VOCAB
+    if hasattr(config, "index_topk"):
+        config.index_topk = 3  # a real choice: fewer keys than most queries see
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation="sdpa",
                                              experts_implementation="eager").eval()

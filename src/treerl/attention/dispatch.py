@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 import sys
 import threading
@@ -50,6 +51,7 @@ class LayerAttention:
     spec: AttentionSpec
     sinks: torch.Tensor | None = None  # [heads]: one learned logit per head joins the softmax
     indices: torch.Tensor | None = None  # [rows, queries, k]: the keys a learned indexer chose (sparse attention)
+    mask: torch.Tensor | None = None  # [rows, 1, queries, path + row] bool: keys a layer allowed (an indexer's choice)
 
 
 AttentionCall = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, LayerAttention], torch.Tensor]
@@ -121,12 +123,15 @@ def dispatch(module, query, key, value, attention_mask, **kwargs):
     if call is None and _IN_ENGINE.get():
         call = _call_in_context(module)
     if call is not None:
-        if attention_mask is not None and not getattr(attention_mask, TREE_MASK, False):
+        derived = attention_mask is not None and getattr(call, "wants_mask", False)  # see `dispatch_mask`
+        if attention_mask is not None and not derived:
             raise UnsupportedModel(
                 f"{type(module).__name__}: the model builds its own attention mask outside transformers' mask "
                 "interface; treerl cannot tell what it hides"
             )
         layer = layer_attention(module, query, kwargs)
+        if derived and not getattr(attention_mask, TREE_MASK, False):  # narrowed by the layer (an indexer's choice)
+            layer = dataclasses.replace(layer, mask=attention_mask)
         return call(module, *common_dtype(query, key, value), layer), None
     if _IN_ENGINE.get():
         raise UnsupportedModel(

@@ -324,7 +324,7 @@ class TreeCall:
                 "or repeated attention); the tree path stores one K/V per layer (use PackedEngine or FlatEngine)"
             )
         self.layers_called.add(index)
-        if layer.indices is not None:
+        if layer.indices is not None or layer.mask is not None:
             return indexed_attention(query, key, value, layer, self.path, self.unit, self.layout, index)
         rows = query.shape[0]
         if rows > 1:  # a batch of rows (a unit of a recurrent model): one row of rows x width, a causal run each
@@ -345,26 +345,34 @@ def _one_row(x: torch.Tensor) -> torch.Tensor:
 
 def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerAttention, path: PathKV | None,
                       unit: UnitKV, layout: UnitLayout, index: int) -> torch.Tensor:
-    """DeepSeek sparse attention for a unit of rows (each a chain starting at the path's end): every query sees
-    the keys its indexer chose among [path | own row] (`layer.indices`, positions in that order), causally.
+    """Sparse attention for a unit of rows (each a chain starting at the path's end): every query sees the keys
+    its indexer chose among [path | own row], causally: `layer.indices` (positions in that order, DeepSeek
+    sparse attention) or `layer.mask` (a boolean mask over them, which the layer narrowed from treerl's causal
+    one: Qwen4-Exp's block selection).
 
     The indexer scored exactly the keys the query has on its sequence alone (the path is its ancestors), so
     the chosen set is the same. Computed densely with a mask (exact; the flash-MLA kernel is for CUDA);
     the path's K/V gradient goes to the path store, what descendants sent to this unit's K/V is added."""
     rows, heads, width, _ = q.shape
+    end = layout.path_end
+    if layer.mask is not None and (layer.mask.dtype != torch.bool or layer.mask.shape != (rows, 1, width, end + width)):
+        raise UnsupportedModel(f"layer {index}: an attention mask of shape {tuple(layer.mask.shape)} "
+                               f"({layer.mask.dtype}) is not a choice among [path | row] (expected {(rows, 1, width, end + width)}, bool)")
     groups = heads // k.shape[1]
     unit.keys[index], unit.values[index] = _one_row(k), _one_row(v)  # the path store reads segments of them
     k, v = _WithDescendantGrads.apply(k, v, unit, index)
-    end = layout.path_end
     if path is not None and end > 0:
         path_k, path_v = _PathRead.apply(_DIFFERENTIABLE, path, index, end, k.dtype)
         k = torch.cat([path_k.expand(rows, -1, -1, -1), k], dim=2)
         v = torch.cat([path_v.expand(rows, -1, -1, -1), v], dim=2)
     keys = torch.arange(end + width, device=q.device)
     allowed = keys[None, :] <= end + torch.arange(width, device=q.device)[:, None]  # causal over [path | row]
-    chosen = torch.zeros(rows, width, end + width, dtype=torch.bool, device=q.device)
-    chosen.scatter_(-1, layer.indices.long(), True)
-    allowed = (allowed & chosen)[:, None]
+    allowed = allowed[None, None]
+    if layer.indices is not None:
+        chosen = torch.zeros(rows, width, end + width, dtype=torch.bool, device=q.device)
+        allowed = allowed & chosen.scatter_(-1, layer.indices.long(), True)[:, None]
+    if layer.mask is not None:
+        allowed = allowed & layer.mask
     k, v = _expand_heads_batched(k, groups), _expand_heads_batched(v, groups)
     scores = torch.matmul(q, k.transpose(-1, -2)) * layer.spec.scale
     weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")).float(), dim=-1).to(q.dtype)

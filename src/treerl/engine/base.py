@@ -248,6 +248,7 @@ def _probe(model: PreTrainedModel, mixers: Mixers) -> str | None:
     device = model.get_input_embeddings().weight.device
     positions = torch.arange(2, device=device)
     call = TreeCall(None, UnitKV(), UnitLayout([Segment(0, 2, 0)], [], positions, 0), wants_mask=mixers.indexed)
+    call.forward_done = True  # routing only: a layer calling attention twice is DfsEngine's to refuse, not PackedEngine's
     inputs = {"input_ids": torch.zeros(1, 2, dtype=torch.long, device=device), CALL_KWARG: call}
     if "position_ids" in inspect.signature(decoder_module(model).forward).parameters:
         inputs["position_ids"] = positions[None]

@@ -228,7 +228,7 @@ class _Walk:
         with torch.set_grad_enabled(grad):
             if self.states is not None:
                 data.cache = self.mixers.cache_class(self.states.leaves(), data.shape[0], data.layout.path_end,
-                                                     self.index_path)
+                                                     self.index_path, data.ids.device)
                 inputs.update({self.mixers.cache_kwarg: data.cache, "use_cache": True})
             hidden = final_hidden(self.model, **inputs).flatten(0, 1)
             if data.cache is not None:

@@ -68,10 +68,10 @@ MIXERS: tuple[MixerKind, ...] = (
               "the convolution window", "cache `get_conv_state` / `update_conv_state`"),
     MixerKind("lightning attention", ("MiniMaxLightningAttention",), "the decayed K^T V state",
               "cache `get_linear_cache` / `set_linear_cache`", cache_class="MiniMaxCache"),
-    MixerKind("DeepSeek sparse-attention indexer", ("DeepseekV32Indexer", "GlmMoeDsaIndexer"),
+    MixerKind("sparse-attention indexer", ("DeepseekV32Indexer", "GlmMoeDsaIndexer", "Qwen4ExpTextQSAIndexer"),
               "the indexer keys of every earlier token (one per token, kept on the path like K/V; no gradient: the "
-              "indexer runs without one), so a query's top-k is chosen among its own ancestors",
-              "cache `update_indexer` and the causal mask it scores under", in_attention=True),
+              "indexer runs without one), so a query's keys are chosen among its own ancestors",
+              "cache `update_indexer`, and the causal mask over [path | row] it chooses under", in_attention=True),
     MixerKind("Mamba (selective scan)", ("MambaMixer", "FalconMambaMixer", "ZambaMambaMixer", "JambaMambaMixer"),
               "the convolution window and the SSM state", _CACHE,
               refused="transformers' Mamba selective scan starts every multi-token call from a zero SSM state "
@@ -177,6 +177,20 @@ def _cache_class(base: type[Cache]) -> type[Cache]:
     return _CACHE_CLASSES[base]
 
 
+class _PositionHistory(list):
+    """Stands in for a cache's (empty) list of layers, where a model keeps the positions of the tokens before this
+    call (Qwen4-Exp's indexer rotates its pooled keys by them): on the tree, the path's positions 0 .. past - 1."""
+
+    def __init__(self, rows: int, past: int, device: torch.device | str):
+        super().__init__()
+        self.indexer_position_ids = None
+        if past:
+            self.indexer_position_ids = torch.arange(past, device=device).expand(3, rows, past)
+
+    def __getitem__(self, layer):
+        return self if isinstance(layer, int) else super().__getitem__(layer)
+
+
 class _HandedState(torch.Tensor):
     """A state handed to a layer: `copy_` into it (a one-token step updating the state in place) is recorded
     as the layer's new state instead of writing into the parent's state; every other op runs as usual."""
@@ -200,10 +214,11 @@ class TreeStateCache(DynamicCache):
     """
 
     def __init__(self, initial: dict[StateKey, torch.Tensor] | None, rows: int, past: int,
-                 index_path: PathIndexKeys | None = None):
+                 index_path: PathIndexKeys | None = None, device: torch.device | str = "cpu"):
         Cache.__init__(self, layers=[])
         self.initial, self.rows, self.past, self.index_path = initial, rows, past, index_path
         self.index_keys: dict[int, torch.Tensor] = {}  # layer -> this call's indexer keys [rows, width, D]
+        self.layers = _PositionHistory(rows, past, device)  # Qwen4-Exp's indexer reads the path's positions
         self.final: dict[StateKey, torch.Tensor] = {}
         self.handed: dict[StateKey, _HandedState] = {}
         self.read: set[StateKey] = set()
