@@ -215,7 +215,7 @@ def check_tree_engine(model: PreTrainedModel, carries_state: bool) -> Mixers:
     An engine that lays tokens of several nodes or sequences one after another in one row (PackedEngine,
     FlatEngine's packed rows) cannot serve a recurrent layer: the state would run on across them."""
     mixers = find_mixers(model)
-    check_tree_model(model, attention_free=bool(mixers) and not attention_layers(model, mixers.classes()))
+    check_tree_model(model, attention_free=bool(mixers) and not attention_layers(model, mixers.mixer_classes))
     check_routed(model, mixers)
     if mixers and carries_state:
         check_checkpointing(model)
@@ -257,7 +257,7 @@ def _probe(model: PreTrainedModel, mixers: Mixers) -> str | None:
     try:
         with torch.no_grad(), engine_attention(model):
             final_hidden(model, **inputs)
-            check_all_layers_routed(model, call.layers_called, attention_layers(model, mixers.classes()))
+            check_all_layers_routed(model, call.layers_called, attention_layers(model, mixers.mixer_classes))
     except UnsupportedModel as refusal:
         return str(refusal)
     except Exception as error:  # noqa: BLE001 - any failure of the probe is a refusal, with its cause

@@ -166,7 +166,7 @@ class _Walk:
         self.model, self.tree, self.plan, self.loss_fn = model, tree, plan, loss_fn
         self.head = engine.head
         self.mixers = find_mixers(model)
-        self.layers = attention_layers(model, self.mixers.classes())
+        self.layers = attention_layers(model, self.mixers.mixer_classes)
         self.path = PathKV(max(len(s) for s in tree.sequences), with_grads=loss_fn is not None)
         self.states = PathStates(with_grads=loss_fn is not None) if self.mixers else None  # recurrent state
         self.index_path = PathIndexKeys(self.path.capacity) if self.mixers.indexed else None  # sparse attention

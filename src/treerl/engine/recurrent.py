@@ -94,18 +94,11 @@ class Mixers:
     layers: dict[int, MixerKind]
     cache_class: type[Cache]
     cache_kwarg: str  # "past_key_values", or "cache_params" (pure Mamba2)
+    mixer_classes: frozenset[str] = frozenset()  # the token mixers' classes (their layers run no attention)
+    indexed: bool = False  # an attention layer picks its keys with an indexer (it reads a causal mask)
 
     def __bool__(self) -> bool:
         return bool(self.layers)
-
-    def classes(self) -> set[str]:
-        """Class names of the token mixers (their layers run no attention of their own)."""
-        return {cls for kind in self.layers.values() if not kind.in_attention for cls in kind.classes}
-
-    @property
-    def indexed(self) -> bool:
-        """Whether an attention layer picks its keys with an indexer (it reads a causal mask and `indices`)."""
-        return any(kind.in_attention for kind in self.layers.values())
 
 
 def find_mixers(model: PreTrainedModel) -> Mixers:
@@ -113,6 +106,8 @@ def find_mixers(model: PreTrainedModel) -> Mixers:
     body = decoder_module(model)
     layers: dict[int, MixerKind] = {}
     known: list[str] = []  # module paths of known mixers (what is inside one is part of it)
+    classes: set[str] = set()
+    indexed = False
     base: type[Cache] = DynamicCache
     for path, module in body.named_modules():
         kind = _BY_CLASS.get(type(module).__name__)
@@ -124,16 +119,19 @@ def find_mixers(model: PreTrainedModel) -> Mixers:
         if not isinstance(index, int):
             raise UnsupportedModel(f"{model_name(model)}: {path} ({type(module).__name__}) has no layer_idx; treerl "
                                    "cannot tell which layer's state it reads")
-        layers[index] = kind
+        layers.setdefault(index, kind)
         if kind.in_attention:
+            indexed = True
             continue
+        layers[index] = kind  # a layer's token mixer names it
+        classes.add(type(module).__name__)
         known.append(path + ".")
         if kind.cache_class is not None:
             base = getattr(sys.modules[type(module).__module__], kind.cache_class)
-    _refuse_unknown_mixers(model, body, known, set(layers), any(k.in_attention for k in layers.values()))
+    _refuse_unknown_mixers(model, body, known, set(layers), indexed)
     kwarg = "cache_params" if "cache_params" in _parameters(body) and "past_key_values" not in _parameters(body) \
         else "past_key_values"
-    return Mixers(layers, _cache_class(base), kwarg)
+    return Mixers(layers, _cache_class(base), kwarg, frozenset(classes), indexed)
 
 
 def _refuse_unknown_mixers(model: PreTrainedModel, body: torch.nn.Module, known: list[str], mixer_layers: set[int],

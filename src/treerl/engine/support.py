@@ -164,7 +164,7 @@ def check_all_layers_routed(model: PreTrainedModel, called: set[int], layers: se
         )
 
 
-def attention_layers(model: PreTrainedModel, mixers: set[str] | frozenset[str] = frozenset()) -> set[int]:
+def attention_layers(model: PreTrainedModel, mixers: frozenset[str] = frozenset()) -> set[int]:
     """The layer indices of the text body's modules (attention, and any other layer that holds a cache slot),
     leaving out the token mixers named in `mixers` and what is inside or around them (treerl.engine.recurrent)."""
     modules = list(decoder_module(model).named_modules())
