@@ -1,5 +1,7 @@
 """Checkpoints that are whole or absent, verified before use, read without unpickling code, and resume exactly.
 
+After step 6 (docs/architecture.md): the run's state on disk.
+
 Layout of `output_dir/checkpoints/step_000123/` (123 = steps completed):
 
     config.json, generation_config.json,   the policy: a transformers checkpoint, loadable as `model.path=...`
