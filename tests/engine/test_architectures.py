@@ -30,6 +30,8 @@ from treerl.engine import DfsEngine, FlatEngine, PackedEngine
 from treerl.testing import compare_runs, model_outputs, relative_error, run_engine
 from treerl.tree import TokenSequence
 
+pytestmark = pytest.mark.slow  # every causal-LM type of transformers, three engines each: ~70 s on 2 cores
+
 DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 ENGINES = {"FlatEngine": FlatEngine(), "DfsEngine": DfsEngine(chunk_tokens=4), "PackedEngine": PackedEngine()}
 TOL = 1e-6  # log-probs, entropy and the whole gradient (all parameters as one vector)
@@ -37,12 +39,17 @@ TOL = 1e-6  # log-probs, entropy and the whole gradient (all parameters as one v
 # float32 even in float64 models, which puts the small gradients of some parameters (router weights, activation
 # scalars) at ~1e-6 relative; a real error in a small parameter (a sink, a norm) is O(1).
 PARAMETER_TOL = 1e-4
+# docs/models.md shows a bound on each exact engine's worst error, not the error: its last digit changes with the CPU
+# (3e-16 on one, 4e-16 on another) and the page is compared byte for byte. Errors cluster far from the first bound:
+# ~1e-16 where the model computes in float64 throughout, 1e-9 to 2e-7 where transformers computes norms, routers or
+# eager softmax in float32; anything above TOL fails the test.
+BOUNDS = (1e-12, TOL)
 
 
 @dataclass(frozen=True)
 class Outcome:
     kind: str  # "exact", "refused" or "skipped"
-    detail: str  # worst error, or the reason
+    detail: str  # a bound on the worst error (BOUNDS), or the reason
 
 
 def _batch(model: torch.nn.Module) -> list[TokenSequence]:
@@ -93,8 +100,13 @@ def outcomes(model_type: str) -> dict[str, Outcome]:
             errors = compare_runs(run, reference)
         assert errors["gradient"] <= TOL, f"{name}: the gradient differs from the flat reference by {errors['gradient']:.3g}"
         _assert_each_parameter(name, run.grads, (reference if name != "FlatEngine" else alone).grads)
-        results[name] = Outcome("exact", f"{max(worst, errors['gradient']):.0e}")
+        results[name] = Outcome("exact", bound(max(worst, errors["gradient"])))
     return results
+
+
+def bound(error: float) -> str:
+    """The smallest of BOUNDS the error is within, as the page shows it ("<= 1e-12")."""
+    return f"<= {next(b for b in BOUNDS if error <= b):g}"
 
 
 def _assert_each_parameter(engine: str, grads: dict, expected: dict) -> None:
@@ -127,10 +139,11 @@ def support_table() -> str:
         "Every causal-LM type in the installed transformers, built tiny and random in float64 (tests/zoo.py), on a",
         "small tree (a shared prompt with branches, a prefix, a lone sequence). **exact**: log-probs and entropy equal",
         "the model's own forward on each sequence alone, and the whole gradient equals the flat reference's (which",
-        f"equals each sequence in its own call), relative error <= {TOL:g}, every parameter's <= {PARAMETER_TOL:g} (the",
-        "figure is the worst seen; ~1e-7 comes from transformers computing norms, routers and eager softmax in",
-        "float32 even in float64 models). **refused**: the engine raises `UnsupportedModel` with the reason below,",
-        "before any output or gradient. No third outcome.",
+        f"equals each sequence in its own call), relative error <= {TOL:g}, every parameter's <= {PARAMETER_TOL:g}. The",
+        f"figure bounds the worst error seen: <= {BOUNDS[0]:g} where the model computes in float64 throughout (errors",
+        f"near 1e-16), <= {BOUNDS[1]:g} where transformers computes norms, routers or eager softmax in float32 even in float64",
+        "models (errors near 1e-7); a bound, not the error, whose last digit changes with the CPU. **refused**: the",
+        "engine raises `UnsupportedModel` with the reason below, before any output or gradient. No third outcome.",
         "",
         "| engine | exact | refused | not built |",
         "|---|---|---|---|",
