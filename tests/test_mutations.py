@@ -1,5 +1,6 @@
-"""tools/mutate.py still fits the code: each mutation's text occurs once in its file and its tests exist, so the
-exercise of CONTRIBUTING.md runs as written. The mutations themselves run by hand (`python tools/mutate.py`)."""
+"""tools/mutate.py still fits the code: each mutation's text occurs once in its file, the mutated file compiles and
+its tests exist, so the exercise of CONTRIBUTING.md runs as written. The mutations themselves run by hand
+(`python tools/mutate.py`)."""
 
 from __future__ import annotations
 

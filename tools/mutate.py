@@ -4,11 +4,12 @@
     python tools/mutate.py staleness-off-by-one     # the named ones
     python tools/mutate.py --list                   # names, files and the bug each one is
 
-Each mutation replaces one exact piece of source text (it must occur exactly once: a mutation that no
-longer applies is an error, and `tests/test_mutations.py` says so in the suite), runs
-`python -m pytest -x <its tests>` with this checkout's src/ first on the path, and writes the file back
+Each mutation replaces one exact piece of source text (it must occur exactly once and the result must
+compile: a mutation that no longer applies is an error, and `tests/test_mutations.py` says so in the suite),
+runs `python -m pytest -x <its tests>` with this checkout's src/ first on the path, and writes the file back
 from memory (also on Ctrl-C), so uncommitted edits elsewhere are left as they were; no git command runs.
-"caught" means the tests failed; a SURVIVOR is a bug the suite lets through: add a test that fails on it.
+"caught by" names the first test that failed; a SURVIVOR is a bug the suite lets through: add a test that
+fails on it.
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ MUTATIONS = [
              ("tests/tree/test_plan.py",),
              "the walk runs the plain fill even where the cost model prices another plan lower"),
     Mutation("plan-recompute-cost-dropped", "src/treerl/tree/plan.py",
-             "            cost += self.cost.forward_call + self.cost.forward_token * tokens\n", "",
+             "cost += self.cost.forward_call + self.cost.forward_token * tokens", "cost += self.cost.forward_call",
              ("tests/tree/test_plan.py",),
-             "the planner thinks recomputing a unit is free and recomputes where keeping is cheaper"),
+             "the planner prices a recomputation without its tokens and recomputes where keeping is cheaper"),
     Mutation("plan-never-mode-recomputes", "src/treerl/tree/plan.py",
              '        if self.recompute == "never":\n            return [True]\n', "",
              ("tests/tree/test_plan.py",), "recompute='never' still recomputes where the cost model prefers it"),
@@ -106,15 +107,18 @@ MUTATIONS = [
              ("tests/algo/test_losses.py",), "tokens whose behaviour weight is above the cap are trained"),
     Mutation("loss-ratio-on-untrained-tokens", "src/treerl/algo/policy.py",
              "return torch.where(mask > 0, logp - other, 0.0)", "return logp - other",
-             ("tests/algo/test_losses.py",), "an untrained token far from its old log-prob makes the loss or its gradient inf/NaN"),
+             ("tests/algo/test_losses.py",),
+             "an untrained token far from its old log-prob makes the loss or its gradient inf/NaN"),
     Mutation("loss-kl-twice-with-kl-in-reward", "src/treerl/algo/loss.py",
              "if config.kl_coef > 0 and not config.kl_in_reward:", "if config.kl_coef > 0:",
-             ("tests/algo/test_losses.py",), "with kl_in_reward the KL penalty is applied in the reward and again in the loss"),
+             ("tests/algo/test_losses.py",),
+             "with kl_in_reward the KL penalty is applied in the reward and again in the loss"),
     Mutation("normalizer-counts-untrained-sequences", "src/treerl/algo/normalizer.py",
              "count += int(trained > 0)", "count += 1",
              ("tests/algo",), "sequences with no trained token shrink every sequence-mean loss"),
     Mutation("normalizer-seq-mean-over-all-tokens", "src/treerl/algo/normalizer.py",
-             "return total / torch.where(trained > 0, trained, 1.0) / sequences", "return total / len(mask) / sequences",
+             "return total / torch.where(trained > 0, trained, 1.0) / sequences",
+             "return total / len(mask) / sequences",
              ("tests/algo",), "seq_mean_token_mean divides by the sequence's length, prompt included"),
     Mutation("normalizer-sum-drops-a-part", "src/treerl/algo/normalizer.py",
              "LossNormalizer(self.tokens + other.tokens, self.sequences + other.sequences)",
@@ -149,7 +153,8 @@ MUTATIONS = [
     Mutation("balance-first-candidate-kept", "src/treerl/distributed/assign.py",
              "    best = min(names, key=lambda n: (max(priced[n]), sum(priced[n]), names.index(n)))",
              "    best = names[0]",
-             ("tests/distributed/test_assign.py",), "the balancer keeps whole-tree LPT even where another plan is faster"),
+             ("tests/distributed/test_assign.py",),
+             "the balancer keeps whole-tree LPT even where another plan is faster"),
     Mutation("balance-leaf-cost-dropped", "src/treerl/distributed/assign.py",
              " + self.leaf_weight * leaves", "",
              ("tests/distributed",), "the balancer's run prices ignore the per-leaf cost of the fitted model"),
@@ -164,16 +169,25 @@ MUTATIONS = [
 
 
 def applies(mutation: Mutation) -> str | None:
-    """None if the mutation applies to the source as it is now, else why not."""
+    """None if the mutation applies to the source as it is now and the result still compiles, else why not
+    (a mutation that breaks the syntax would be "caught" by every test, and test nothing)."""
     file = ROOT / mutation.path
     if not file.is_file():
         return f"{mutation.path} does not exist"
-    found = file.read_text().count(mutation.old)
-    return None if found == 1 else f"its text occurs {found} times in {mutation.path} (must be once)"
+    source = file.read_text()
+    found = source.count(mutation.old)
+    if found != 1:
+        return f"its text occurs {found} times in {mutation.path} (must be once)"
+    try:
+        compile(source.replace(mutation.old, mutation.new), mutation.path, "exec")
+    except SyntaxError as e:
+        return f"the mutated {mutation.path} does not compile ({e.msg}, line {e.lineno})"
+    return None
 
 
-def run(mutation: Mutation) -> tuple[bool, float]:
-    """(caught, seconds): the tests run with the mutation in place; the file is written back whatever happens."""
+def run(mutation: Mutation) -> tuple[str | None, float]:
+    """(the test that failed, None if none did; seconds): the tests run with the mutation in place; the file is
+    written back whatever happens."""
     file = ROOT / mutation.path
     original = file.read_text()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
@@ -185,7 +199,11 @@ def run(mutation: Mutation) -> tuple[bool, float]:
                                  *mutation.tests], check=False, cwd=ROOT, env=env, capture_output=True, text=True)
     finally:
         file.write_text(original)
-    return result.returncode != 0, time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    if result.returncode == 0:
+        return None, seconds
+    failed = [line.split()[1] for line in result.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    return (failed[0] if failed else f"pytest exit code {result.returncode}"), seconds
 
 
 def main(argv: list[str]) -> int:
@@ -204,9 +222,10 @@ def main(argv: list[str]) -> int:
         return 2
     survivors = []
     for m in chosen:
-        caught, seconds = run(m)
-        print(f"{'caught  ' if caught else 'SURVIVED'} {m.name:42} {seconds:5.0f} s  {' '.join(m.tests)}", flush=True)
-        if not caught:
+        failed, seconds = run(m)
+        outcome = f"caught by {failed}" if failed else f"SURVIVED {' '.join(m.tests)}"
+        print(f"{m.name:42} {seconds:4.0f} s  {outcome}", flush=True)
+        if not failed:
             survivors.append(m)
     for m in survivors:
         print(f"survivor {m.name}: {m.bug} ({m.path})")
