@@ -31,7 +31,8 @@ def test_each_mutation_applies_and_names_tests_that_exist(mutation):
     for target in mutation.tests:
         path, _, test = target.partition("::")
         assert (ROOT / path).exists(), f"{mutation.name}: no {path}"
-        assert not test or re.search(rf"^def {test}\(", (ROOT / path).read_text(), re.MULTILINE), f"{mutation.name}: no {target}"
+        defined = not test or re.search(rf"^def {test}\(", (ROOT / path).read_text(), re.MULTILINE)
+        assert defined, f"{mutation.name}: no {target}"
 
 
 def test_mutation_names_are_unique():
