@@ -136,3 +136,21 @@ def test_the_docs_draw_the_layers_the_code_has():
     design = (docs / "design.md").read_text().split("## Layers", 1)[1]
     assert drawn_layers(architecture) == LAYERS[::-1], drawn_layers(architecture)
     assert drawn_layers(design) == LAYERS[::-1], drawn_layers(design)
+
+
+# Modules whose line is still to be written by the engineers editing them now (engine, attention, the plan,
+# models); and the built-in agent, a user's file shown unchanged in the README.
+NOT_YET_PLACED = {"engine", "attention", "tree/plan.py", "models.py", "rollout/tasks/agent_tools_agent.py"}
+
+
+def test_every_module_docstring_says_where_it_sits_in_a_training_step():
+    """Each module's docstring points to its step of docs/architecture.md's picture ("Step 3 (docs/architecture.md):
+    ...", or "Beside the steps ..."), so a reader opening any file knows where it is."""
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE).as_posix()
+        if name in NOT_YET_PLACED or name.split("/")[0] in NOT_YET_PLACED:
+            continue
+        if "docs/architecture.md" not in (ast.get_docstring(ast.parse(path.read_text())) or ""):
+            missing.append(name)
+    assert not missing, f"no line placing them in docs/architecture.md's training step: {missing}"

@@ -1,5 +1,7 @@
 """The errors a user can fix: each is one line naming the file, row, key or path that is wrong.
 
+Beside the steps (docs/architecture.md): what any step raises for input a user can fix.
+
     raise DataError(f"{path}:{line}: not valid JSON (...)")
 
 The CLI catches `UserError` in one place (`treerl.cli.main`) and prints `error: <message>` with exit

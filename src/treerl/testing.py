@@ -1,5 +1,7 @@
 """Check that engines agree: the same outputs, loss and parameter gradients on the same batch.
 
+Beside the steps (docs/architecture.md): checks step 5 (forward + backward) for a user's loss.
+
 Used by the test suite, and useful to anyone writing a custom loss: run it once on a small
 batch to see that the tree engines train it exactly like the flat reference.
 """

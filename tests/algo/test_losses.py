@@ -179,6 +179,26 @@ def test_kl_and_entropy_terms_in_the_loss() -> None:
     assert (metrics["kl"], metrics["entropy"]) == (pytest.approx(sum(kl) / 2), pytest.approx(2.5))
 
 
+def test_kl_in_the_reward_is_not_in_the_loss_again() -> None:
+    # REINFORCE++ puts -kl_coef * KL into the token rewards (compute_advantages); its loss is the surrogate alone.
+    view = lambda: ppo_view([1.1, 0.9], [1.0, -1.0], ref_logprobs=[0.0, LN(0.4), LN(0.5)])
+    loss, grad, _, metrics = evaluate(AlgoConfig(loss="reinforce_pp", kl_coef=0.5), view())
+    assert (loss, grad) == evaluate(AlgoConfig(loss="reinforce_pp", kl_coef=0.0), view())[:2] and "kl" not in metrics
+
+
+@pytest.mark.parametrize("config", [PPO, AlgoConfig(loss="gspo"), AlgoConfig(loss="decoupled_ppo"),
+                                    AlgoConfig(loss="ppo", kl_coef=0.1, kl_estimator="k3")],
+                         ids=["ppo", "gspo", "decoupled_ppo", "ppo-k3-kl"])
+def test_an_untrained_token_far_from_its_old_logprob_leaves_loss_and_gradient_finite(config) -> None:
+    # A token outside the loss mask (a tool's reply, a prompt token) may carry any old log-prob: its ratio
+    # exp(0 + 1000) must not reach the loss or its gradient as inf or NaN.
+    far = [0.0, LN(0.5), -1000.0, LN(0.5)]
+    view = make_view([0.0, LN(0.5), 0.0, LN(0.5)], loss_mask=[0.0, 1.0, 0.0, 1.0], advantages=[0.0, 1.0, 0.0, 1.0],
+                     old_logprobs=far, prox_logprobs=far, ref_logprobs=far)
+    loss, grad, _, _ = evaluate(config, view)
+    assert math.isfinite(loss) and all(math.isfinite(g) for g in grad)
+
+
 def test_sft_is_the_masked_negative_log_likelihood() -> None:
     view = make_view([0.0, LN(0.5), LN(0.25), LN(0.1)], loss_mask=[0.0, 1.0, 0.0, 1.0])
     loss, grad, _, metrics = evaluate(AlgoConfig(loss="sft"), view)

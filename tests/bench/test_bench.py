@@ -40,6 +40,7 @@ def test_peak_memory_sees_a_tensor():
     assert peak_memory(lambda: torch.ones(1 << 20)) >= 4 << 20
 
 
+@pytest.mark.slow  # ~13 s on 2 cores
 def test_every_engine_runs_and_memory_is_set_against_the_one_path_walk():
     config = BenchConfig(shape="tiny-qwen3", vocab_size=128, scale=1 / 256, repeats=1, warmup=0, workloads=["agent"],
                          engines=list(ENGINES))
@@ -49,6 +50,7 @@ def test_every_engine_runs_and_memory_is_set_against_the_one_path_walk():
     assert rows["flat"]["speedup"] == 1.0 and rows["flat-sequences"]["speedup"] > 0 and rows["flat-packed"]["speedup"] > 0
 
 
+@pytest.mark.slow  # ~19 s on 2 cores
 def test_profile_splits_the_step_time():
     config = BenchConfig(shape="tiny-qwen3", vocab_size=128, scale=1 / 128, warmup=0, workloads=["grpo"],
                          engines=["flat", "dfs"])
@@ -64,6 +66,7 @@ def test_profile_splits_the_step_time():
     assert "| grpo | dfs |" in table and "host" in table
 
 
+@pytest.mark.slow  # ~9 s on 2 cores
 def test_tiny_run_and_files(tmp_path):
     config = BenchConfig(shape="tiny-qwen3", vocab_size=128, scale=1 / 128, repeats=1, warmup=0,
                          workloads=["grpo", "sharing-1"], engines=["flat", "flat-packed", "dfs"])
@@ -85,6 +88,7 @@ def test_tiny_run_and_files(tmp_path):
     assert peaks["dfs"] < peaks["flat-packed"] / 2, peaks
 
 
+@pytest.mark.slow  # ~23 s on 2 cores
 def test_cli_writes_json_markdown_and_plot(tmp_path):
     result = CliRunner().invoke(app, [
         "bench", "--shape", "tiny-qwen3", "--vocab-size", "128", "--scale", "0.005", "--repeats", "1",

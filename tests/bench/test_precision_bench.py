@@ -13,6 +13,7 @@ from treerl.cli.main import app
 pytest.importorskip("peft")
 
 
+@pytest.mark.slow  # ~9 s on 2 cores
 def test_cli_measures_each_variant_with_flat_and_dfs(tmp_path):
     result = CliRunner().invoke(app, [
         "bench", "--precision", "--shape", "tiny-qwen3", "--vocab-size", "64", "--prompt-tokens", "12",

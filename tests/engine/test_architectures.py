@@ -31,6 +31,8 @@ from treerl.engine.recurrent import find_mixers
 from treerl.testing import compare_runs, model_outputs, relative_error, run_engine
 from treerl.tree import TokenSequence
 
+pytestmark = pytest.mark.slow  # every causal-LM type of transformers, three engines each: ~70 s on 2 cores
+
 DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 ENGINES = {"FlatEngine": FlatEngine(), "DfsEngine": DfsEngine(chunk_tokens=4), "PackedEngine": PackedEngine()}
 TOL = 1e-6  # log-probs, entropy and the whole gradient (all parameters as one vector)
@@ -42,12 +44,17 @@ PARAMETER_TOL = 1e-4
 # compute in float32 even in float64 models, and a tree node continuing its parent's state rounds differently
 # from one call over the whole sequence (measured: <= 1.2e-9 of the gradient's norm on Qwen3.5's A_log).
 NOISE = {"attention": 1e-10, "recurrent": 1e-8}
+# docs/models.md shows a bound on each exact engine's worst error, not the error: its last digit changes with the CPU
+# (3e-16 on one, 4e-16 on another) and the page is compared byte for byte. Errors cluster far from the first bound:
+# ~1e-16 where the model computes in float64 throughout, 1e-9 to 2e-7 where transformers computes norms, routers or
+# eager softmax in float32; anything above TOL fails the test.
+BOUNDS = (1e-12, TOL)
 
 
 @dataclass(frozen=True)
 class Outcome:
     kind: str  # "exact", "refused" or "skipped"
-    detail: str  # worst error, or the reason
+    detail: str  # a bound on the worst error (BOUNDS), or the reason
 
 
 def _batch(model: torch.nn.Module) -> list[TokenSequence]:
@@ -99,8 +106,13 @@ def outcomes(model_type: str) -> dict[str, Outcome]:
         assert errors["gradient"] <= TOL, f"{name}: the gradient differs from the flat reference by {errors['gradient']:.3g}"
         noise = NOISE["recurrent" if _recurrent(model) else "attention"]
         _assert_each_parameter(name, run.grads, (reference if name != "FlatEngine" else alone).grads, noise)
-        results[name] = Outcome("exact", f"{max(worst, errors['gradient']):.0e}")
+        results[name] = Outcome("exact", bound(max(worst, errors["gradient"])))
     return results
+
+
+def bound(error: float) -> str:
+    """The smallest of BOUNDS the error is within, as the page shows it ("<= 1e-12")."""
+    return f"<= {next(b for b in BOUNDS if error <= b):g}"
 
 
 def _recurrent(model: torch.nn.Module) -> bool:
@@ -141,10 +153,11 @@ def support_table() -> str:
         "Every causal-LM type in the installed transformers, built tiny and random in float64 (tests/zoo.py), on a",
         "small tree (a shared prompt with branches, a prefix, a lone sequence). **exact**: log-probs and entropy equal",
         "the model's own forward on each sequence alone, and the whole gradient equals the flat reference's (which",
-        f"equals each sequence in its own call), relative error <= {TOL:g}, every parameter's <= {PARAMETER_TOL:g} (the",
-        "figure is the worst seen; ~1e-7 comes from transformers computing norms, routers and eager softmax in",
-        "float32 even in float64 models). **refused**: the engine raises `UnsupportedModel` with the reason below,",
-        "before any output or gradient. No third outcome.",
+        f"equals each sequence in its own call), relative error <= {TOL:g}, every parameter's <= {PARAMETER_TOL:g}. The",
+        f"figure bounds the worst error seen: <= {BOUNDS[0]:g} where the model computes in float64 throughout (errors",
+        f"near 1e-16), <= {BOUNDS[1]:g} where transformers computes norms, routers or eager softmax in float32 even in float64",
+        "models (errors near 1e-7); a bound, not the error, whose last digit changes with the CPU. **refused**: the",
+        "engine raises `UnsupportedModel` with the reason below, before any output or gradient. No third outcome.",
         "",
         "| engine | exact | refused | not built |",
         "|---|---|---|---|",

@@ -73,6 +73,7 @@ def test_bad_input_is_named_before_any_compute(engine, bad, message):
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.slow  # ~8 s on 2 cores
 def test_dfs_memory_is_bounded_by_the_path_not_the_batch():
     """64 samples sharing one prompt: the DFS engine's peak stays near one sample's; flat's grows.
 

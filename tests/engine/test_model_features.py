@@ -105,6 +105,7 @@ def test_every_engine_equals_the_models_own_forward(name, engine):
     assert_engines_agree(model, batch, _loss, ENGINES[engine], FlatEngine(), tol=tol)
 
 
+@pytest.mark.slow  # ~5 s on 2 cores
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     name=st.sampled_from(["mistral-window", "qwen2-window-layers", "gemma2-softcap-window", "gpt-oss-sinks-window"]),

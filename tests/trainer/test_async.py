@@ -15,7 +15,7 @@ import torch
 
 from treerl.engine import FlatEngine, PolicyHead
 from treerl.models import build_model
-from treerl.rollout import EmbeddedEngine, SamplingParams
+from treerl.rollout import EmbeddedEngine, RolloutStats, SamplingParams
 from treerl.rollout.tasks import build_task
 from treerl.trainer import ConfigError, train
 from treerl.trainer.asynchronous import pool as pool_module
@@ -24,6 +24,7 @@ from treerl.trainer.asynchronous.interruptible import InterruptibleEngine
 from treerl.trainer.asynchronous.loop import decoupled
 from treerl.trainer.asynchronous.pool import RolloutPool
 from treerl.trainer.asynchronous.weights import SharedWeights
+from treerl.trainer.asynchronous.workers import GroupResult
 from treerl.trainer.core.build import load_policy
 from treerl.tree import TokenSequence
 
@@ -100,6 +101,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # rollout workers: ~8 s on 2 cores
 def test_zero_staleness_trains_what_the_synchronous_loop_trains(tiny_config, tmp_path, one_thread):
     """max_staleness = 0, one worker, the loss left as configured: the same samples, losses and gradients."""
     common = ["trainer.steps=3", "trainer.decoupled_loss=false"]
@@ -116,6 +118,7 @@ def test_zero_staleness_trains_what_the_synchronous_loop_trains(tiny_config, tmp
     assert result.counters["dropped_stale"] == 0
 
 
+@pytest.mark.slow  # ~14 s on 2 cores
 def test_two_workers_bound_staleness_and_survive_a_crash_and_a_hang(tiny_config):
     """Weights change every version; a worker is SIGKILLed holding work, another SIGSTOPped (a hang)."""
     config = tiny_config(*ASYNC, "trainer.rollout_workers=2", "trainer.max_staleness=1", "model.dtype=float64",
@@ -179,6 +182,57 @@ def test_two_workers_bound_staleness_and_survive_a_crash_and_a_hang(tiny_config)
     assert set(lost) <= set(trained)  # the crashed worker's prompts were sampled again and trained
 
 
+class SlowWorkers:
+    """Stands in for WorkerSet, in process: a chunk is sampled with the weights of the version it was sent at and
+    comes back once the trainer has reached that version + the chunk's delay (`delays`, in order; then 0)."""
+
+    def __init__(self, config, weights):
+        self.delays: list[int] = []
+        self.trainer_version = 0
+        self.chunks: list[tuple[list, int, int]] = []  # (jobs, version sent at, version it comes back at)
+
+    def send(self, jobs, version):
+        self.chunks.append((jobs, version, version + (self.delays.pop(0) if self.delays else 0)))
+
+    def receive(self, wait):
+        done = [chunk for chunk in self.chunks if chunk[2] <= self.trainer_version]
+        self.chunks = [chunk for chunk in self.chunks if chunk[2] > self.trainer_version]
+        sample = lambda v: TokenSequence(torch.tensor([1, 2, 3]), {"versions": torch.tensor([-1, v, v])}, {"reward": 1.0})
+        return [worker_set.Finished([(job, GroupResult.of(job.id, [sample(v)], v)) for job in jobs], RolloutStats())
+                for jobs, v, _ in done]
+
+    def in_flight(self):
+        return sum(len(jobs) for jobs, _, _ in self.chunks)
+
+    def failed(self):
+        return []
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("delay", [1, 2])
+def test_a_group_is_trained_at_max_staleness_versions_old_and_dropped_later(tiny_config, monkeypatch, delay):
+    """max_staleness = 1, two groups a step: the second chunk of step 0 comes back `delay` versions late."""
+    monkeypatch.setattr(pool_module, "WorkerSet", SlowWorkers)
+    config = tiny_config(*ASYNC, "trainer.max_staleness=1")
+    pool = RolloutPool(config, build_task(config.rollout), weights=None, version=0)
+    pool.workers.delays = [0, delay]  # step 0 admits (1 + 1) x 2 groups in two chunks of 2 (prompts 0, 1 and 2, 3)
+    trained, lags = set(), []
+    for version in range(4):
+        pool.workers.trainer_version = version
+        batch = pool.next_batch(version)
+        trained |= {group.job.index for group in batch.groups}
+        lags += batch.lags
+    assert max(lags) <= 1
+    late = {2, 3}
+    if delay == 1:  # one version old at max_staleness = 1: trained
+        assert late <= trained and 1 in lags and pool.counters.dropped_stale == 0
+    else:  # two versions old: dropped, never trained
+        assert not late & trained and pool.counters.dropped_stale == 2
+
+
+@pytest.mark.slow  # ~9 s on 2 cores
 def test_train_async_with_a_worker_killed_mid_run(tiny_config, tmp_path, monkeypatch):
     """`trainer.mode=async` end to end, two workers, interrupted generation; a worker is SIGKILLed after step 2."""
     pools: list[RolloutPool] = []
@@ -273,6 +327,7 @@ def rewards(tmp_path, monkeypatch):
                          "rollout.max_new_tokens=3", f"rollout.reward_fn=async_test_rewards:{name}", *ASYNC]
 
 
+@pytest.mark.slow  # ~9 s on 2 cores
 def test_groups_whose_samples_all_failed_are_counted_and_their_steps_skipped(tiny_config, rewards):
     result = train(tiny_config(*rewards("broken"), "trainer.steps=2", "trainer.save_final=false"))
     assert result.skipped_steps == 2 and result.dropped_samples == 2 * 2 * 2
@@ -301,6 +356,7 @@ def test_rewards_that_exit_or_hang_are_dropped_samples_in_async_mode(tiny_config
         assert ("SystemExit: the reward function called exit()" if name == "interrupts" else "did not return") in dropped
 
 
+@pytest.mark.slow  # ~12 s a case on 2 cores
 @pytest.mark.parametrize("when, reason", [
     ("spawned", "has been stopped (SIGSTOP or a debugger) for 2 s"),  # still importing: /proc says it is stopped
     ("pulsing", "showed no sign of life for 2 s"),  # its code runs (no /proc here: the pulse tells)

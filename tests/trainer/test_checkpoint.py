@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from treerl.trainer import train
+from treerl.trainer.core import checkpoint
 from treerl.trainer.core.checkpoint import (
     MANIFEST,
     checkpoint_dir,
@@ -43,6 +45,31 @@ def test_a_checkpoint_is_one_verified_directory_with_policy_critic_state_and_eos
     assert json.loads((step / "config.json").read_text())["eos_token_id"] == eos_id  # generate stops at <eos>
     assert json.loads((step / "generation_config.json").read_text())["eos_token_id"] == eos_id
     assert not list((tmp_path / "run" / "checkpoints").glob(".*"))  # no temporary directory left
+
+
+def test_a_kill_while_a_checkpoint_replaces_its_step_keeps_the_previous_copy(tiny_config, tmp_path, monkeypatch):
+    """A step's checkpoint written again (a resumed run saving over a broken one): killed just before the new copy
+    is renamed into place, the previous copy survives and the next run resumes from it."""
+    run = Run.start(tiny_config("trainer.steps=2"))
+    try:
+        run.save(1)
+        rename = os.replace
+
+        def killed_before_the_new_copy_lands(source, target):
+            if Path(source).name.startswith(".tmp-"):
+                raise KeyboardInterrupt("SIGKILL")
+            rename(source, target)
+
+        monkeypatch.setattr(checkpoint.os, "replace", killed_before_the_new_copy_lands)
+        with pytest.raises(KeyboardInterrupt):
+            run.save(1)
+        monkeypatch.setattr(checkpoint.os, "replace", rename)
+    finally:
+        run.finish()
+    resumed = Run.start(tiny_config("trainer.steps=2", "trainer.resume=auto"))
+    resumed.finish()
+    assert resumed.start_step == 1
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_000001"]
 
 
 def test_resume_auto_skips_a_broken_newest_checkpoint_naming_it(tiny_config, tmp_path, caplog):
@@ -130,10 +157,17 @@ def test_a_thread_setting_applies_and_is_given_back(tiny_config, caplog):
     assert "64 torch threads x 1 local ranks" in caplog.text and "lower trainer.threads" in caplog.text
 
 
-@pytest.mark.parametrize("change", ["model.dtype=float64", "algo.loss=grpo", "model.shape=tiny-llama"])
+@pytest.mark.parametrize("change", ["model.dtype=float64", "algo.loss=grpo", "model.shape=tiny-llama",
+                                    "model.path={another_model}"])
 def test_a_refused_resume_writes_nothing(tiny_config, tmp_path, change):
+    """Settings the weights only make sense with are refused by name, even where the weights would load: another
+    model.path of the same architecture (here: another run's checkpoint of the run's own shape)."""
+    if "{another_model}" in change:
+        train(tiny_config("trainer.steps=1", name="another"))
+        change = change.format(another_model=checkpoint_dir(tmp_path / "another", 1))
     train(tiny_config("trainer.steps=1"))
     before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
-    with pytest.raises(ValueError, match="cannot resume from"):
+    key = change.split("=")[0]
+    with pytest.raises(ValueError, match=f"cannot resume from .*{key}: "):
         train(tiny_config("trainer.steps=2", "trainer.resume=auto", change))
     assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before

@@ -63,6 +63,8 @@ def test_plan_runs_every_node_once_below_the_path_within_the_budget(lists, chunk
         assert plan.peak_graph_tokens() <= plan.capacity
     if recompute == "always":
         assert not any(u.keep for u in plan.all_units())
+    if recompute == "never":
+        assert all(u.keep for u in plan.all_units() if u.open)
 
 
 @settings(max_examples=100, deadline=None)

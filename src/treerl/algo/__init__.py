@@ -1,5 +1,7 @@
 """RL and SFT objectives as per-sequence losses that every engine runs exactly (docs/algorithms.md).
 
+Steps 3 and 5 (docs/architecture.md): advantages before the update, the per-sequence loss inside it.
+
 Field conventions (all per-token fields are aligned with the tokens, same length):
     loss_mask      weight of each token in the loss (1 trained, 0 not). Token 0 has no
                    prediction (the engines output 0 there), so loss_mask[0] must be 0: a

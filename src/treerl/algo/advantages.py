@@ -1,5 +1,7 @@
 """Advantages from rewards: group-normalised (GRPO), leave-one-out (RLOO), GAE, whitened returns.
 
+Step 3 (docs/architecture.md): the advantages of the whole batch, before any update.
+
 Rewards live in `info["reward"]`: one number per sequence (the outcome), or, for a sequence that
 holds a whole multi-turn episode, a list with one reward per turn, where a turn is a maximal run
 of trained tokens (loss_mask > 0). Token-level estimators (gae, returns) put each turn's reward

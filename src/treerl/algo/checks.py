@@ -1,5 +1,7 @@
 """Input checks of the algorithm fields, each error naming the sequence and the field.
 
+Steps 3 and 5 (docs/architecture.md): the loss's fields checked before any compute.
+
 The engines already reject empty sequences, fields whose length differs from the tokens', and
 NaN/inf in fields or numeric info (`treerl.tree.validate_sequences`); these add what a loss
 needs: the fields it reads must exist, token 0 must not be trained (nothing predicts it), a

@@ -1,5 +1,7 @@
 """`AlgoConfig`: every choice of the RL/SFT objective, as the `algo` section of the trainer's YAML.
 
+Beside the steps (docs/architecture.md): the choices steps 3 and 5 read.
+
 Options left at None take the usual value of the chosen `loss` (the table `LOSS_DEFAULTS`), so
 `algo.loss=dr_grpo` alone gives Dr. GRPO's advantages and aggregation, and any single key can
 still be overridden (`algo.loss=grpo algo.aggregation=token_mean` is DAPO's token-level GRPO).

@@ -1,5 +1,7 @@
 """The critic: a value model that the same tree engines run, and PPO's clipped value loss.
 
+Steps 3 and 5 (docs/architecture.md): PPO's critic gives GAE its values (3) and trains on the same tree (5).
+
 A critic is a transformers `*ForTokenClassification` model with one label on a causal LM body
 (verl's choice): `model.base_model` is the decoder the engines drive, `model.score` the value
 layer that `treerl.engine.head.ValueHead` applies. Run it with `DfsEngine(head=ValueHead())`:

@@ -1,5 +1,8 @@
 """Fill per-token fields from a no-grad engine pass over the tree: reference and proximal
-log-probs for the policy loss, the critic's values for GAE."""
+log-probs for the policy loss, the critic's values for GAE.
+
+Step 3 (docs/architecture.md): beside the advantages, before the update.
+"""
 
 from __future__ import annotations
 

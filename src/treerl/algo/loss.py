@@ -1,5 +1,7 @@
 """`build_loss`: the per-sequence `loss_fn(view)` of an `AlgoConfig`, run exactly by every engine.
 
+Step 5 (docs/architecture.md): the loss_fn an engine calls on each sequence's outputs.
+
     token loss  l_t = policy_t + kl_coef * KL_t - entropy_coef * H_t       (sft: l_t = -log pi(y_t))
     policy_t    = w_t * max(-A_t r_t, -A_t clip(r_t, 1 - eps, 1 + eps_high))  (dual clip: min(., -c A_t) if A_t < 0)
 

@@ -1,5 +1,7 @@
 """The batch-wide denominators of a loss mean, and the three ways of aggregating token losses.
 
+Steps 3 and 5 (docs/architecture.md): counted over the whole batch (3), applied in each sequence's loss (5).
+
 A per-sequence `loss_fn` sees one sequence, but "mean over the batch" needs the whole batch's
 token and sequence counts. `LossNormalizer` holds them; it is computed once from the loss
 masks of the WHOLE (global) batch and closed over by the loss, so the sum of the per-sequence

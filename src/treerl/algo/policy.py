@@ -1,5 +1,7 @@
 """Per-token terms of the policy losses: importance ratios, the clipped surrogate, KL estimators.
 
+Step 5 (docs/architecture.md): the per-token terms inside loss_fn.
+
 Every function takes tensors aligned with a sequence's tokens and returns one value per token;
 positions outside the loss mask hold harmless values (log-ratios are zeroed there before any
 `exp`, so an untrained token can never produce inf or NaN) and are dropped by the aggregation.

@@ -1,5 +1,7 @@
 """Synchronous against asynchronous RL on one task: training reward against wall time, and the time to a reward.
 
+Beside the steps (docs/architecture.md): measures the whole loop, synchronous against asynchronous.
+
     treerl bench --async --seeds 0,1
     treerl bench --async --config guess_number --set trainer.steps=200 --target 0.6
 

@@ -1,5 +1,7 @@
 """`treerl bench --balance`: the data-parallel balancer against the baselines, with a measured cost model.
 
+Beside the steps (docs/architecture.md): measures step 4 (the split over ranks).
+
 The cost model is fitted from DfsEngine step times measured here, on random sub-batches of the
 benchmark workloads (the same model and device as the engine bench), so the makespans compare
 plans by what a step costs on this machine, not only by unique-token counts.

@@ -1,5 +1,7 @@
 """FLOP counts from the model config: what flat and tree training must compute at the least.
 
+Beside the steps (docs/architecture.md): the FLOP ideal step 5 is measured against.
+
 Forward FLOPs of one token = 2 x (weights it multiplies: attention projections, MLP, LM head)
 + 4 x heads x head_dim x (keys it attends to) per layer. Backward costs a fixed multiple of
 forward for both, so the ratio flat/tree is the FLOP-ideal speedup of prefix sharing.

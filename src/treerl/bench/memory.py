@@ -1,4 +1,7 @@
-"""Peak memory of a piece of work, measured the same way for every engine."""
+"""Peak memory of a piece of work, measured the same way for every engine.
+
+Beside the steps (docs/architecture.md): step 5's peak memory, for the benchmark.
+"""
 
 from __future__ import annotations
 

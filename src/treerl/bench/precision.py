@@ -1,5 +1,7 @@
 """`treerl bench --precision`: one training step per precision, with LoRA and gradient checkpointing, flat vs dfs.
 
+Beside the steps (docs/architecture.md): measures steps 5 and 6 in each precision.
+
 Each variant builds the model as the trainer would (`trainer.precision`, `model.lora.rank`,
 `model.gradient_checkpointing`) and runs one full step on G samples of one prompt: the engine's
 forward_backward, then AdamW's step. Time is that step's wall time; peak memory is what the step

@@ -1,5 +1,7 @@
 """`treerl bench --profile`: where one step's time goes, per engine, from torch.profiler.
 
+Beside the steps (docs/architecture.md): where step 5's time goes.
+
 Each aten operator's own time (children excluded: host time on CPU, kernel time on CUDA) is put in a
 bucket by its name: matrix multiplies, attention kernels, and every other operator (norms, activations,
 copies, the engine's gathers and scatters). What the operators do not account for is host time:

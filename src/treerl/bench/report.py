@@ -1,4 +1,7 @@
-"""Bench output: JSON rows, a markdown table, and a plot of measured against FLOP-ideal speedup."""
+"""Bench output: JSON rows, a markdown table, and a plot of measured against FLOP-ideal speedup.
+
+Beside the steps (docs/architecture.md): the benchmark's output files.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """`treerl bench`: every engine on the same trees, side by side in one process.
 
+Beside the steps (docs/architecture.md): measures step 5, engine against engine.
+
 For each workload: flat tokens T, unique tokens U, the FLOP-ideal speedup (treerl.bench.flops),
 then for each engine the median wall time of `forward_backward` over rounds that run every engine once
 (interleaved, after a warm-up),

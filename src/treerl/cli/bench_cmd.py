@@ -1,6 +1,9 @@
 """`treerl bench`: engines side by side on the same trees; `--profile`: where each engine's time goes;
 `--balance`: data-parallel assignment; `--async`: synchronous vs asynchronous RL training;
-`--precision`: one training step per precision."""
+`--precision`: one training step per precision.
+
+Beside the steps (docs/architecture.md): the benchmark's command line.
+"""
 
 from __future__ import annotations
 

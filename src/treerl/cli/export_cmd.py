@@ -1,4 +1,7 @@
-"""`treerl export`: a checkpoint (LoRA adapters merged into their base) as a transformers model directory."""
+"""`treerl export`: a checkpoint (LoRA adapters merged into their base) as a transformers model directory.
+
+Beside the steps (docs/architecture.md): a checkpoint out, for a server or `from_pretrained`.
+"""
 
 from __future__ import annotations
 

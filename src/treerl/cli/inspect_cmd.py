@@ -1,4 +1,7 @@
-"""`treerl inspect`: what a batch's prefix tree looks like and what sharing would save."""
+"""`treerl inspect`: what a batch's prefix tree looks like and what sharing would save.
+
+Beside the steps (docs/architecture.md): shows the tree step 5 would build from a batch.
+"""
 
 from __future__ import annotations
 

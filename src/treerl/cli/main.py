@@ -1,5 +1,7 @@
 """The `treerl` command.
 
+Beside the steps (docs/architecture.md): the command line.
+
 Every command runs through `reported`: a user's mistake (`treerl.errors.UserError`: a config key, a
 data row, a reward import, a model or checkpoint path) is one line, `error: ...`, and exit code 2; a
 run that stopped itself (a NaN/inf, `TrainingStopped`) is one line and exit code 3; anything else is

@@ -1,4 +1,7 @@
-"""`treerl serve`: a model behind an OpenAI-compatible completions API with token ids and log-probs."""
+"""`treerl serve`: a model behind an OpenAI-compatible completions API with token ids and log-probs.
+
+Beside the steps (docs/architecture.md): step 1's sampling served to other processes.
+"""
 
 from __future__ import annotations
 

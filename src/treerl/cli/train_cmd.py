@@ -1,4 +1,7 @@
-"""`treerl train` and `treerl sft`: read the config (YAML + key=value overrides), call the trainer."""
+"""`treerl train` and `treerl sft`: read the config (YAML + key=value overrides), call the trainer.
+
+Beside the steps (docs/architecture.md): the command that runs them.
+"""
 
 from __future__ import annotations
 

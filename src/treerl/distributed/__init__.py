@@ -1,5 +1,7 @@
 """Data parallelism: load-balanced assignment of prefix trees to ranks, and one gradient sync per step.
 
+Steps 4 and 6 (docs/architecture.md): the split over ranks, the gradient sync.
+
 A training step under `torchrun --nproc-per-node K` (every rank holds the same global batch):
 
     env = init_distributed()                                  # gloo on CPU, nccl on CUDA; rank 0 of 1 without torchrun

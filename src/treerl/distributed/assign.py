@@ -1,5 +1,7 @@
 """Assign a global batch to K data-parallel ranks and, within a rank, to micro-batches.
 
+Step 4 (docs/architecture.md): the trees of a minibatch to ranks and micro-batches.
+
 Goal: the slowest rank (the makespan) as fast as possible, where a rank's time is the sum of its
 micro-batches' estimated costs (treerl.distributed.cost), while every shared prefix is computed on as
 few ranks as possible.

@@ -1,5 +1,7 @@
 """How long a forward_backward over one prefix tree takes, estimated from the tree's shape.
 
+Step 4 (docs/architecture.md): the price the balancer puts on a micro-batch.
+
 A DFS step costs: a constant per call, the linear layers on every unique token, attention of each
 unique token over its prefix (the "attention" feature: sum over unique tokens of position + 1, i.e.
 sum over nodes of length x (depth + length/2)), per-leaf work (a root-to-leaf walk, node launches),

@@ -1,5 +1,7 @@
 """The batch in trie order: exact prefix-tree features of any subset of sequences, without building its tree.
 
+Step 4 (docs/architecture.md): how the balancer reads a batch.
+
 Sort the sequences lexicographically (the order `PrefixTree.build` and its depth-first walk use).
 For sorted strings, the longest common prefix of two of them is the minimum of the neighbour
 LCPs between them, so the tree of ANY subset, taken in this order, is described by its members'

@@ -1,5 +1,7 @@
 """Data-parallel training with the tree engines under torchrun: DDP or FSDP2, one gradient sync per step.
 
+Step 6 (docs/architecture.md): the gradient sync across ranks, and the model's wrapping for it.
+
 Two facts shape this module:
 - The engines need the transformers model itself: they call `model.base_model` and
   `model.get_output_embeddings()` and switch `model.config._attn_implementation`. So engines get

@@ -1,5 +1,7 @@
 """The `--balance` report: the treerl balancer against the baselines on the benchmark workloads.
 
+Beside the steps (docs/architecture.md): measures step 4 for `treerl bench --balance`.
+
 For each workload, cost model and rank count K: the max/mean cost ratio across ranks, the
 makespan against the ideal (whole batch as one tree, split perfectly: no imbalance and nothing
 recomputed), and the compression kept after assignment. Costs are estimates from

@@ -1,5 +1,7 @@
 """Rollouts: sample from the policy, score the samples, and turn them into training sequences.
 
+Steps 1 and 2 (docs/architecture.md): samples, rewards, training sequences.
+
 Inference engines (`EmbeddedEngine` in process, `CompletionsClient` for vLLM / SGLang /
 `treerl serve`), tasks (built-in arithmetic and number guessing, a user's data), workflows
 (single-turn groups, branching multi-turn episodes, agents written with the OpenAI SDK and recorded by

@@ -1,5 +1,7 @@
 """Agent workflows as users write them: `async def episode(client, task) -> reward`, with the OpenAI SDK.
 
+Steps 1 and 2 (docs/architecture.md): a user's agent episode, every model call a training sequence.
+
     async def episode(client, task: dict) -> float:       # my_agent.py: imports nothing from treerl
         reply = await client.chat.completions.create(model="policy", messages=[...], tools=[...])
         ...                                               # run tools, call the model again, branch, retry

@@ -1,5 +1,7 @@
 """Conversations as token ids: the prompt of a first turn, and what follows a model reply in a later turn.
 
+Step 1 (docs/architecture.md): the token ids of prompts and replies.
+
 A multi-turn episode is built token by token, never by re-rendering the whole conversation: the
 context of turn i+1 is exactly the context of turn i, plus the reply the model sampled, plus the
 tokens of the environment's answer. That is what makes the sequences of one episode extend each

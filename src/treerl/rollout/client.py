@@ -1,5 +1,7 @@
 """A client for an OpenAI-compatible completions server: vLLM, SGLang, or `treerl serve`.
 
+Step 1 (docs/architecture.md): sampling on a server; after step 6, the new weights pushed to it.
+
 Prompts go out as token ids (`prompt: [[ids], ...]`, `n` samples each) and completions come back
 as token ids with one log-prob per generated token. The request asks for
 `logprobs=1` and `return_token_ids=true` (vLLM >= 0.10.2 and SGLang put `token_ids` in each

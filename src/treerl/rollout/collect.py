@@ -1,5 +1,7 @@
 """The rollout of one training step: prompts -> samples -> rewards -> training sequences, plus counters.
 
+Steps 1 and 2 (docs/architecture.md): one step's rollout, from prompts to training sequences.
+
 The trainer's whole interface:
 
     engine = build_engine(config, model)            # embedded, or a client of config.server_url

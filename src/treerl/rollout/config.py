@@ -1,4 +1,7 @@
-"""The `rollout` section of the training config: what to sample, how, and from where."""
+"""The `rollout` section of the training config: what to sample, how, and from where.
+
+Beside the steps (docs/architecture.md): the choices step 1 reads.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """The embedded inference engine: sampling from the trainer's own transformers model, in process.
 
+Step 1 (docs/architecture.md): sampling in the trainer's own process.
+
 Each distinct prompt is prefilled once; its KV cache is then repeated `n` times and the `n`
 samples decode together, so the prompt of a GRPO group is computed once, not `n` times. Prompts
 are left-padded into one batch; finished rows are dropped from the cache as they stop.

@@ -1,5 +1,7 @@
 """What every inference engine shares: sampling parameters, a completion, and the `generate` interface.
 
+Step 1 (docs/architecture.md): the interface every sampler implements.
+
 Log-prob semantics (the same for every engine): the behaviour log-prob of a sampled token is
 `log_softmax(logits / temperature)[token]`, the log-prob of the *untruncated* tempered distribution,
 which is exactly what the trainer recomputes with `treerl.engine.PolicyHead(temperature=T)`. With

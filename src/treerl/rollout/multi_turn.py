@@ -1,5 +1,7 @@
 """Multi-turn agent episodes that branch: one episode is a tree of model calls.
 
+Steps 1 and 2 (docs/architecture.md): branching episodes, every model call a training sequence.
+
 An episode starts from a prompt. Every turn, each live trajectory asks the model for a reply
 and the environment answers it (tool results, a turn reward, done or not). At turn 0 the model
 samples `group_size` replies; at each turn listed in `branch_at` every live trajectory forks into

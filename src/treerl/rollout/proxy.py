@@ -1,5 +1,7 @@
 """An OpenAI-compatible proxy that records every model call of an agent at token level.
 
+Steps 1 and 2 (docs/architecture.md): an agent's model calls, sampled and recorded token for token.
+
 An agent written with the OpenAI SDK talks to `{proxy.url}/episodes/<id>/v1` (one id per
 episode). The proxy serves
 

@@ -1,5 +1,7 @@
 """Reward functions: loading a user's by import path, and calling any of them without crashing a run.
 
+Step 1 (docs/architecture.md): the reward of each sample.
+
 A reward function is called with keyword arguments `fn(prompt=..., completion=..., answer=...)`:
 the prompt's text (its last user message), the model's reply as text (without its final stop token), and
 the reference answer of the data row (None when there is none); it returns a number. A function

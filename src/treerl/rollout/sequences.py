@@ -1,5 +1,7 @@
 """One model call as a training sequence: the context it saw plus the reply it sampled.
 
+Step 2 (docs/architecture.md): a sample as the sequence the later steps read.
+
 Per-token fields, aligned with the tokens:
 - `loss_mask` (float32): 1 on the reply's tokens (the ones this call generated), 0 on the context.
   In a multi-turn episode the earlier replies inside the context are 0 here: each is trained in

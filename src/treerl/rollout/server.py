@@ -1,5 +1,7 @@
 """`treerl serve`: the embedded engine behind an OpenAI-compatible completions API (FastAPI + uvicorn).
 
+Beside the steps (docs/architecture.md): step 1's sampling served to other processes.
+
 `transformers serve` cannot be used for RL: its /v1/completions ignores `logprobs`. This server
 answers the subset of vLLM's / SGLang's API that `CompletionsClient` uses, with the same shapes:
 

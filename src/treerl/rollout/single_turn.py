@@ -1,4 +1,7 @@
-"""Single-turn verifiable tasks: each prompt -> `group_size` samples -> one reward each."""
+"""Single-turn verifiable tasks: each prompt -> `group_size` samples -> one reward each.
+
+Steps 1 and 2 (docs/architecture.md): a group of samples per prompt, each a training sequence.
+"""
 
 from __future__ import annotations
 

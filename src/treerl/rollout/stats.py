@@ -1,4 +1,7 @@
-"""What one rollout step produced and lost: counters the trainer logs, so nothing is silently dropped."""
+"""What one rollout step produced and lost: counters the trainer logs, so nothing is silently dropped.
+
+Steps 1 and 2 (docs/architecture.md): what the rollout kept and dropped, for the trainer's metrics.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Tokenizers: a checkpoint's own, or a built-in character-level one that needs no download.
 
+Step 1 (docs/architecture.md): text to token ids and back.
+
 The built-in tokenizer is a real `transformers.PreTrainedTokenizerFast` (a `tokenizers` WordLevel
 model over single characters), so the rollout code runs the same calls on it as on
 `AutoTokenizer.from_pretrained(checkpoint)`: `apply_chat_template`, `decode`, `eos_token_id`,

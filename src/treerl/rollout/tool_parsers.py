@@ -1,5 +1,7 @@
 """Tool-call parsers: a model's reply text -> (content, structured tool calls), one parser per model family.
 
+Step 1 (docs/architecture.md): the tool calls the proxy reads out of a reply.
+
 A chat template tells the model how to write a tool call; the parser reads the same format back,
 as vLLM's and SGLang's `--tool-call-parser` do. Registered by name in `TOOL_PARSERS`:
 

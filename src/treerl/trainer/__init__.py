@@ -1,5 +1,7 @@
 """Training loops: RL (`train`: synchronous or asynchronous) and SFT on branching conversations (`sft`), one config.
 
+Drives steps 1 to 6 (docs/architecture.md).
+
     from treerl.trainer import load_config, train
     result = train(load_config("guess_number", ["trainer.steps=100"]))
     print(result.reward_start, result.reward_end)

@@ -1,4 +1,7 @@
-"""Token sequences on disk: one JSON object per line, read as a stream with a bound on each line."""
+"""Token sequences on disk: one JSON object per line, read as a stream with a bound on each line.
+
+Beside the steps (docs/architecture.md): sequences to and from disk (`treerl inspect`, your own batches).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The compressed prefix tree (trie) of a batch: each shared prefix stored once."""
+"""The compressed prefix tree (trie) of a batch: each shared prefix stored once.
+
+Step 5 (docs/architecture.md): the tree an engine builds from a micro-batch.
+"""
 
 from __future__ import annotations
 

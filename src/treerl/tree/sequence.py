@@ -1,4 +1,7 @@
-"""A training sequence: tokens plus the per-token and per-sequence data a loss reads."""
+"""A training sequence: tokens plus the per-token and per-sequence data a loss reads.
+
+Step 2 (docs/architecture.md): what every later step reads.
+"""
 
 from __future__ import annotations
 

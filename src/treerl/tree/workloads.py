@@ -1,5 +1,7 @@
 """Synthetic batches with the prefix structure of real RL workloads (docs/design.md, "Measurement").
 
+Beside the steps (docs/architecture.md): batches shaped like real workloads, for the benchmark and tests.
+
 Token ids are random: the engines' cost depends on the tree's shape, not on which tokens fill it.
 Every generator is seeded and returns plain `TokenSequence`s with a `loss_mask` on generated tokens
 and random `advantages`, so the same batch can be trained on by any engine.

@@ -1,4 +1,7 @@
-"""Tasks: built-in ones a tiny model learns from scratch on CPU, and a user's data with a user's reward."""
+"""Tasks: built-in ones a tiny model learns from scratch on CPU, and a user's data with a user's reward.
+
+Step 1 (docs/architecture.md): the prompts and rewards (or environments) sampling starts from.
+"""
 
 from __future__ import annotations
 

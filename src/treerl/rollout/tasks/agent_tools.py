@@ -1,5 +1,7 @@
 """Built-in agent task: a tiny tau2-like tool world, played by an OpenAI-SDK agent through the proxy.
 
+Step 1 (docs/architecture.md): a built-in task's prompts, tools and reward.
+
 Each task is a table of records `{"id": i, "code": digit}` for ids 0-9 and a question "code of
 7?". The agent (`agent_tools_agent.py` beside this file, also `examples/agent_tools_agent.py`)
 asks the model to call `lookup` (a named tool choice: the model writes the arguments), runs the

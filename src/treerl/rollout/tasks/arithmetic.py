@@ -1,5 +1,7 @@
 """Built-in single-turn task: add two numbers, answer with digits.
 
+Step 1 (docs/architecture.md): a built-in task's prompts and reward.
+
 The reward gives format credit so a random-init policy scores above zero and has a gradient to
 follow (answer with digits, then stop), and 1 for exactly the sum. The reply is read as written,
 without its stop token: padding with spaces or special tokens does not pass for a short answer.

@@ -1,4 +1,7 @@
-"""What a task is: prompts for a step, and either a reward function (single-turn) or an environment (multi-turn)."""
+"""What a task is: prompts for a step, and either a reward function (single-turn) or an environment (multi-turn).
+
+Step 1 (docs/architecture.md): what sampling asks of a task.
+"""
 
 from __future__ import annotations
 

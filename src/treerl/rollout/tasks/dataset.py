@@ -1,5 +1,7 @@
 """A user's prompts (+ optional reference answers) from local files, scored by the user's reward function.
 
+Step 1 (docs/architecture.md): your prompts and your reward.
+
 Accepted data (local only; nothing is downloaded):
 - a `.jsonl` file, one JSON object per line;
 - a directory written by `datasets.Dataset.save_to_disk` (its "train" split if it is a DatasetDict);

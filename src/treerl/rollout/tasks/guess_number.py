@@ -1,5 +1,7 @@
 """Built-in multi-turn task: find a secret number; after each guess the environment says higher or lower.
 
+Step 1 (docs/architecture.md): a built-in task's prompts and environment.
+
 The first number in a reply is the guess. Rewards (a trajectory's reward is their sum): 0.05 per
 turn whose reply is exactly that number (format); on a correct guess 1 - 0.1 x (turns used - 1),
 ending the episode; after the last turn without success, 0.5 x closeness of the best guess. A

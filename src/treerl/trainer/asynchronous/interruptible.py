@@ -1,5 +1,7 @@
 """Generation that a weight update interrupts and that resumes on the new weights (AReaL's interruptible rollout).
 
+Step 1 (docs/architecture.md) in a worker: new weights from step 6 taken mid-reply.
+
 The embedded engine decodes a whole call on one set of weights. With `trainer.on_update=interrupt`
 a rollout worker decodes in segments of `trainer.interrupt_tokens` tokens and, before each
 segment (and each engine call, so every turn of an episode), loads the newest published weights.

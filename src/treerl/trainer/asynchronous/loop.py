@@ -1,5 +1,7 @@
 """Asynchronous RL (`trainer.mode=async`): rollout workers sample while the trainer updates (AReaL's design).
 
+Drives steps 1 to 6 (docs/architecture.md) with step 1 in worker processes.
+
     weights = SharedWeights.of(policy, version)     # the policy in shared memory, tagged with its version
     pool = RolloutPool(config, task, weights, ...)  # trainer.rollout_workers processes, sampling continuously
     for step in steps:                              # the trainer's policy version is `step`

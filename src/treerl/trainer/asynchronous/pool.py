@@ -1,5 +1,7 @@
 """The trainer's side of asynchronous RL: rollout workers, admission, staleness, faults, and counters that add up.
 
+Step 1 (docs/architecture.md), the trainer's side: which samples reach step 2, and when.
+
     pool = RolloutPool(config, task, weights, version=step)   # spawns trainer.rollout_workers processes
     batch = pool.next_batch(version)     # B = rollout.prompts_per_step groups, none older than max_staleness
     ...train, then weights.publish(policy, version + 1)...

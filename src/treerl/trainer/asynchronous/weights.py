@@ -1,5 +1,7 @@
 """Policy weights from the trainer to its rollout workers, each copy tagged with a policy version.
 
+From step 6 back to step 1 (docs/architecture.md): each new policy version reaches the workers.
+
     shared = SharedWeights.of(policy, version=0)      # trainer: every tensor copied into shared memory
     ... pass `shared` to worker processes (torch.multiprocessing, spawn) ...
     shared.publish(policy, version=step + 1)           # trainer, after each optimizer step

@@ -1,5 +1,7 @@
 """The trainer's side of the rollout worker processes: spawn, read, check, restart, close.
 
+Step 1 (docs/architecture.md): the worker processes, seen from the trainer.
+
     workers = WorkerSet(config, weights)      # trainer.rollout_workers processes, one per slot
     workers.send(jobs, version)               # a chunk to the least loaded ready worker
     for finished in workers.receive(timeout): # the chunks that came back

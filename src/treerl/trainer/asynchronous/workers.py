@@ -1,5 +1,7 @@
 """A rollout worker: a process that samples prompt groups with its own copy of the policy, one chunk after another.
 
+Step 1 (docs/architecture.md), inside a worker process.
+
     trainer -> worker   Chunk(jobs, version)            prompts to sample, and the policy version they need at least
     worker  -> trainer  ("ready", pid)                  once, when the model is built
                         ("done", [GroupResult], stats)  the training sequences of each job of a chunk

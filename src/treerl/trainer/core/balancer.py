@@ -1,5 +1,7 @@
 """How a run splits each global minibatch over its ranks, priced by a cost model it learns as it trains.
 
+Step 4 (docs/architecture.md): the run's balancer, and its cost model refitted from measured times.
+
     balancer = Balancer(env, config.trainer, loop_state)
     assignment = balancer.assign(minibatch)      # the same on every rank
     balancer.record(measured)                    # (tree features, seconds) of this rank's micro-batches

@@ -1,5 +1,7 @@
 """Building what a run trains from its config: the policy and tokenizer, the engine, and a `Learner` per model.
 
+Beside the steps (docs/architecture.md): builds what steps 1, 5 and 6 use.
+
     model, tokenizer = load_policy(config.model, device)     # also what rollout workers and export load
     actor = build_policy_learner(config, model, strategy, balancer, guard, temperature)
     critic = build_critic_learner(config, strategy, len(tokenizer), device, balancer, guard)   # PPO with GAE only

@@ -1,5 +1,7 @@
 """Checkpoints that are whole or absent, verified before use, read without unpickling code, and resume exactly.
 
+After step 6 (docs/architecture.md): the run's state on disk.
+
 Layout of `output_dir/checkpoints/step_000123/` (123 = steps completed):
 
     config.json, generation_config.json,   the policy: a transformers checkpoint, loadable as `model.path=...`
@@ -15,7 +17,8 @@ Whole or absent: everything is written into `checkpoints/.tmp-step_000123-<pid>`
 directory is fsynced, and only then is the directory renamed to `step_000123` (one atomic rename), so
 a process killed at any moment leaves the earlier checkpoints and, at most, a `.tmp-*` directory that
 is never read (and is removed by the next run in that output_dir). Old checkpoints are renamed away
-before they are deleted, for the same reason.
+before they are deleted, for the same reason; one renamed away to be replaced by a new copy of its step is put
+back by the next run if the kill came before the new copy took its name.
 
 Verified: a checkpoint is used only if its manifest is there and every file it lists has the recorded
 size and sha256; `resume=auto` skips one that is not, with a warning naming it and why.
@@ -322,12 +325,30 @@ def _publish(tmp: Path, path: Path) -> None:
 
 
 def remove_leftovers(output_dir: str | Path) -> list[Path]:
-    """Delete the `.tmp-*` / `.trash-*` directories a killed run left in output_dir/checkpoints; returns them."""
+    """Clear the `.tmp-*` / `.trash-*` directories a killed run left in output_dir/checkpoints; returns those deleted.
+
+    A whole checkpoint renamed away to be replaced (`_publish`, killed before the new copy took its name) is put
+    back under its name instead: a kill at any moment leaves the previous copy of a step."""
     root = Path(output_dir) / "checkpoints"
     found = [p for p in root.iterdir() if p.name.startswith(_TEMPORARY)] if root.is_dir() else []
+    deleted = []
     for path in found:
+        name = root / path.name.removeprefix(_TEMPORARY[1]).rpartition("-")[0]
+        if path.name.startswith(_TEMPORARY[1]) and not name.exists() and _is_whole(path):
+            os.replace(path, name)
+            log.warning("put back %s, a checkpoint a killed run was replacing, as %s", path, name)
+            continue
         shutil.rmtree(path, ignore_errors=True)
-    return found
+        deleted.append(path)
+    return deleted
+
+
+def _is_whole(path: Path) -> bool:
+    try:
+        verify_checkpoint(path)
+    except CheckpointError:
+        return False
+    return True
 
 
 def prune_checkpoints(output_dir: str | Path, keep: int, run_id: str) -> None:

@@ -1,5 +1,7 @@
 """The training config: one dataclass tree (model, rollout, algo, engine, trainer, sft), loaded from YAML.
 
+Beside the steps (docs/architecture.md): every choice they read, in one tree.
+
     config = load_config("my_run.yaml", ["trainer.steps=100", "algo.entropy_coef=0.01"])
 
 Layers, later ones winning: the dataclass defaults (which ARE the built-in CPU demo), the YAML

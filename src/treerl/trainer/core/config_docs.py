@@ -1,5 +1,7 @@
 """docs/config.md, generated from the config dataclasses: the comment next to each field is its documentation.
 
+Beside the steps (docs/architecture.md): the configuration's reference page.
+
     python -m treerl.trainer.core.config_docs > docs/config.md     (a test checks the file is up to date)
 """
 

@@ -1,5 +1,7 @@
 """`treerl export`: a checkpoint as a plain transformers model directory, for a server or `from_pretrained`.
 
+Beside the steps (docs/architecture.md): a checkpoint out, for a server or `from_pretrained`.
+
 A LoRA checkpoint holds only the adapters. Export rebuilds the base the run trained on (the
 checkpoint's `model.path`, or `model.shape` with `model.seed`), checks that it is that base (the
 fingerprint the run saved), loads the adapters and merges them into the base weights (peft's

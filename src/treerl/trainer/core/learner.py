@@ -1,5 +1,7 @@
 """One optimizer step on a global minibatch, for each model a run trains (the policy, and PPO's critic).
 
+Steps 4 to 6 (docs/architecture.md) for one model: split, forward + backward per micro-batch, optimizer step.
+
     metrics = run.actor.update(minibatch, loss_fn, step)     # the policy; run.critic.update(...) the critic
 
 Under torchrun every rank holds the same global batch. `update` balances it over the ranks

@@ -1,5 +1,7 @@
 """Metrics of a run: one JSON line per logged step (metrics.jsonl) and TensorBoard scalars, rank 0 only.
 
+After step 6 (docs/architecture.md): what a step logs.
+
 Names are `section/metric`: `rollout/` (rewards and counters of the step's samples), `train/`
 (loss terms, grad norm, learning rate), `batch/` (prefix-tree sizes and compression T/U), `time/`,
 `perf/` (tokens per second), `eval/` (the fixed-prompt evaluation).

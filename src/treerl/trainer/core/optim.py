@@ -1,4 +1,7 @@
-"""AdamW and the learning-rate schedule: linear warmup, then constant or cosine, per training step."""
+"""AdamW and the learning-rate schedule: linear warmup, then constant or cosine, per training step.
+
+Step 6 (docs/architecture.md): the optimizer and its learning rate.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """`trainer.precision`: what the parameters are stored in and what the model computes in.
 
+Steps 5 and 6 (docs/architecture.md): the dtypes they run in.
+
 | precision    | parameters, AdamW state, gradients | compute                                   |
 | ------------ | ---------------------------------- | ----------------------------------------- |
 | `fp32`       | float32 (float64 if model.dtype=float64) | the parameters' dtype                |

@@ -1,4 +1,7 @@
-"""What a run shows and writes as it trains, on rank 0 only: progress bar, console lines, metrics, summary.json."""
+"""What a run shows and writes as it trains, on rank 0 only: progress bar, console lines, metrics, summary.json.
+
+After step 6 (docs/architecture.md): what the run shows and writes.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Where a run starts: a fresh output_dir or a checkpoint, and which settings may differ from the checkpoint's.
 
+Before step 1 (docs/architecture.md): where the run starts.
+
     start = choose_start(config)                      # rank 0, before anything is written
     ...build the model and optimizer, load start.path...
     apply_hyperparameters(policy, config.trainer.lr, config.trainer)   # a changed lr, betas ... take effect

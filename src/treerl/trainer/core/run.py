@@ -1,5 +1,7 @@
 """What every training loop (RL and SFT) shares: the run's context, and the wiring of what it trains and writes.
 
+Around steps 1 to 6 (docs/architecture.md): the run's context and wiring.
+
     run = Run.start(config)              # ranks, seeds, tokenizer, policy (+ critic) learners, resume
     for step in run.steps():             # from the resumed step on; a progress bar on rank 0
         metrics = update(run, batch, step, loss_for)   # treerl.trainer.core.update: run.actor's optimizer steps

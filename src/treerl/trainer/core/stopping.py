@@ -1,5 +1,7 @@
 """SIGINT (Ctrl-C) and SIGTERM during training: finish the current step, write a checkpoint and summary.json, exit.
 
+Between steps (docs/architecture.md): a signal ends the run after step 6, with a checkpoint.
+
     stop = StopSignals()
     stop.install()                   # in the main thread; the previous handlers come back with restore()
     for step in steps:

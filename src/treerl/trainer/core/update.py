@@ -1,5 +1,7 @@
 """The update on one batch, shared by RL and SFT: `trainer.ppo_epochs` passes, `trainer.minibatches` steps each.
 
+Steps 4 to 6 (docs/architecture.md), repeated: epochs x minibatches on one batch.
+
 A minibatch holds whole groups (the samples of one prompt, the paths of one conversation), so a
 tree is never cut between two optimizer steps; the order of the groups is shuffled with a
 generator seeded by (trainer.seed, step), so resuming at a step repeats it exactly.

@@ -1,5 +1,7 @@
 """What both RL modes share: learning from one batch, evaluation, the reference policy, the step loop.
 
+Steps 3 to 6 (docs/architecture.md), shared by both RL modes.
+
     learn(run, batch, reference, step)              # prepare (reference / proximal log-probs, advantages,
                                                     # checks), then update (ppo_epochs x minibatches)
     train_loop(run, evaluation, train_step, ...)    # evaluate, every step: train_step + log + checkpoint

@@ -1,5 +1,7 @@
 """Synchronous RL: each step samples a batch with the current policy, then updates the policy on it.
 
+Drives steps 1 to 6 (docs/architecture.md) one after the other.
+
     for step in steps:
         batch = collect(run, rollout, step)         # prompts -> samples -> rewards -> sequences (RolloutBatch)
         learn(run, batch, reference, step)          # prepare + update (treerl.trainer.rl.learn)

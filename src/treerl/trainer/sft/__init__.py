@@ -1,1 +1,4 @@
-"""SFT on branching conversations: the loop (`loop`) and the data format (`data`)."""
+"""SFT on branching conversations: the loop (`loop`) and the data format (`data`).
+
+Steps 2 to 6 (docs/architecture.md) on conversations: no sampling, no advantages.
+"""

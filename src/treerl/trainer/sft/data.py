@@ -1,5 +1,7 @@
 """Branching conversations for SFT: the JSONL format, and its rendering into token sequences.
 
+Step 2 (docs/architecture.md) for SFT: conversations as token sequences.
+
 One JSON object per line, a conversation:
 
     {"id": "weather-1",                                   # optional; default "row<N>" (0-based)

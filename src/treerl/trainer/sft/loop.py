@@ -1,5 +1,7 @@
 """Supervised fine-tuning on tree-shaped trajectories: every path of a branching conversation is a sequence.
 
+Steps 2 to 6 (docs/architecture.md) for SFT: no sampling, no advantages.
+
     for step in steps:
         batch = data.batch(step)                  # all paths of `sft.conversations_per_step` conversations
         update(run, batch, step, sft_loss)        # the tree engine computes each shared prefix once

@@ -1,0 +1,236 @@
+"""Mutation testing by hand: put one small, realistic bug into the code, run the tests that should catch it.
+
+    python tools/mutate.py                          # every mutation below, each against its tests
+    python tools/mutate.py staleness-off-by-one     # the named ones
+    python tools/mutate.py --list                   # names, files and the bug each one is
+
+Each mutation replaces one exact piece of source text (it must occur exactly once and the result must
+compile: a mutation that no longer applies is an error, and `tests/test_mutations.py` says so in the suite),
+runs `python -m pytest -x <its tests>` with this checkout's src/ first on the path, and writes the file back
+from memory (also on Ctrl-C), so uncommitted edits elsewhere are left as they were; no git command runs.
+"caught by" names the first test that failed; a SURVIVOR is a bug the suite lets through: add a test that
+fails on it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # exact source text, found once in `path`
+    new: str
+    tests: tuple[str, ...]  # pytest targets expected to catch it
+    bug: str  # what a user would meet
+
+
+MUTATIONS = [
+    # ------------------------------------------------------------------ trainer (issue 26's three survivors)
+    Mutation("staleness-off-by-one", "src/treerl/trainer/asynchronous/pool.py",
+             "if version - g.oldest > self.max_staleness]", "if version - g.oldest > self.max_staleness + 1]",
+             ("tests/trainer/test_async.py::test_a_group_is_trained_at_max_staleness_versions_old_and_dropped_later",),
+             "a group one version staler than max_staleness is trained"),
+    Mutation("checkpoint-deleted-before-rename", "src/treerl/trainer/core/checkpoint.py",
+             "        os.replace(path, trash)\n    os.replace(tmp, path)",
+             "        shutil.rmtree(path)\n    os.replace(tmp, path)",
+             ("tests/trainer/test_checkpoint.py",),
+             "a kill between deleting a step's previous checkpoint and renaming the new one leaves neither"),
+    Mutation("resume-model-path-mutable", "src/treerl/trainer/core/resume.py",
+             'IMMUTABLE = ("model.path", ', "IMMUTABLE = (",
+             ("tests/trainer/test_checkpoint.py::test_a_refused_resume_writes_nothing",),
+             "resuming on another model.path of the same architecture silently loads the checkpoint into it"),
+    # ------------------------------------------------------------------ the DFS walk's plan
+    Mutation("plan-keep-without-room", "src/treerl/tree/plan.py",
+             "return [True, False] if fits else [False]", "return [True, False]",
+             ("tests/tree/test_plan.py",),
+             "a kept graph leaves no room for the node below it: the walk holds more than its memory budget"),
+    Mutation("plan-room-below-a-kept-unit", "src/treerl/tree/plan.py",
+             "room - unit.tokens if unit.keep else room, unit.below[o]", "room, unit.below[o]",
+             ("tests/tree/test_plan.py",),
+             "units below a kept graph are planned as if it held nothing: over the memory budget"),
+    Mutation("plan-call-size-ignored", "src/treerl/tree/plan.py",
+             "        room = min(room, self.unit_tokens)\n", "",
+             ("tests/tree/test_plan.py",),
+             "batch_tokens (the most rows of one call) is not honoured"),
+    Mutation("plan-budget-below-the-largest-node", "src/treerl/tree/plan.py",
+             "self.capacity = max(capacity, max(run[1:], default=0))", "self.capacity = capacity",
+             ("tests/tree/test_plan.py",),
+             "a budget smaller than the largest node is reported as held while the walk exceeds it"),
+    Mutation("plan-chain-misses-its-top", "src/treerl/tree/plan.py",
+             "        while node != unit.parent:\n            out.append(node)",
+             "        while self.tree.nodes[node].parent != unit.parent:\n            out.append(node)",
+             ("tests/tree/test_plan.py",),
+             "the path store misses the top node of a unit: its descendants attend to the wrong keys"),
+    Mutation("plan-cheapest-plan-not-taken", "src/treerl/tree/plan.py",
+             "self.units = min(plans, key=lambda units: estimate(units, cost))", "self.units = plans[0]",
+             ("tests/tree/test_plan.py",),
+             "the walk runs the plain fill even where the cost model prices another plan lower"),
+    Mutation("plan-recompute-cost-dropped", "src/treerl/tree/plan.py",
+             "cost += self.cost.forward_call + self.cost.forward_token * tokens", "cost += self.cost.forward_call",
+             ("tests/tree/test_plan.py",),
+             "the planner prices a recomputation without its tokens and recomputes where keeping is cheaper"),
+    Mutation("plan-never-mode-recomputes", "src/treerl/tree/plan.py",
+             '        if self.recompute == "never":\n            return [True]\n', "",
+             ("tests/tree/test_plan.py",), "recompute='never' still recomputes where the cost model prefers it"),
+    # ------------------------------------------------------------------ losses, advantages, normaliser
+    Mutation("loss-clip-higher-ignored", "src/treerl/algo/policy.py",
+             "ratio.clamp(1.0 - clip_low, 1.0 + clip_high)", "ratio.clamp(1.0 - clip_low, 1.0 + clip_low)",
+             ("tests/algo/test_losses.py",), "clip_eps_high (DAPO's clip-higher) has no effect"),
+    Mutation("loss-clip-fraction-counts-ties", "src/treerl/algo/policy.py",
+             "was_clipped = clipped > unclipped", "was_clipped = clipped >= unclipped",
+             ("tests/algo/test_losses.py",), "clip_fraction reports every unclipped token as clipped"),
+    Mutation("loss-dual-clip-on-positive-advantages", "src/treerl/algo/policy.py",
+             "capped = (advantages < 0) & (loss > cap)", "capped = loss > cap",
+             ("tests/algo/test_losses.py",), "dual clip caps the loss of good tokens too"),
+    Mutation("loss-entropy-bonus-sign", "src/treerl/algo/loss.py",
+             "token_loss = token_loss - config.entropy_coef * view.entropy",
+             "token_loss = token_loss + config.entropy_coef * view.entropy",
+             ("tests/algo/test_losses.py",), "entropy_coef > 0 lowers the entropy instead of raising it"),
+    Mutation("loss-kl-term-dropped", "src/treerl/algo/loss.py",
+             "token_loss = token_loss + config.kl_coef * kl", "token_loss = token_loss",
+             ("tests/algo/test_losses.py",), "kl_coef is logged but never pulls the policy to the reference"),
+    Mutation("loss-gspo-ratio-over-all-tokens", "src/treerl/algo/policy.py",
+             "/ torch.where(trained > 0, trained, 1.0)", "/ len(mask)",
+             ("tests/algo/test_losses.py",), "GSPO's sequence ratio averages over prompt tokens too"),
+    Mutation("loss-importance-cap-inclusive", "src/treerl/algo/policy.py",
+             "weight = torch.where(weight > cap, 0.0, weight)", "weight = torch.where(weight > cap + 0.1, 0.0, weight)",
+             ("tests/algo/test_losses.py",), "tokens whose behaviour weight is above the cap are trained"),
+    Mutation("loss-ratio-on-untrained-tokens", "src/treerl/algo/policy.py",
+             "return torch.where(mask > 0, logp - other, 0.0)", "return logp - other",
+             ("tests/algo/test_losses.py",),
+             "an untrained token far from its old log-prob makes the loss or its gradient inf/NaN"),
+    Mutation("loss-kl-twice-with-kl-in-reward", "src/treerl/algo/loss.py",
+             "if config.kl_coef > 0 and not config.kl_in_reward:", "if config.kl_coef > 0:",
+             ("tests/algo/test_losses.py",),
+             "with kl_in_reward the KL penalty is applied in the reward and again in the loss"),
+    Mutation("normalizer-counts-untrained-sequences", "src/treerl/algo/normalizer.py",
+             "count += int(trained > 0)", "count += 1",
+             ("tests/algo",), "sequences with no trained token shrink every sequence-mean loss"),
+    Mutation("normalizer-seq-mean-over-all-tokens", "src/treerl/algo/normalizer.py",
+             "return total / torch.where(trained > 0, trained, 1.0) / sequences",
+             "return total / len(mask) / sequences",
+             ("tests/algo",), "seq_mean_token_mean divides by the sequence's length, prompt included"),
+    Mutation("normalizer-sum-drops-a-part", "src/treerl/algo/normalizer.py",
+             "LossNormalizer(self.tokens + other.tokens, self.sequences + other.sequences)",
+             "LossNormalizer(self.tokens + other.tokens, self.sequences)",
+             ("tests/algo",), "data-parallel ranks' sequence counts are not added: sequence means too large"),
+    Mutation("advantage-rloo-counts-itself", "src/treerl/algo/advantages.py",
+             "out[members] = r - (r.sum() - r) / (len(members) - 1)", "out[members] = r - r.sum() / len(members)",
+             ("tests/algo/test_advantages.py",), "RLOO's baseline includes the sample's own reward"),
+    Mutation("advantage-std-biased", "src/treerl/algo/advantages.py",
+             "centred / (r.std() + eps)", "centred / (r.std(unbiased=False) + eps)",
+             ("tests/algo/test_advantages.py",), "GRPO's advantages scaled by the population std, not the sample std"),
+    Mutation("advantage-turn-discount-ignored", "src/treerl/algo/advantages.py",
+             "out[end - 1] = gamma * turn_discount", "out[end - 1] = gamma",
+             ("tests/algo/test_advantages.py",), "turn_discount has no effect on multi-turn returns"),
+    Mutation("advantage-whiten-over-untrained-tokens", "src/treerl/algo/advantages.py",
+             "trained = torch.cat([a[m > 0] for a, m in zip(per_sequence, masks)])",
+             "trained = torch.cat(per_sequence)",
+             ("tests/algo/test_advantages.py",), "whitening statistics include prompt tokens (advantage 0)"),
+    Mutation("advantage-trajectory-counted-per-call", "src/treerl/algo/advantages.py",
+             'key = (group, seq.info.get("trajectory", ("sequence", i)))', 'key = (group, ("sequence", i))',
+             ("tests/algo/test_advantages.py",), "a multi-turn episode weighs in its group's baseline once per call"),
+    Mutation("advantage-group-of-one", "src/treerl/algo/advantages.py",
+             "        if len(members) == 1:\n            continue\n", "",
+             ("tests/algo/test_advantages.py",), "a prompt with one sample gets a NaN advantage (std of one value)"),
+    # ------------------------------------------------------------------ the balancer
+    Mutation("balance-budget-unchecked", "src/treerl/distributed/assign.py",
+             "        if run.unique(start, j + 1) > budget:", "        if run.unique(start, j + 1) > 2 * budget:",
+             ("tests/distributed/test_assign.py",), "the LPT baseline's micro-batches exceed micro_batch_tokens"),
+    Mutation("balance-rank-budget-dropped", "src/treerl/distributed/assign.py",
+             "cuts = run.micro_batches(0, len(positions), budget)", "cuts = run.micro_batches(0, len(positions), None)",
+             ("tests/distributed/test_assign.py",), "a rank's micro-batches exceed micro_batch_tokens (out of memory)"),
+    Mutation("balance-first-candidate-kept", "src/treerl/distributed/assign.py",
+             "    best = min(names, key=lambda n: (max(priced[n]), sum(priced[n]), names.index(n)))",
+             "    best = names[0]",
+             ("tests/distributed/test_assign.py",),
+             "the balancer keeps whole-tree LPT even where another plan is faster"),
+    Mutation("balance-leaf-cost-dropped", "src/treerl/distributed/assign.py",
+             " + self.leaf_weight * leaves", "",
+             ("tests/distributed",), "the balancer's run prices ignore the per-leaf cost of the fitted model"),
+    Mutation("balance-sequence-at-the-budget-refused", "src/treerl/distributed/assign.py",
+             "if len(seq) > micro_batch_tokens:", "if len(seq) >= micro_batch_tokens:",
+             ("tests/distributed/test_assign.py",), "a sequence exactly micro_batch_tokens long is refused"),
+    Mutation("balance-keep-together-inverted", "src/treerl/distributed/assign.py",
+             "if max(priced[names[0]]) <= max(priced[best]) * (1 + keep_together):",
+             "if max(priced[names[0]]) >= max(priced[best]) * (1 + keep_together):",
+             ("tests/distributed/test_assign.py",), "keep_together splits trees it should keep whole"),
+]
+
+
+def applies(mutation: Mutation) -> str | None:
+    """None if the mutation applies to the source as it is now and the result still compiles, else why not
+    (a mutation that breaks the syntax would be "caught" by every test, and test nothing)."""
+    file = ROOT / mutation.path
+    if not file.is_file():
+        return f"{mutation.path} does not exist"
+    source = file.read_text()
+    found = source.count(mutation.old)
+    if found != 1:
+        return f"its text occurs {found} times in {mutation.path} (must be once)"
+    try:
+        compile(source.replace(mutation.old, mutation.new), mutation.path, "exec")
+    except SyntaxError as e:
+        return f"the mutated {mutation.path} does not compile ({e.msg}, line {e.lineno})"
+    return None
+
+
+def run(mutation: Mutation) -> tuple[str | None, float]:
+    """(the test that failed, None if none did; seconds): the tests run with the mutation in place; the file is
+    written back whatever happens."""
+    file = ROOT / mutation.path
+    original = file.read_text()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    started = time.perf_counter()
+    try:
+        file.write_text(original.replace(mutation.old, mutation.new))
+        result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                                 *mutation.tests], check=False, cwd=ROOT, env=env, capture_output=True, text=True)
+    finally:
+        file.write_text(original)
+    seconds = time.perf_counter() - started
+    if result.returncode == 0:
+        return None, seconds
+    failed = [line.split()[1] for line in result.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    return (failed[0] if failed else f"pytest exit code {result.returncode}"), seconds
+
+
+def main(argv: list[str]) -> int:
+    chosen = [m for m in MUTATIONS if not argv or m.name in argv]
+    unknown = set(argv) - {m.name for m in MUTATIONS} - {"--list"}
+    if unknown:
+        print(f"unknown mutations: {', '.join(sorted(unknown))} (see --list)")
+        return 2
+    if "--list" in argv:
+        for m in MUTATIONS:
+            print(f"{m.name:42} {m.path:42} {m.bug}")
+        return 0
+    broken = [f"{m.name}: {why}" for m in chosen if (why := applies(m))]
+    if broken:
+        print("mutations that no longer apply (update MUTATIONS):\n  " + "\n  ".join(broken))
+        return 2
+    survivors = []
+    for m in chosen:
+        failed, seconds = run(m)
+        outcome = f"caught by {failed}" if failed else f"SURVIVED {' '.join(m.tests)}"
+        print(f"{m.name:42} {seconds:4.0f} s  {outcome}", flush=True)
+        if not failed:
+            survivors.append(m)
+    for m in survivors:
+        print(f"survivor {m.name}: {m.bug} ({m.path})")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
