@@ -140,7 +140,7 @@ def test_the_docs_draw_the_layers_the_code_has():
 
 # Modules whose line is still to be written by the engineers editing them now (engine, attention, the plan,
 # models); and the built-in agent, a user's file shown unchanged in the README.
-NOT_YET_PLACED = {"engine", "attention", "tree/plan.py", "models.py", "rollout/tasks/agent_tools_agent.py"}
+NOT_YET_PLACED = {"rollout/tasks/agent_tools_agent.py"}  # the user's agent, shown unchanged in the README
 
 
 def test_every_module_docstring_says_where_it_sits_in_a_training_step():

@@ -1,5 +1,7 @@
 """Models: a transformers causal LM from a local path, or a randomly initialised config of a real architecture.
 
+Beside the steps (docs/architecture.md): the policy steps 1 and 5 run.
+
 Nothing here downloads weights: a path must exist on disk, and the built-in shapes (tiny ones for
 tests and the CPU demo, real-size ones for GPU benchmarks) start from random weights.
 """

@@ -1,5 +1,7 @@
 """Per-turn rewards: every model call of a trajectory is its own sequence and carries the reward of its own turn.
 
+Step 3 (docs/architecture.md): per-turn rewards turned into each turn's advantages.
+
 A sequence that carries `info["turn_reward"]` trains one turn, the reply it ends with (the tree
 node it ends), and that number is the turn's reward. Within its trajectory (`info["trajectory"]`,
 else the sequence alone) `info["turn"]` names the turn and `info["parent"]` the turn it continues

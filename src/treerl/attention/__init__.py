@@ -1,4 +1,7 @@
-"""Attention routed through transformers' AttentionInterface: tree (DFS) and packed (tree mask) calls."""
+"""Attention routed through transformers' AttentionInterface: tree (DFS) and packed (tree mask) calls.
+
+Step 5 (docs/architecture.md): each layer's attention along the tree.
+"""
 
 from treerl.attention.dispatch import (
     ATTENTION_NAME,

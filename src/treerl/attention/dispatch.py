@@ -1,5 +1,7 @@
 """One attention function for the tree engines, and the model's own attention everywhere else.
 
+Step 5 (docs/architecture.md): each layer's attention, routed per call.
+
 An engine call routes the model's attention through treerl by handing every layer a *call*
 object in the attention kwargs (`treerl_call=`). transformers passes the kwargs of a forward
 down to each layer's attention function, and gradient checkpointing captures them with the

@@ -1,5 +1,7 @@
 """Attention kernels that also return the log-sum-exp, so partial attentions can be merged.
 
+Step 5 (docs/architecture.md): the kernels each layer's tree attention merges.
+
 Tree attention splits one softmax over `[ancestor keys | own keys]` into two kernel calls and
 merges them by log-sum-exp. Its backward calls each part's kernel backward with the *merged*
 output and log-sum-exp (as ring attention does), which gives the exact gradient.

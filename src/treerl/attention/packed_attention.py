@@ -1,5 +1,7 @@
 """Attention of a packed tree: all unique tokens in one row, each seeing only its ancestors.
 
+Step 5 (docs/architecture.md): PackedEngine's attention, the tree as one masked sequence.
+
 The packed engine lays the tree's nodes out in preorder, every token at its absolute position
 (its depth). Token q may see token k iff k comes no later and q's node lies in the subtree of
 k's node; a layer's sliding window or chunk further hides keys by position distance.

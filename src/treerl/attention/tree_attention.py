@@ -1,5 +1,7 @@
 """Attention of a packed unit of tree nodes: each token sees its own node causally, its ancestors fully.
 
+Step 5 (docs/architecture.md): DfsEngine's attention, each unit over the path.
+
 The DFS engine runs the model on a *unit*: tree nodes laid out one after another in a single row,
 with no padding, in preorder. A *segment* is a causal run of the row: one node, or a chain of nodes
 where each is followed by its own child (consecutive positions: one sequence). All of them hang

@@ -1,4 +1,7 @@
-"""Engines: one interface, the same gradients; they differ only in what they compute twice."""
+"""Engines: one interface, the same gradients; they differ only in what they compute twice.
+
+Step 5 (docs/architecture.md): forward + backward over a micro-batch.
+"""
 
 from treerl.engine.base import Engine, LossFn, SequenceView, StepStats
 from treerl.engine.dfs import DfsEngine

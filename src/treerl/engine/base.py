@@ -1,4 +1,7 @@
-"""What every engine shares: the loss interface, step statistics and input checks."""
+"""What every engine shares: the loss interface, step statistics and input checks.
+
+Step 5 (docs/architecture.md): the interface, statistics and checks every engine shares.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Dynamic tree attention: walk the prefix tree depth-first, computing each shared prefix once.
 
+Step 5 (docs/architecture.md): the DFS walk over the plan's units.
+
 The walk visits *units* (treerl.tree.plan): tree nodes packed into one model call without padding,
 each token attending to its own node causally and to its ancestors (treerl.attention). A unit
 hangs below a node of the current root-to-node path, whose K/V sit in a per-layer path store. On

@@ -1,5 +1,7 @@
 """The reference engine: every sequence on its own, as frameworks train today, without padding.
 
+Step 5 (docs/architecture.md): the reference every engine equals.
+
 Two layouts compute the same thing:
 - `"packed"`: sequences laid one after another in rows of at most `max_tokens` tokens, each at its
   own positions and attending causally to itself only (treerl's unit attention with no tree: the

@@ -1,5 +1,7 @@
 """Output heads: per-token log-probs and entropy from the LM head, computed in row chunks.
 
+Step 5 (docs/architecture.md): final hidden states to each token's log-prob and entropy.
+
 A `[tokens, vocab]` float32 logits tensor is never materialised for a long node: forward and
 backward each walk the rows `chunk_rows` at a time and recompute a chunk's logits in backward
 instead of saving them.

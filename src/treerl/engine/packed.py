@@ -1,5 +1,7 @@
 """Tree packing: the whole tree as one sequence with an ancestor-only attention mask.
 
+Step 5 (docs/architecture.md): the tree as one masked sequence.
+
 The unique tokens of one or more trees are laid out in depth-first order, each at its absolute
 position (its depth), and every token attends to its own node's earlier tokens and to all
 tokens of its ancestor nodes. One forward and one backward compute everything; a token shared

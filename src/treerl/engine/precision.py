@@ -1,5 +1,7 @@
 """Mixed precision for any engine: every call of the wrapped engine runs under `torch.autocast`.
 
+Step 5 (docs/architecture.md), under autocast.
+
     engine = AutocastEngine(DfsEngine(), torch.bfloat16)   # float32 parameters, bfloat16 compute
     engine.forward_backward(model, batch, loss_fn)         # gradients land in float32 .grad
 

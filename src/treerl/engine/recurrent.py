@@ -1,5 +1,7 @@
 """How a recurrent state travels through the tree, for models whose token mixers are not all attention.
 
+Step 5 (docs/architecture.md): a hybrid model's recurrent state, handed from each node to its children.
+
 Hybrid models (Qwen3.5 / Qwen3-Next's Gated DeltaNet, Kimi Linear's KDA, the Mamba2 hybrids, LFM2's short
 convolutions, MiniMax's lightning attention) carry a fixed-size state along the sequence beside attention's
 growing K/V. In the tree a node starts from its parent's final state and hands its own final state to each

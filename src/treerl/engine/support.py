@@ -1,5 +1,7 @@
 """Exact or refused: what every engine checks about a model and its settings before any compute.
 
+Step 5 (docs/architecture.md), before any compute: exact or refused.
+
 An engine either equals the flat reference, and the flat reference equals the model's own
 forward on each sequence alone, or it raises `UnsupportedModel` here with what is wrong and what
 to do. What cannot be read off the model statically (an attention argument treerl does not know,

@@ -1,5 +1,7 @@
 """What each unit of a DFS walk needs for its model call, built on the host before the walk starts.
 
+Step 5 (docs/architecture.md): what each DfsEngine call needs, built before the walk.
+
 For every unit of the plan (treerl.tree.plan): its rows (token ids and absolute positions), which of
 its own rows each row attends to (causal runs and ancestor blocks, treerl.attention), which hidden
 rows the head reads and which output slot each fills (treerl.engine.base.OutputSlots), and the

@@ -1,5 +1,7 @@
 """The per-token outputs of a DFS walk, the losses read from them, and the gradients the losses send back.
 
+Step 5 (docs/architecture.md): the DFS walk's outputs, losses and their gradients.
+
 Each token's outputs (log-probs, entropy, values) land, as plain values, in its *slot* of a flat
 per-tree buffer (treerl.engine.base.OutputSlots) when the unit that computes them runs. When the
 last node of a sequence has run, all its outputs are known: its loss is evaluated on a gather of

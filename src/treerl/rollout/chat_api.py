@@ -1,5 +1,7 @@
 """The Chat Completions API as the agent proxy serves it: requests in, `chat.completion` (or its stream) out.
 
+Step 1 (docs/architecture.md): an agent's chat completions, sampled and recorded.
+
 Also what both of the proxy's APIs share (`treerl.rollout.responses_api` is the other): a request
 for model replies in chat-message form (`ModelRequest`), one answered choice (`Answer`), and the
 message normalisation that lets the proxy compare a request's history with the replies it returned.

@@ -1,5 +1,7 @@
 """The Responses API (`POST /v1/responses`) as the agent proxy serves it, on the same recording as chat completions.
 
+Step 1 (docs/architecture.md): an agent's Responses API calls, sampled and recorded.
+
 A request's `instructions` and `input` items become chat messages: `instructions` a system
 message, a `message` item a message of its role (text parts only), consecutive `function_call`
 items the tool calls of one assistant message (after the assistant text item before them, if

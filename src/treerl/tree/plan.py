@@ -1,5 +1,7 @@
 """How the DFS engine walks a prefix tree: which nodes run together in one model call, and what is kept.
 
+Step 5 (docs/architecture.md): which nodes each DfsEngine call runs, and what it keeps.
+
 A *unit* is one model call: nodes of the forest hanging below one node of the walk's path (its
 `parent`), packed one after another in a single row without padding. A unit is an upper part of
 that forest (a node's parent is in the unit or is `parent`): whole small subtrees, and the top
