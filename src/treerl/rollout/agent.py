@@ -16,9 +16,13 @@ reward in `info["reward"]`; `group` is the task, `trajectory` the episode (count
 group baseline), `turn` the call's index. Calls that extend each other token for token (the proxy
 reuses recorded tokens, see `treerl.rollout.proxy`) share their prefix in the tree.
 
-An episode that raises, times out (`episode_timeout`), returns something that is not a finite
-number, or makes no model call is dropped: counted under `rollout/dropped_<reason>` and reported
-with its task and error, like a failing reward function; its calls are not trained.
+An episode that raises (anything: `sys.exit()` and KeyboardInterrupt too, in the episode or in a task it
+starts), times out (`episode_timeout`), returns something that is not a finite number, makes no model
+call, or makes a call that `rollout.max_context_tokens` refuses (its prompt + max_tokens too long; the
+proxy answers HTTP 400, and the episode is dropped as agent_context_limit whatever the agent does next) is
+dropped: counted under `rollout/dropped_<reason>` and reported with its task and error, like a
+failing reward function; its calls are not trained. Only a real SIGINT / SIGTERM (`treerl.errors.Interrupted`,
+raised by the CLI's or the trainer's signal handlers) goes past an episode.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from treerl.errors import UserError
+from treerl.errors import Interrupted, UserError
 from treerl.rollout.inference import InferenceEngine
 from treerl.rollout.proxy import ChatProxy, EpisodeLog
 from treerl.rollout.rewards import RewardFailure, check_reward, import_object
@@ -57,14 +61,43 @@ def load_agent(spec: str) -> AgentFn:
     return fn
 
 
-def openai_client(base_url: str, timeout: float) -> Any:
-    """An `openai.AsyncOpenAI` for one episode: no retries (a retried call would be sampled and recorded twice)."""
+def import_openai() -> Any:
+    """The OpenAI Python client, the one package the `[agents]` extra adds (the proxy is in treerl's core)."""
     try:
         import openai
     except ImportError:
-        raise ImportError("agent tasks need the OpenAI Python client: pip install 'treerl[agents]' "
-                          "(or pip install openai)") from None
-    return openai.AsyncOpenAI(base_url=base_url, api_key="treerl", max_retries=0, timeout=timeout)
+        raise UserError("agent tasks (rollout.task=agent, agent_tools) hand each episode an openai.AsyncOpenAI "
+                        "client: pip install 'treerl[agents]' (the extra adds the openai package)") from None
+    return openai
+
+
+def openai_client(base_url: str, timeout: float) -> Any:
+    """An `openai.AsyncOpenAI` for one episode: no retries (a retried call would be sampled and recorded twice)."""
+    return import_openai().AsyncOpenAI(base_url=base_url, api_key="treerl", max_retries=0, timeout=timeout)
+
+
+class AgentExited(Exception):
+    """A SystemExit or KeyboardInterrupt raised by an agent, as an ordinary error of its episode."""
+
+    def __init__(self, original: BaseException):
+        super().__init__(f"{type(original).__name__}: {original}")
+        self.original = original
+
+
+async def contained(coroutine: Awaitable[Any]) -> Any:
+    """Await `coroutine`, turning its SystemExit / KeyboardInterrupt into AgentExited: asyncio would otherwise let
+    them end the event loop, every episode of the step and the run with it (a real signal's Interrupted passes)."""
+    try:
+        return await coroutine
+    except Interrupted:
+        raise
+    except (SystemExit, KeyboardInterrupt) as e:
+        raise AgentExited(e) from None
+
+
+def contained_task(loop: asyncio.AbstractEventLoop, coroutine: Any, **options: Any) -> asyncio.Task:
+    """The event loop's task factory while episodes run: every task, the ones an agent starts too, is `contained`."""
+    return asyncio.Task(contained(coroutine), loop=loop, **options)
 
 
 @dataclass
@@ -89,6 +122,7 @@ class AgentWorkflow:
     max_calls: int | None = None  # model calls per episode at most (rollout.max_turns)
 
     def __post_init__(self) -> None:
+        import_openai()  # missing: an error when the rollout is built, not at the first episode
         self._ids = itertools.count()
 
     def run(self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats,
@@ -106,7 +140,9 @@ class AgentWorkflow:
             for call in episode.log.calls:
                 stats.count_reply(call.completion)
             reward = episode.reward
-            if not isinstance(reward, RewardFailure) and not episode.log.calls:
+            if episode.log.over_context:  # whatever the agent made of the refusal, the episode did not fit
+                reward = RewardFailure("agent_context_limit", f"outgrew its context: {episode.log.over_context}")
+            elif not isinstance(reward, RewardFailure) and not episode.log.calls:
                 reward = RewardFailure("agent_no_model_calls", "made no model call (nothing to train)")
             if isinstance(reward, RewardFailure):
                 task = json.dumps(episode.prompt.answer, default=str)[:500]
@@ -119,6 +155,7 @@ class AgentWorkflow:
         return sequences
 
     async def _play_all(self, prompts: list[Prompt]) -> list[Episode]:
+        asyncio.get_running_loop().set_task_factory(contained_task)
         limit = asyncio.Semaphore(self.max_concurrent_episodes)
         shared = openai_client(self.proxy.url + "/v1", self.episode_timeout)  # one connection pool for the step
 
@@ -137,14 +174,16 @@ class AgentWorkflow:
         self.proxy.recorder.open(episode_id, max_calls=self.max_calls)
         client = shared.with_options(base_url=self.proxy.episode_url(episode_id))  # shares the connection pool
         try:
-            value = await asyncio.wait_for(self.agent(client, copy.deepcopy(prompt.answer)), self.episode_timeout)
+            playing = contained(self.agent(client, copy.deepcopy(prompt.answer)))
+            value = await asyncio.wait_for(playing, self.episode_timeout)
             reward = check_reward(value)
             if isinstance(reward, RewardFailure):
                 reward = RewardFailure(f"reward_{reward.kind}", reward.message)
         except TimeoutError:
             reward = RewardFailure("agent_timeout", f"timed out after {self.episode_timeout} s (rollout.episode_timeout)")
         except Exception as e:  # the user's agent may raise anything; the episode is dropped and reported
-            reward = RewardFailure("agent_raised", f"raised {type(e).__name__}: {e}")
+            error = e.original if isinstance(e, AgentExited) else e
+            reward = RewardFailure("agent_raised", f"raised {type(error).__name__}: {error}")
         finally:
             log = self.proxy.recorder.close(episode_id)
         return Episode(prompt, sample, log, reward)

@@ -73,6 +73,7 @@ class EpisodeLog:
     calls: list[RecordedCall] = field(default_factory=list)
     history_mismatches: int = 0  # requests holding an assistant turn the proxy never returned (rendered afresh)
     max_calls: int | None = None
+    over_context: str | None = None  # why a request was refused for rollout.max_context_tokens (the episode is dropped)
 
 
 class CallRecorder:
@@ -337,8 +338,11 @@ class ChatProxy:
         prompt, parent = self._prompt(messages, request.tools, log)
         budget = min(request.max_completion_tokens or request.max_tokens or self.max_new_tokens, self.max_new_tokens)
         if len(prompt) + budget > self.max_context_tokens:
-            raise HTTPException(400, f"the prompt has {len(prompt)} tokens; with max_tokens {budget} it exceeds "
-                                     f"rollout.max_context_tokens={self.max_context_tokens}")
+            refused = (f"the prompt has {len(prompt)} tokens; with max_tokens {budget} it exceeds "
+                       f"rollout.max_context_tokens={self.max_context_tokens}")
+            if log is not None:
+                log.over_context = log.over_context or refused
+            raise HTTPException(400, refused)
         params = SamplingParams(n=request.n, max_new_tokens=budget, temperature=self.temperature,
                                 top_p=request.top_p if request.top_p is not None else self.top_p,
                                 stop_token_ids=tuple(self.chat.stop_token_ids + self._stop_ids(request.stop)),
