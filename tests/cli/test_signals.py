@@ -82,3 +82,29 @@ def test_a_signal_while_the_run_sets_up_is_one_line_and_writes_nothing(tmp_path,
     assert code == 128 + sig and "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == message(sig), stderr
     assert not (tmp_path / "out").exists()
+
+
+# A reward that blocks once both training steps are in metrics.jsonl: in the final evaluation.
+BLOCKED_FINAL_EVALUATION = """
+import pathlib, time
+
+def one(prompt, completion, answer):
+    metrics = pathlib.Path("out/metrics.jsonl")
+    if metrics.exists() and metrics.read_text().count('"train/loss"') >= 2:
+        pathlib.Path("BLOCKED").touch()
+        time.sleep(600)
+    return 1.0
+"""
+
+
+@pytest.mark.slow
+def test_a_signal_in_the_final_evaluation_stops_at_once(tmp_path):
+    """After the last step the trainer's handlers are gone: a Ctrl-C in the final evaluation stops it at once (it was
+    ignored, and the run ended with exit 0); the final checkpoint is there, summary.json is not."""
+    (tmp_path / "final_rewards.py").write_text(BLOCKED_FINAL_EVALUATION)
+    (tmp_path / "data.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    args = [*TRAIN, "trainer.eval_prompts=1", "rollout.task=dataset", "rollout.data_path=data.jsonl",
+            "rollout.reward_fn=final_rewards:one", "trainer.tensorboard=false"]
+    code, stderr = run_until_blocked(tmp_path, args, signal.SIGINT)
+    assert code == 130 and "Traceback" not in stderr and stderr.strip().splitlines()[-1] == message(signal.SIGINT)
+    assert (tmp_path / "out" / "checkpoints" / "step_000002").is_dir() and not (tmp_path / "out" / "summary.json").exists()

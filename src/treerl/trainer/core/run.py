@@ -225,7 +225,8 @@ class Run:
     def steps(self) -> Iterator[int]:
         """Training steps from the resumed one to `trainer.steps`, with a progress bar on rank 0. After a SIGINT or
         SIGTERM it stops after the current step, with a checkpoint (`stopped_by` names the signal). Before the
-        first step (while the run sets up and evaluates) a signal is not caught here: the CLI stops at once."""
+        first step and after the last (setting up, the start and final evaluations) a signal is not caught here:
+        the CLI stops at once, with one line."""
         self.stop.install()
         self.report.open_bar()
         for step in range(self.start_step, self.config.trainer.steps):
@@ -240,6 +241,7 @@ class Run:
                                   f"checkpoint {path} (continue with trainer.resume=auto)")
                 break
         self.report.close_bar()
+        self.stop.restore()  # after the last step (the final evaluation, the summary) a signal stops at once
 
     @property
     def steps_done(self) -> int:
