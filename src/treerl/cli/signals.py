@@ -8,7 +8,8 @@ apply, so a Ctrl-C while a run starts is as clean as one while it trains:
         command()
 
 While the commands' own modules import (the top of `treerl.cli.main`, seconds for torch and transformers)
-nothing has started and nothing can be written, so `exit_on_signals` ends the process at once with the same line.
+nothing has started and nothing can be written, so the handler `exit_at_once` ends the process at once with the
+same line.
 Only the main thread can install handlers; elsewhere both do nothing.
 """
 

@@ -18,9 +18,10 @@ turn rewards along the path); the turn's own reward is in `turn_reward`. Other i
 (the episode), `trajectory` (the path), `turn`, `turns` (calls in the trajectory),
 `finish_reason` of the reply, `truncated` (the trajectory hit max_turns or max_context_tokens
 before the environment was done). An episode whose first prompt + max_new_tokens already exceeds
-max_context_tokens is not played: its group_size trajectories are dropped (context_limit). An environment that raises, or returns a NaN/inf reward,
-drops that trajectory (counted and reported); its sibling branches go on. So does a step that takes
-longer than the workflow's `user_code` timeout (`rollout.reward_timeout`).
+max_context_tokens is not played: its group_size trajectories are dropped (context_limit). An
+environment that raises, or returns a NaN/inf reward, drops that trajectory (counted and reported);
+its sibling branches go on. So does a step that takes longer than the workflow's `user_code` timeout
+(`rollout.reward_timeout`).
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ class RolloutStats:
         the model for at start is ever sampled or trained."""
         if limit is None or tokens + budget <= limit:
             return False
-        reason = f"the prompt has {tokens} tokens; with max_new_tokens {budget} it exceeds rollout.max_context_tokens={limit}"
+        reason = (f"the prompt has {tokens} tokens; with max_new_tokens {budget} it exceeds "
+                  f"rollout.max_context_tokens={limit}")
         for j in range(samples):
             self.drop(DroppedSample(reason, f"{prompt_id}/{j}", text, ""), "context_limit")
         return True

@@ -133,8 +133,8 @@ class Run:
     critic: Learner | None = None  # PPO's value model, when the advantages are GAE
     stop: StopSignals = field(default_factory=StopSignals)
     stopped_by: str | None = None  # "SIGINT" / "SIGTERM" when a signal ended the run early
-    failed_steps: list[tuple[int, str]] = field(default_factory=list)  # the latest run of steps whose every sample
-    # was dropped: (step, its first failure)
+    failed_steps: list[tuple[int, str]] = field(default_factory=list)  # (step, first failure): the latest steps in a
+    # row whose every sample was dropped (trainer.max_failed_steps of them stop the run)
     step: int = 0  # the step being trained
     threads_before: int = 0  # torch's thread count before the run set its own
     replaces: bool = False  # output_dir holds an earlier run's outputs, deleted by `claim_output`
