@@ -4,8 +4,8 @@ What runs, and how:
 - A fenced ```python block runs as it is, in a fresh interpreter, in an empty directory.
 - A fenced ```bash block runs command by command (a line ending in `\\` continues; `# ...` comments
   are dropped; `a && b` is two commands), in a fresh directory holding the repository's `configs/`
-  and `examples/` (what a user has after cloning) and `batch.jsonl` (token lines, what
-  `treerl inspect` reads). `treerl ...` runs as `python -m treerl.cli.main ...` from this checkout.
+  and `examples/` (what a user has after cloning, nothing more: a command that reads a file names one
+  the repository ships). `treerl ...` runs as `python -m treerl.cli.main ...` from this checkout.
 - Shrunk, not changed: commands that train or benchmark get overrides appended, so they run in
   seconds (later overrides win): `treerl train` / `treerl sft` get TRAIN_SHRINK (2 steps, 2 prompts
   of 2 samples, a 2-prompt evaluation), `treerl bench` gets BENCH_SHRINK / BALANCE_SHRINK (every
@@ -115,14 +115,10 @@ def environment() -> dict[str, str]:
 
 
 def user_directory(tmp_path: Path) -> Path:
-    """A fresh directory with what a user has next to the commands: the repository's configs and examples,
-    and a batch of token lines for `treerl inspect`."""
-    from treerl.tree.io import write_jsonl
-    from treerl.tree.workloads import grpo_groups
-
+    """A fresh directory with what a user has next to the commands after cloning: the repository's configs and
+    examples."""
     for name in ("configs", "examples"):
         (tmp_path / name).symlink_to(ROOT / name)
-    write_jsonl(grpo_groups(prompts=2, group_size=4, prompt_len=30, response_len=10), tmp_path / "batch.jsonl")
     return tmp_path
 
 

@@ -29,6 +29,20 @@ class CheckpointError(UserError):
 
 
 class TrainingStopped(RuntimeError):
-    """The run stopped itself on purpose (a non-finite loss, gradient or weight); nothing non-finite was written."""
+    """The run stopped itself on purpose (a non-finite loss, gradient or weight, or steps whose every sample was
+    dropped); nothing non-finite was written."""
 
     exit_code = 3
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM sent to the run (a real Ctrl-C, never one an agent or reward raised); the CLI exits with
+    128 + the signal's number and this one line."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

@@ -67,6 +67,28 @@ SHAPES: dict[str, tuple[str, dict]] = {
 }
 
 
+def check_device(device: str, key: str) -> torch.device:
+    """`device` as a torch device this machine has (cpu; cuda or cuda:N with CUDA; mps on Apple silicon), checked
+    before anything is built; a UserError naming `key` (model.device, --device) and what is allowed otherwise."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise UserError(f"{key}={device!r} is not a device: use cpu, cuda or cuda:N") from None
+    if parsed.type == "cpu":
+        return parsed
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UserError(f"{key}={device!r}, but torch sees no CUDA device here (torch.cuda.is_available() is "
+                            "False): use cpu")
+        if parsed.index is not None and parsed.index >= count:
+            raise UserError(f"{key}={device!r}, but there are only {count} CUDA devices (cuda:0 to cuda:{count - 1})")
+        return parsed
+    if parsed.type == "mps" and torch.backends.mps.is_available():
+        return parsed
+    raise UserError(f"{key}={device!r}: treerl trains on cpu or cuda (cuda:N), not on {parsed.type!r} here")
+
+
 def model_config(shape: str, vocab_size: int | None = None, max_positions: int = 32768):
     """The transformers config of a named shape (see SHAPES), random weights to be initialised from it."""
     if shape not in SHAPES:

@@ -8,9 +8,11 @@ HTTP limits are in tests/rollout/test_server_guard.py.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import re
 import shutil
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ import torch
 from typer.testing import CliRunner
 
 from treerl.cli.main import app
+from treerl.errors import UserError
 from treerl.models import build_model
 from treerl.rollout import builtin_tokenizer
 
@@ -93,7 +96,31 @@ CONFIG = [
          r"rollout.reward_timeout=60.0 must be < trainer.worker_timeout=30.0"),
     Case("zero threads", train("trainer.threads=0"), r"trainer.threads=0 must be > 0"),
     Case("zero line limit", train("rollout.max_line_bytes=0"), r"rollout.max_line_bytes=0 must be > 0"),
+    Case("threads beyond the limit", train("trainer.threads=100000"), r"trainer.threads=100000 must be <= 1024"),
+    Case("server_url not http", train("rollout.server_url=ftp://example.org"),
+         r"rollout.server_url='ftp://example.org' must be an http:// or https:// URL"),
+    Case("server_url unreachable", lambda tmp, a: train(f"rollout.server_url=http://127.0.0.1:{closed_port()}")(tmp, a),
+         r"rollout.server_url='http://127.0.0.1:\d+': cannot reach the inference server \(.*refused"),
+    Case("unknown device", train("model.device=gpu0"), r"model.device='gpu0' is not a device: use cpu, cuda or cuda:N"),
+    Case("device without its hardware", train("model.device=cuda:99"),
+         r"model.device='cuda:99', but (torch sees no CUDA device|there are only \d+ CUDA devices)"),
+    Case("device treerl does not train on", train("model.device=meta"), r"model.device='meta': treerl trains on cpu"),
+    Case("output_dir is a file", lambda tmp, a: [write(tmp, "out", "a file"), *train()(tmp, a)][1:],
+         r"trainer.output_dir='.*out' is a file: it must be a directory"),
+    Case("output_dir under a file", lambda tmp, a: ["train", *TRAIN, f"trainer.output_dir={write(tmp, 'f', '') / 'run'}"],
+         r"trainer.output_dir='.*f/run' is under '.*f', a file"),
 ]
+if not torch.cuda.is_available():
+    CONFIG.append(Case("cuda without CUDA", train("model.device=cuda"), r"model.device='cuda', but torch sees no CUDA"))
+if importlib.util.find_spec("wandb") is None:  # it used to write metrics.jsonl, then fail at the first metric
+    CONFIG.append(Case("wandb not installed", train("trainer.wandb=true"), r"trainer.wandb=true needs Weights & Biases"))
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -138,7 +165,19 @@ MODEL = [
          r"the tokenizer has \d+ tokens but the model's vocabulary only 50"),
     Case("a model the engines cannot reproduce", lambda tmp, a: train(f"model.path={longrope_model(tmp)}")(tmp, a),
          r"Phi3ForCausalLM \(phi3\): RoPE type 'longrope' changes its frequencies with the length of each call"),
+    Case("contexts longer than the model's positions", lambda tmp, a: train(f"model.path={short_model(tmp)}")(tmp, a),
+         r"rollout.max_context_tokens=4096 is more than the model's maximum of 64 positions .*set "
+         r"rollout.max_context_tokens=64 or lower"),
 ]
+
+
+def short_model(tmp: Path) -> Path:
+    """tiny-qwen3 with 64 positions: the default rollout.max_context_tokens (4096) does not fit it."""
+    tokenizer = builtin_tokenizer()
+    model = build_model(shape="tiny-qwen3", vocab_size=len(tokenizer), overrides={"max_position_embeddings": 64})
+    model.save_pretrained(tmp / "short")
+    tokenizer.save_pretrained(tmp / "short")
+    return tmp / "short"
 
 
 def longrope_model(tmp: Path) -> Path:
@@ -274,6 +313,7 @@ INSPECT = [
          r"batch.jsonl:1: line longer than 30 bytes \(raise --max-line-bytes"),
     Case("field of wrong length", inspect(jsonl({"tokens": [1, 2, 3], "loss_mask": [1, 0]})),
          r"field 'loss_mask' has shape \(2,\), but the sequence has 3 tokens"),
+    Case("zero chunk tokens", inspect(jsonl({"tokens": [1, 2]}), "--chunk-tokens", "0"), r"--chunk-tokens=0 must be > 0"),
 ]
 
 
@@ -378,6 +418,9 @@ SERVE = [
     Case("serve with no room for n", lambda tmp, a: ["serve", "--max-n", "0"], r"--max-n=0 must be > 0"),
     Case("serve remote code", lambda tmp, a: ["serve", "--model-path", str(model_with_remote_code(tmp, a))],
          r"needs its own Python code"),
+    Case("serve on a port that is not one", lambda tmp, a: ["serve", "--port", "70000"],
+         r"--port=70000 must be a TCP port, 1 to 65535"),
+    Case("serve on an unknown device", lambda tmp, a: ["serve", "--device", "gpu0"], r"--device='gpu0' is not a device"),
 ]
 
 
@@ -413,6 +456,30 @@ def test_bad_input_is_one_error_line_exit_2_and_nothing_written(case, tmp_path, 
     assert "Traceback" not in result.output
     assert snapshot(tmp_path) == before  # nothing written, nothing lost
     assert not (tmp_path / "RAN").exists()  # no code from a model directory or a checkpoint ran
+
+
+def test_a_run_that_fails_before_its_first_step_is_trained_writes_nothing(tmp_path, assets, monkeypatch):
+    """The start evaluation ran (its metrics held, TensorBoard on), then the first step refused its batch: nothing
+    is written, so the fixed command runs in a fresh output_dir as it is; and an earlier run that
+    trainer.overwrite=true was to replace is left whole."""
+    from treerl.trainer.rl import sync
+
+    def refused(*args, **kwargs):
+        raise UserError("the first step refuses its batch")
+
+    command = ["train", *TRAIN, "trainer.eval_prompts=2", "trainer.tensorboard=true"]
+    shutil.copytree(assets.run, tmp_path / "earlier")
+    before = snapshot(tmp_path)
+    with monkeypatch.context() as patched:
+        patched.setattr(sync, "learn", refused)
+        for out in ("fresh", "earlier"):
+            result = CliRunner().invoke(app, [*command, f"trainer.output_dir={tmp_path / out}", "trainer.overwrite=true"])
+            assert result.exit_code == 2 and "error: the first step refuses its batch" in result.output, result.output
+            assert "mean reward at start" in result.output  # the evaluation ran; its metrics were held
+            assert snapshot(tmp_path) == before and not (tmp_path / "fresh").exists()
+    result = CliRunner().invoke(app, [*command, f"trainer.output_dir={tmp_path / 'fresh'}"])  # the fixed rerun
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "fresh" / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("error", [RuntimeError("a bug in treerl"), EOFError("Ran out of input")])

@@ -6,13 +6,16 @@ import ast
 import asyncio
 import json
 import math
+import signal
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from treerl.errors import Interrupted, UserError
 from treerl.rollout import Rollout, RolloutConfig
-from treerl.rollout.agent import AgentWorkflow, load_agent
+from treerl.rollout.agent import AgentExited, AgentWorkflow, contained, load_agent
 from treerl.rollout.proxy import ChatProxy
 from treerl.rollout.stats import RolloutStats
 from treerl.rollout.tasks import AgentTools
@@ -80,6 +83,67 @@ def test_failing_episodes_are_dropped_and_counted_with_their_reason(chat, script
     assert stats.metrics()["rollout/dropped_agent_raised"] == 2
 
 
+def test_an_agent_that_exits_loses_its_episode_not_the_run(chat, scripted):
+    """sys.exit(0), SystemExit or KeyboardInterrupt in an episode, or in a task the episode starts, is that
+    episode's failure (dropped as agent_raised, with the exception named); the other episodes are trained. A real
+    signal (Interrupted, raised by the CLI's or the trainer's handler) still goes past the episodes."""
+
+    async def in_a_task():
+        raise SystemExit(3)
+
+    async def agent(client, task):
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+        kind = task["kind"]
+        if kind == 0:
+            sys.exit(0)
+        if kind == 1:
+            raise KeyboardInterrupt("pressed in the agent")
+        if kind == 2:
+            await asyncio.gather(in_a_task())
+        if kind == 3:
+            await asyncio.create_task(in_a_task())
+        return 1.0
+
+    sequences, stats = _play(chat, scripted(lambda p, j: "y"), agent, 5, group_size=2)
+    assert dict(stats.dropped) == {"agent_raised": 8} and stats.kept == 2
+    assert {s.info["group"] for s in sequences} == {"t4"}
+    reasons = " ".join(s.reason for s in stats.dropped_samples)
+    assert "raised SystemExit: 0" in reasons and "raised SystemExit: 3" in reasons
+    assert "raised KeyboardInterrupt: pressed in the agent" in reasons
+
+    async def raises(error):
+        raise error
+
+    with pytest.raises(AgentExited, match="SystemExit: 0"):
+        asyncio.run(contained(raises(SystemExit(0))))
+    with pytest.raises(Interrupted, match="SIGINT received twice"):
+        asyncio.run(contained(raises(Interrupted(signal.SIGINT, "SIGINT received twice"))))
+
+
+def test_an_episode_whose_call_outgrows_the_context_limit_is_dropped(chat, scripted):
+    """The proxy refuses a call whose prompt + max_tokens exceeds rollout.max_context_tokens (HTTP 400); the episode
+    is dropped as agent_context_limit, even when the agent catches the error and returns a reward."""
+    import openai
+
+    async def agent(client, task):
+        messages = [{"role": "user", "content": "x" * (40 if task["kind"] else 1)}]
+        try:
+            await client.chat.completions.create(model="p", messages=messages, max_tokens=4)
+        except openai.BadRequestError:
+            return 0.5  # carries on as if nothing happened
+        return 1.0
+
+    workflow = AgentWorkflow(agent, ChatProxy(scripted(lambda p, j: "y"), chat, max_context_tokens=30))
+    stats = RolloutStats()
+    try:
+        sequences = workflow.run(workflow.proxy.engine, _prompts(2), stats, seed=0)
+    finally:
+        workflow.proxy.stop()
+    assert dict(stats.dropped) == {"agent_context_limit": 8} and stats.kept == 8
+    assert {s.info["group"] for s in sequences} == {"t0"}
+    assert "exceeds rollout.max_context_tokens=30" in stats.dropped_samples[0].reason
+
+
 def test_an_episode_past_its_timeout_is_dropped_and_the_step_goes_on(chat, scripted):
     """An agent that never returns is cut at `episode_timeout` (its model call made or not: the machine's speed
     does not change the outcome) and dropped as agent_timeout; the step ends instead of waiting for it."""
@@ -93,6 +157,14 @@ def test_an_episode_past_its_timeout_is_dropped_and_the_step_goes_on(chat, scrip
     assert time.monotonic() - started < 60
     assert dict(stats.dropped) == {"agent_timeout": 2} and stats.kept == 0 and sequences == []
     assert "rollout.episode_timeout" in " ".join(s.reason for s in stats.dropped_samples)
+
+
+def test_without_the_openai_client_an_agent_task_stops_before_any_episode(tokenizer, scripted, monkeypatch):
+    """The `[agents]` extra adds the openai package, the client an agent is handed: without it the rollout is not
+    built (one line naming the extra), instead of an ImportError at the first episode."""
+    monkeypatch.setitem(sys.modules, "openai", None)  # `import openai` raises ImportError
+    with pytest.raises(UserError, match=r"openai.AsyncOpenAI client: pip install 'treerl\[agents\]'"):
+        Rollout(RolloutConfig(task="agent_tools"), tokenizer, scripted(lambda p, j: "y"))
 
 
 def test_agent_loading_errors_name_the_problem(tmp_path):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ValidationError
 
 from treerl.engine import FlatEngine, PolicyHead
+from treerl.errors import UserError
 from treerl.rollout import CompletionsClient, EmbeddedEngine, Rollout, RolloutConfig, build_engine
 from treerl.tree import PrefixTree, validate_sequences
 
@@ -105,7 +108,18 @@ def test_config_works_as_an_omegaconf_structured_config():
 
 
 def test_build_engine_picks_the_server_client_or_needs_the_model():
-    client = build_engine(RolloutConfig(server_url="http://127.0.0.1:9", server_model="m", request_timeout=3))
+    """A server that answers anything (here 501 to GET /health) is reachable; one nobody listens on is a UserError
+    naming rollout.server_url before anything is sampled (it was a traceback at the first sample)."""
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        client = build_engine(RolloutConfig(server_url=url, server_model="m", request_timeout=3))
+    finally:
+        server.shutdown()
+        server.server_close()
     assert isinstance(client, CompletionsClient) and client.model == "m" and client.timeout == 3
+    with pytest.raises(UserError, match=rf"rollout.server_url='{url}': cannot reach the inference server"):
+        build_engine(RolloutConfig(server_url=url))  # closed now
     with pytest.raises(ValueError, match="needs the model"):
         build_engine(RolloutConfig())

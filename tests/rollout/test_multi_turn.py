@@ -109,3 +109,16 @@ def test_cut_off_replies_and_the_context_limit(chat, scripted, tokenizer):
         assert len(seq) - 3 + workflow.sampling.max_new_tokens <= 40  # its context left room for a full reply
     text = tokenizer.decode(sequences[-1].tokens)
     assert text.count("<assistant>123<eos><tool>") == 2 and text.endswith("<assistant>123")
+
+
+def test_an_episode_whose_first_prompt_is_over_the_context_limit_is_not_played(chat, scripted):
+    """Its group_size trajectories are dropped as context_limit before any model call; the other episode plays."""
+    stats = RolloutStats()
+    episodes = _episodes([5, 5])
+    episodes[1].messages[0]["content"] = "guess " * 30
+    workflow = _workflow(chat, GuessNumber(max_turns=1), group_size=2, branch_at=(), max_turns=1,
+                         max_context_tokens=40)
+    engine = scripted(lambda text, j: "5")
+    sequences = workflow.run(engine, episodes, stats)
+    assert engine.calls == [(1, 2)] and {s.info["group"] for s in sequences} == {"e0"}
+    assert stats.dropped == {"context_limit": 2} and stats.prompts == 2

@@ -71,3 +71,22 @@ def test_every_sample_dropped_gives_an_empty_batch_and_counts(chat, scripted):
     sequences = _workflow(chat, lambda **kw: None).run(scripted(lambda p, j: "1"), Arithmetic().prompts(0, 2), stats)
     assert sequences == [] and stats.dropped == {"reward_not_a_number": 6}
     assert math.isnan(stats.metrics()["rollout/reward_mean"])
+
+
+def test_a_prompt_longer_than_the_context_limit_is_not_sampled_and_counted(chat, scripted, tokenizer):
+    """rollout.max_context_tokens holds for single-turn tasks too: a prompt whose tokens + max_new_tokens exceed it
+    is not sampled, each of its samples dropped as context_limit (the model check at start assumed the limit)."""
+    prompts = Arithmetic(seed=0).prompts(0, 2)
+    prompts[1].messages[-1]["content"] = "1+1=" * 20
+    shortest = len(chat.prompt(prompts[0].messages))
+    workflow = _workflow(chat)
+    workflow.max_context_tokens = shortest + workflow.sampling.max_new_tokens  # the first prompt just fits
+    engine = scripted(lambda prompt, j: "7")
+    stats = RolloutStats()
+    sequences = workflow.run(engine, prompts, stats)
+    assert engine.calls == [(1, 3)] and {s.info["group"] for s in sequences} == {prompts[0].id}
+    assert stats.dropped == {"context_limit": 3} and stats.kept == 3 and stats.samples == 6 and stats.prompts == 2
+    assert all(len(s) <= workflow.max_context_tokens for s in sequences)
+    assert "exceeds rollout.max_context_tokens" in stats.dropped_samples[0].reason
+    assert workflow.run(engine, prompts[1:], RolloutStats()) == []  # nothing fits: no engine call at all
+    assert engine.calls == [(1, 3)]

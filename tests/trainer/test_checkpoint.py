@@ -3,15 +3,18 @@ resume=auto skips a broken newest one; pruning touches only this run's; new sett
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from treerl.errors import CheckpointError
 from treerl.trainer import train
 from treerl.trainer.core import checkpoint
 from treerl.trainer.core.checkpoint import (
@@ -171,3 +174,40 @@ def test_a_refused_resume_writes_nothing(tiny_config, tmp_path, change):
     with pytest.raises(ValueError, match=f"cannot resume from .*{key}: "):
         train(tiny_config("trainer.steps=2", "trainer.resume=auto", change))
     assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
+
+
+def test_a_manifest_path_that_leaves_the_checkpoint_is_refused(tiny_config, tmp_path):
+    """A crafted manifest naming a file outside the checkpoint (`..`, an absolute path, a link that leads out),
+    with that file's true size and sha256, must not make resume read and hash it: the checkpoint is refused."""
+    train(tiny_config("trainer.steps=1"))
+    original = checkpoint_dir(tmp_path / "run", 1)
+    secret = tmp_path / "run" / "secret.txt"
+    secret.write_text("not the checkpoint's")
+    entry = {"bytes": secret.stat().st_size, "sha256": hashlib.sha256(secret.read_bytes()).hexdigest()}
+
+    def crafted(name: str | None, link: str | None = None) -> Path:
+        """A copy of the checkpoint whose manifest lists `name` with the secret's size and sha256, and whose file
+        `link` (listed or not) is a link to the secret."""
+        step = tmp_path / "crafted" / original.name
+        shutil.rmtree(step.parent, ignore_errors=True)
+        shutil.copytree(original, step)
+        if link is not None:
+            (step / link).unlink(missing_ok=True)
+            (step / link).symlink_to(secret)
+        if name is not None:
+            manifest = json.loads((step / MANIFEST).read_text())
+            manifest["files"][name] = entry
+            (step / MANIFEST).write_text(json.dumps(manifest))
+        return step
+
+    cases = [(("../../secret.txt",), r"names '\.\./\.\./secret.txt', a path outside the checkpoint"),
+             ((str(secret),), r"names '/.*secret.txt', a path outside the checkpoint"),
+             (("model.safetensors", "model.safetensors"), r"model.safetensors is a link to .*secret.txt"),
+             ((None, "special_tokens_map.json"), r"special_tokens_map.json is a link to .*secret.txt")]
+    for how, message in cases:
+        step = crafted(*how)
+        with pytest.raises(CheckpointError, match=message):
+            verify_checkpoint(step)
+        with pytest.raises(CheckpointError, match=f"trainer.resume='{step}'.*{message}"):
+            Run.start(tiny_config("trainer.steps=2", f"trainer.resume={step}", name="resumed"))
+    verify_checkpoint(original)  # the untouched checkpoint still verifies

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from support import treerl_serve
+from typer.testing import CliRunner
 
-from treerl.errors import CheckpointError, UserError
+from treerl.cli.main import app
+from treerl.errors import CheckpointError, TrainingStopped, UserError
 from treerl.rollout import CompletionsClient, Rollout, SamplingParams, build_engine
 from treerl.testing import relative_error
 from treerl.trainer import ConfigError, train
@@ -195,6 +198,9 @@ def exits(prompt, completion, answer):
 def hangs(prompt, completion, answer):
     import time
     time.sleep(3600)
+
+def huge(prompt, completion, answer):
+    return 1e308
 '''
 
 
@@ -242,6 +248,33 @@ def test_a_reward_that_exits_or_hangs_drops_its_sample_and_the_run_goes_on(tiny_
     (row,) = [r for r in metrics_rows(tmp_path / "run") if "rollout/dropped" in r]
     assert row[f"rollout/dropped_{reason}"] == 8
     assert text in (tmp_path / "run" / "dropped.jsonl").read_text()
+
+
+def test_a_reward_too_large_to_train_on_drops_its_sample(tiny_config, tmp_path, user_task):
+    """1e308 (it made the reward statistics raise OverflowError) is a dropped sample, reason reward_too_large."""
+    result = train(tiny_config(*user_task, "rollout.reward_fn=my_rewards_for_trainer_test:huge", "trainer.steps=1",
+                               "trainer.save_final=false"))
+    assert result.steps == 1 and result.skipped_steps == 1 and result.dropped_samples == 2 * 4
+    (row,) = [r for r in metrics_rows(tmp_path / "run") if "rollout/dropped" in r]
+    assert row["rollout/dropped_reward_too_large"] == 8
+    assert "returned 1e+308; rewards must be within +-1e+09" in (tmp_path / "run" / "dropped.jsonl").read_text()
+
+
+def test_a_run_whose_every_sample_keeps_failing_stops_naming_the_first_failure(tmp_path, user_task):
+    """trainer.max_failed_steps steps in a row with every sample dropped: exit code 3 and one line naming the first
+    failure (not exit 0 with a NaN reward); the failed steps are logged, no checkpoint is written."""
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", *user_task, "rollout.reward_fn=my_rewards_for_trainer_test:broken",
+                                      "trainer.steps=10", "trainer.max_failed_steps=2", "trainer.eval_prompts=0",
+                                      "trainer.progress=false", "trainer.tensorboard=false",
+                                      "rollout.prompts_per_step=2", "rollout.group_size=2", f"trainer.output_dir={out}"])
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == TrainingStopped.exit_code and len(errors) == 1, result.output
+    assert re.fullmatch(r"error: every sample of 2 steps in a row \(steps 0-1\) was dropped \(trainer.max_failed_steps=2\); "
+                        r"the first failure: \[s0/p0\S*\] reward function raised RuntimeError: reward server down; all of "
+                        r"them in .*dropped.jsonl", errors[0]), errors[0]
+    assert [r["step"] for r in metrics_rows(out) if "rollout/dropped" in r] == [0, 1]
+    assert not (out / "checkpoints").exists()
 
 
 def test_bad_setups_are_clear_errors(tiny_config, tmp_path):

@@ -67,7 +67,8 @@ def test_a_signal_ends_the_run_after_the_step_with_a_checkpoint_and_a_summary(ti
 
 
 def test_a_second_ctrl_c_aborts_at_once(tmp_path, monkeypatch):
-    """Two Ctrl-C 0.05 s apart inside one slow step (its reward takes 0.3 s a sample): no checkpoint, no summary."""
+    """Two Ctrl-C 0.05 s apart inside one slow step (its reward takes 0.3 s a sample): no checkpoint, no summary, and
+    a line saying so (it was click's silent exit 130)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "slow_rewards_for_stop_test.py").write_text(
         "import time\n\ndef slow(prompt, completion, answer):\n    time.sleep(0.3)\n    return 1.0\n")
@@ -78,7 +79,8 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path, monkeypatch):
                                       "rollout.task=dataset", f"rollout.data_path={tmp_path / 'data.jsonl'}",
                                       "rollout.reward_fn=slow_rewards_for_stop_test:slow"])
     thread.join()
-    assert result.exit_code == 130 and "stopped after step" not in result.output, result.output  # click: aborted
+    assert result.exit_code == 130 and "stopped after step" not in result.output, result.output
+    assert "SIGINT received twice: stopped without a checkpoint" in result.output  # one line, no traceback
     assert not (out / "summary.json").exists()
     assert [s for s, _ in step_dirs(out)] == [1]  # the first step's checkpoint, nothing after the signals
 
@@ -88,3 +90,41 @@ def test_one_process_agrees_with_itself():
     assert stop.agreed() is None
     stop.received = signal.SIGTERM
     assert stop.agreed() == "SIGTERM"
+
+
+EXITING_AGENT = '''
+import itertools
+import sys
+
+episodes = itertools.count()
+
+
+async def episode(client, task):
+    """Every other episode calls sys.exit(0) (once a step, KeyboardInterrupt instead) after its model call."""
+    number = next(episodes)
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task["question"]}],
+                                         max_tokens=4)
+    if number % 4 == 1:
+        sys.exit(0)
+    if number % 4 == 3:
+        raise KeyboardInterrupt("in the agent")
+    return 1.0
+'''
+
+
+def test_an_agent_that_exits_loses_its_episode_and_a_real_ctrl_c_still_stops_the_run(tmp_path):
+    """sys.exit(0) / KeyboardInterrupt in agent episodes are dropped episodes (the run goes on, it used to end with
+    exit 0 and no message); a real SIGINT to the run still finishes the step, checkpoints and exits 130."""
+    (tmp_path / "exiting_agent.py").write_text(EXITING_AGENT)
+    out = tmp_path / "out"
+    thread = signal_after(out, 2, signal.SIGINT)
+    result = CliRunner().invoke(app, ["train", "agent_tools", *TRAIN, f"trainer.output_dir={out}",
+                                      f"rollout.agent={tmp_path / 'exiting_agent.py'}:episode"])
+    thread.join()
+    assert result.exit_code == 130 and "SIGINT: stopped after step" in result.output, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGINT" and summary["steps"] >= 2
+    assert summary["dropped_samples"] == 2 * summary["steps"]  # 2 of the 4 episodes of every step
+    assert verify_checkpoint(latest_checkpoint(out))["step"] == summary["steps"]
+    dropped = (out / "dropped.jsonl").read_text()
+    assert "raised SystemExit: 0" in dropped and "raised KeyboardInterrupt: in the agent" in dropped

@@ -20,6 +20,7 @@ from treerl.algo.config import AlgoConfig
 from treerl.tree import BatchError, TokenSequence, validate_sequences
 
 LOGPROB_FIELDS = ("old_logprobs", "prox_logprobs", "ref_logprobs")
+MAX_ABS_REWARD = 1e9  # larger rewards overflow the group statistics and the float32 loss (1e308 raised OverflowError)
 
 
 def required_fields(config: AlgoConfig, critic: bool = False) -> list[str]:
@@ -94,7 +95,7 @@ def validate_batch(config: AlgoConfig, sequences: Sequence[TokenSequence], criti
 
 
 def check_reward(seq: TokenSequence, index: int) -> float | list[float]:
-    """`info["reward"]`: a finite number, or a non-empty list of finite per-turn rewards."""
+    """`info["reward"]`: a finite number within +-MAX_ABS_REWARD, or a non-empty list of them (per-turn rewards)."""
     if "reward" not in seq.info:
         raise BatchError(f"{seq.label(index)}: field 'reward' is missing from info (needed to compute advantages)")
     reward = seq.info["reward"]
@@ -104,6 +105,8 @@ def check_reward(seq: TokenSequence, index: int) -> float | list[float]:
     if not values:
         raise BatchError(f"{seq.label(index)}: field 'reward' is an empty list")
     for value in values:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise BatchError(f"{seq.label(index)}: field 'reward' is {reward!r}; rewards must be finite numbers")
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+                or abs(value) > MAX_ABS_REWARD):
+            raise BatchError(f"{seq.label(index)}: field 'reward' is {reward!r}; rewards must be finite numbers "
+                             f"within +-{MAX_ABS_REWARD:g}")
     return [float(v) for v in values] if isinstance(reward, (list, tuple)) else float(reward)

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from treerl.cli.options import check_positive
 from treerl.tree import PrefixTree, validate_sequences
 from treerl.tree.io import MAX_LINE_BYTES, read_jsonl
 
@@ -24,6 +25,7 @@ def inspect(
     max_line_bytes: int = typer.Option(MAX_LINE_BYTES, help="longest line accepted (a longer one is an error)"),
 ) -> None:
     """Print the prefix-tree stats of a batch of token sequences."""
+    check_positive({"--chunk-tokens": chunk_tokens, "--max-line-bytes": max_line_bytes})
     sequences = read_jsonl(path, max_line_bytes, "--max-line-bytes")
     validate_sequences(sequences)
     tree = PrefixTree.build(sequences)

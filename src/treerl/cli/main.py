@@ -4,11 +4,16 @@ Beside the steps (docs/architecture.md): the command line.
 
 Every command runs through `reported`: a user's mistake (`treerl.errors.UserError`: a config key, a
 data row, a reward import, a model or checkpoint path) is one line, `error: ...`, and exit code 2; a
-run that stopped itself (a NaN/inf, `TrainingStopped`) is one line and exit code 3; anything else is
+run that stopped itself (a NaN/inf, `TrainingStopped`) is one line and exit code 3; a SIGINT / SIGTERM
+outside the training steps (`treerl.cli.signals`) is one line and exit code 130 / 143; anything else is
 a bug and keeps its traceback.
 """
 
 from __future__ import annotations
+
+from treerl.cli import signals
+
+_importing = signals.install(signals.exit_at_once)  # a signal while the modules below import: one line, 130 / 143
 
 import functools
 from collections.abc import Callable
@@ -17,7 +22,7 @@ from typing import Any
 import typer
 
 from treerl.cli import bench_cmd, export_cmd, inspect_cmd, serve_cmd, train_cmd
-from treerl.errors import TrainingStopped, UserError
+from treerl.errors import Interrupted, TrainingStopped, UserError
 
 app = typer.Typer(
     help="treerl: RL post-training that never computes a shared prefix twice.",
@@ -28,12 +33,17 @@ app = typer.Typer(
 
 
 def reported(command: Callable[..., Any]) -> Callable[..., Any]:
-    """`command` with user errors as one line and exit code 2 (TrainingStopped: exit code 3)."""
+    """`command` with user errors as one line and exit code 2 (TrainingStopped: exit code 3; a signal: 128 + its
+    number)."""
 
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
-            return command(*args, **kwargs)
+            with signals.stop_on_signals():
+                return command(*args, **kwargs)
+        except Interrupted as e:
+            typer.echo(str(e), err=True)
+            raise typer.Exit(e.exit_code) from None
         except UserError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
@@ -57,6 +67,7 @@ app.command("inspect")(reported(inspect_cmd.inspect))
 app.command("serve")(reported(serve_cmd.serve))
 app.command("train")(reported(train_cmd.train))
 app.command("sft")(reported(train_cmd.sft))
+signals.restore(_importing)  # from here on `reported` handles them, for the command's whole run
 
 
 if __name__ == "__main__":

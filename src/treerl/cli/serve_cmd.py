@@ -9,6 +9,7 @@ import ipaddress
 
 import typer
 
+from treerl.cli.options import check_positive
 from treerl.errors import UserError
 from treerl.models import DTYPES
 from treerl.rollout.client import API_KEY_ENV
@@ -44,7 +45,7 @@ def serve(
     """
     import torch
 
-    from treerl.models import build_model, check_model_dir
+    from treerl.models import build_model, check_device, check_model_dir
     from treerl.rollout.embedded import EmbeddedEngine
     from treerl.rollout.server import Guard, run_server
     from treerl.rollout.tokenizer import load_tokenizer
@@ -54,10 +55,11 @@ def serve(
     if not api_key and not is_loopback(host):
         raise UserError(f"--host {host} is reachable from other machines: set --api-key (or {API_KEY_ENV}) so that "
                         "only your clients can sample and load weights")
-    for name, value in (("--max-n", max_n), ("--max-tokens", max_tokens), ("--max-prompts", max_prompts),
-                        ("--request-timeout", request_timeout)):
-        if not value > 0:
-            raise UserError(f"{name}={value} must be > 0")
+    check_positive({"--max-n": max_n, "--max-tokens": max_tokens, "--max-prompts": max_prompts,
+                    "--request-timeout": request_timeout})
+    if not 1 <= port <= 65535:
+        raise UserError(f"--port={port} must be a TCP port, 1 to 65535")
+    device = str(check_device(device, "--device"))
     if model_path is not None:
         check_model_dir(model_path, "--model-path")
     tokenizer = load_tokenizer(tokenizer_path or model_path, trust_remote_code=trust_remote_code)

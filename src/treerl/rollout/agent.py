@@ -27,9 +27,13 @@ the outcome on the calls no later call continues, and the advantage estimators t
 the rewards from it on (`treerl.algo.turn_rewards`). The other episodes of the task get per-turn
 rewards too (the outcome on their last turns), so one group is all of one kind.
 
-An episode that raises, times out (`episode_timeout`), returns something that is not a finite
-number, or makes no model call is dropped: counted under `rollout/dropped_<reason>` and reported
-with its task and error, like a failing reward function; its calls are not trained.
+An episode that raises (anything: `sys.exit()` and KeyboardInterrupt too, in the episode or in a task it
+starts), times out (`episode_timeout`), returns something that is not a finite number, makes no model
+call, or makes a call that `rollout.max_context_tokens` refuses (its prompt + max_tokens too long; the
+proxy answers HTTP 400, and the episode is dropped as agent_context_limit whatever the agent does next) is
+dropped: counted under `rollout/dropped_<reason>` and reported with its task and error, like a
+failing reward function; its calls are not trained. Only a real SIGINT / SIGTERM (`treerl.errors.Interrupted`,
+raised by the CLI's or the trainer's signal handlers) goes past an episode.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from treerl.errors import UserError
+from treerl.errors import Interrupted, UserError
 from treerl.rollout.inference import InferenceEngine
 from treerl.rollout.proxy import ChatProxy, EpisodeLog, RecordedCall
 from treerl.rollout.rewards import RewardFailure, check_reward, import_object
@@ -69,14 +73,43 @@ def load_agent(spec: str) -> AgentFn:
     return fn
 
 
-def openai_client(base_url: str, timeout: float) -> Any:
-    """An `openai.AsyncOpenAI` for one episode: no retries (a retried call would be sampled and recorded twice)."""
+def import_openai() -> Any:
+    """The OpenAI Python client, the one package the `[agents]` extra adds (the proxy is in treerl's core)."""
     try:
         import openai
     except ImportError:
-        raise ImportError("agent tasks need the OpenAI Python client: pip install 'treerl[agents]' "
-                          "(or pip install openai)") from None
-    return openai.AsyncOpenAI(base_url=base_url, api_key="treerl", max_retries=0, timeout=timeout)
+        raise UserError("agent tasks (rollout.task=agent, agent_tools) hand each episode an openai.AsyncOpenAI "
+                        "client: pip install 'treerl[agents]' (the extra adds the openai package)") from None
+    return openai
+
+
+def openai_client(base_url: str, timeout: float) -> Any:
+    """An `openai.AsyncOpenAI` for one episode: no retries (a retried call would be sampled and recorded twice)."""
+    return import_openai().AsyncOpenAI(base_url=base_url, api_key="treerl", max_retries=0, timeout=timeout)
+
+
+class AgentExited(Exception):
+    """A SystemExit or KeyboardInterrupt raised by an agent, as an ordinary error of its episode."""
+
+    def __init__(self, original: BaseException):
+        super().__init__(f"{type(original).__name__}: {original}")
+        self.original = original
+
+
+async def contained(coroutine: Awaitable[Any]) -> Any:
+    """Await `coroutine`, turning its SystemExit / KeyboardInterrupt into AgentExited: asyncio would otherwise let
+    them end the event loop, every episode of the step and the run with it (a real signal's Interrupted passes)."""
+    try:
+        return await coroutine
+    except Interrupted:
+        raise
+    except (SystemExit, KeyboardInterrupt) as e:
+        raise AgentExited(e) from None
+
+
+def contained_task(loop: asyncio.AbstractEventLoop, coroutine: Any, **options: Any) -> asyncio.Task:
+    """The event loop's task factory while episodes run: every task, the ones an agent starts too, is `contained`."""
+    return asyncio.Task(contained(coroutine), loop=loop, **options)
 
 
 @dataclass(frozen=True)
@@ -154,6 +187,7 @@ class AgentWorkflow:
     heartbeat: Callable[[], None] | None = None  # called every second while episodes run (an async worker's pulse)
 
     def __post_init__(self) -> None:
+        import_openai()  # missing: an error when the rollout is built, not at the first episode
         self._ids = itertools.count()
 
     def run(self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats,
@@ -183,6 +217,8 @@ class AgentWorkflow:
     @staticmethod
     def _outcome(episode: Episode, per_turn: bool) -> tuple[float, dict[int, float]] | RewardFailure:
         """The episode's reward and (`per_turn`) each call's own reward; or why the episode is dropped."""
+        if episode.log.over_context:  # whatever the agent made of the refusal, the episode did not fit
+            return RewardFailure("agent_context_limit", f"outgrew its context: {episode.log.over_context}")
         if isinstance(episode.reward, RewardFailure):
             return episode.reward
         if not episode.log.calls:
@@ -191,6 +227,7 @@ class AgentWorkflow:
         return rewards if isinstance(rewards, RewardFailure) else (episode.reward.reward, rewards)
 
     async def _play_all(self, prompts: list[Prompt]) -> list[Episode]:
+        asyncio.get_running_loop().set_task_factory(contained_task)
         limit = asyncio.Semaphore(self.max_concurrent_episodes)
         shared = openai_client(self.proxy.url + "/v1", self.episode_timeout)  # one connection pool for the step
 
@@ -218,14 +255,16 @@ class AgentWorkflow:
         self.proxy.recorder.open(episode_id, max_calls=self.max_calls)
         client = shared.with_options(base_url=self.proxy.episode_url(episode_id))  # shares the connection pool
         try:
-            value = await asyncio.wait_for(self.agent(client, copy.deepcopy(prompt.answer)), self.episode_timeout)
+            playing = contained(self.agent(client, copy.deepcopy(prompt.answer)))
+            value = await asyncio.wait_for(playing, self.episode_timeout)
             reward = episode_reward(value)
             if isinstance(reward, RewardFailure):
                 reward = RewardFailure(f"reward_{reward.kind}", reward.message)
         except TimeoutError:
             reward = RewardFailure("agent_timeout", f"timed out after {self.episode_timeout} s (rollout.episode_timeout)")
         except Exception as e:  # the user's agent may raise anything; the episode is dropped and reported
-            reward = RewardFailure("agent_raised", f"raised {type(e).__name__}: {e}")
+            error = e.original if isinstance(e, AgentExited) else e
+            reward = RewardFailure("agent_raised", f"raised {type(error).__name__}: {error}")
         finally:
             log = self.proxy.recorder.close(episode_id)
         return Episode(prompt, sample, log, reward)

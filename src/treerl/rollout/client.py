@@ -36,8 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from treerl.errors import UserError
 from treerl.rollout.inference import Completion, SamplingParams, check_prompts
 
+REACH_TIMEOUT = 30.0  # seconds `check_reachable` waits for the server's first answer
 API_KEY_ENV = "TREERL_API_KEY"  # the server's key, for `treerl serve --api-key` and the trainer's client alike
 
 
@@ -66,6 +68,21 @@ class CompletionsClient:
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(chunks))) as pool:
             answers = list(pool.map(lambda chunk: self._complete(chunk, params), chunks))
         return [group for answer in answers for group in answer]
+
+    def check_reachable(self, key: str = "rollout.server_url") -> None:
+        """A server that cannot be reached at all (refused, unknown host, no answer) is a UserError naming `key`,
+        before the run computes anything. Any HTTP answer to `GET /health`, an error status too, counts: the
+        server is there, and its first real request checks the rest."""
+        request = urllib.request.Request(self.base_url.rstrip("/") + "/health", method="GET")
+        try:
+            with urllib.request.urlopen(request, timeout=min(self.timeout, REACH_TIMEOUT)):
+                return
+        except urllib.error.HTTPError:
+            return
+        except OSError as e:  # URLError (refused, unknown host), a timeout, a reset connection
+            reason = getattr(e, "reason", None) or e
+            raise UserError(f"{key}={self.base_url!r}: cannot reach the inference server ({reason}); start it "
+                            f"first, or leave {key} unset to sample in process") from None
 
     def update_weights_from_disk(self, model_path: str, version: int) -> None:
         """Have the server load the checkpoint at `model_path` (a path on the server's machine) as `version`."""

@@ -50,12 +50,14 @@ class RolloutBatch:
 
 def build_engine(config: RolloutConfig, model: PreTrainedModel | None = None,
                  autocast: torch.dtype | None = None) -> InferenceEngine:
-    """A client of `config.server_url` if set (its API key from the environment variable TREERL_API_KEY, never from
-    the config, which checkpoints store), else the embedded engine sampling with `model` (under autocast to
-    `autocast`, as the trainer's engines compute: trainer.precision=bf16-mixed)."""
+    """A client of `config.server_url` if set (one that cannot be reached is a UserError; its API key from the
+    environment variable TREERL_API_KEY, never from the config, which checkpoints store), else the embedded engine
+    sampling with `model` (under autocast to `autocast`, as the trainer's engines compute: bf16-mixed)."""
     if config.server_url:
-        return CompletionsClient(config.server_url, model=config.server_model, timeout=config.request_timeout,
-                                 server_type=config.server_type, api_key=os.environ.get(API_KEY_ENV))
+        client = CompletionsClient(config.server_url, model=config.server_model, timeout=config.request_timeout,
+                                   server_type=config.server_type, api_key=os.environ.get(API_KEY_ENV))
+        client.check_reachable()
+        return client
     if model is None:
         raise ValueError("rollout: no rollout.server_url, so the embedded engine needs the model")
     return EmbeddedEngine(model, autocast=autocast)
@@ -96,7 +98,8 @@ class Rollout:
                 max_context_tokens=config.max_context_tokens, user_code=self.user_code,
             )
         else:
-            self.workflow = SingleTurnWorkflow(self.task, self.chat, sampling, self.user_code)
+            self.workflow = SingleTurnWorkflow(self.task, self.chat, sampling, self.user_code,
+                                               max_context_tokens=config.max_context_tokens)
 
     def watch(self, beat: Callable[[], None]) -> None:
         """Call `beat` before every reward or environment call and every second while agent episodes run (an

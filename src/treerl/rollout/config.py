@@ -5,6 +5,7 @@ Beside the steps (docs/architecture.md): the choices step 1 reads.
 
 from __future__ import annotations
 
+import urllib.parse
 from dataclasses import dataclass, field
 
 from treerl.rollout.tool_parsers import PARSER_NAMES
@@ -35,7 +36,7 @@ class RolloutConfig:
     max_turns: int | None = None  # model calls per trajectory at most; None: the task's default
     branch_at: list[int] = field(default_factory=lambda: [1])  # turns (>= 1) where each trajectory forks
     branch_factor: int = 2  # replies sampled at each turn in branch_at
-    max_context_tokens: int = 4096  # a trajectory ends before its context + max_new_tokens would exceed this
+    max_context_tokens: int = 4096  # context + reply budget of any model call, at most the model's positions: a multi-turn trajectory ends before it would exceed this; a longer prompt or agent call is dropped (context_limit)
 
     # Built-in tasks.
     max_operand: int = 4  # arithmetic: operands in [0, max_operand] (4: one-digit sums, learnt in minutes)
@@ -88,6 +89,11 @@ class RolloutConfig:
                              "(a JSONL of tasks)")
         if self.tool_parser not in PARSER_NAMES:
             raise ValueError(f"rollout.tool_parser: {self.tool_parser!r} is not one of {', '.join(PARSER_NAMES)}")
+        if self.server_url is not None:
+            url = urllib.parse.urlsplit(self.server_url)
+            if url.scheme not in ("http", "https") or not url.hostname:
+                raise ValueError(f"rollout.server_url={self.server_url!r} must be an http:// or https:// URL with a "
+                                 "host, e.g. http://127.0.0.1:8000")
         if self.server_type not in SERVER_TYPES:
             raise ValueError(f"rollout.server_type: {self.server_type!r} is not one of {', '.join(SERVER_TYPES)}")
         for name in ("episode_timeout", "max_concurrent_episodes"):

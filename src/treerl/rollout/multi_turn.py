@@ -20,9 +20,11 @@ turn rewards along the path); the environment's reward of the turn is in `env_re
 (a `turn_reward` would make the estimators train on per-turn rewards, `treerl.algo.turn_rewards`). Other info: `group`
 (the episode), `trajectory` (the path), `turn`, `turns` (calls in the trajectory),
 `finish_reason` of the reply, `truncated` (the trajectory hit max_turns or max_context_tokens
-before the environment was done). An environment that raises, or returns a NaN/inf reward,
-drops that trajectory (counted and reported); its sibling branches go on. So does a step that takes
-longer than the workflow's `user_code` timeout (`rollout.reward_timeout`).
+before the environment was done). An episode whose first prompt + max_new_tokens already exceeds
+max_context_tokens is not played: its group_size trajectories are dropped (context_limit). An
+environment that raises, or returns a NaN/inf reward, drops that trajectory (counted and reported);
+its sibling branches go on. So does a step that takes longer than the workflow's `user_code` timeout
+(`rollout.reward_timeout`).
 """
 
 from __future__ import annotations
@@ -84,8 +86,11 @@ class MultiTurnWorkflow:
         self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
     ) -> list[TokenSequence]:
         """The training sequences of the episodes that start with `prompts`; `stats` counts what happened."""
-        live = [Trajectory(p, self.task.environment(p), self.chat.prompt(p.messages), p.id) for p in prompts]
         stats.prompts += len(prompts)
+        live = [Trajectory(p, self.task.environment(p), self.chat.prompt(p.messages), p.id) for p in prompts]
+        live = [t for t in live if not stats.drop_over_context(t.id, t.prompt.text, len(t.context),
+                                                               self.sampling.max_new_tokens, self.max_context_tokens,
+                                                               self.group_size)]
         finished: list[Trajectory] = []
         for turn in range(self.max_turns):
             if not live:

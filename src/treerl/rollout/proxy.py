@@ -127,6 +127,7 @@ class EpisodeLog:
     sharing_lost_tokens: int = 0  # tokens of the call before a cut that the call after it no longer shares
     tool_choice_failures: int = 0  # samples not returned: tool_choice="required" and no tool call written
     max_calls: int | None = None
+    over_context: str | None = None  # why a request was refused for rollout.max_context_tokens (the episode is dropped)
 
     def response(self, response_id: str) -> RecordedCall:
         """The recorded call that answered `response_id` (its first choice)."""
@@ -340,8 +341,11 @@ class ChatProxy:
         context = self._context(request.messages, request.tools, log)
         budget = min(request.max_tokens or self.max_new_tokens, self.max_new_tokens)
         if len(context.tokens) + budget > self.max_context_tokens:
-            raise HTTPException(400, f"the prompt has {len(context.tokens)} tokens; with max_tokens {budget} it "
-                                     f"exceeds rollout.max_context_tokens={self.max_context_tokens}")
+            refused = (f"the prompt has {len(context.tokens)} tokens; with max_tokens {budget} it exceeds "
+                       f"rollout.max_context_tokens={self.max_context_tokens}")
+            if log is not None:
+                log.over_context = log.over_context or refused
+            raise HTTPException(400, refused)
         params = SamplingParams(n=request.n, max_new_tokens=budget, temperature=self.temperature,
                                 top_p=request.top_p if request.top_p is not None else self.top_p,
                                 stop_token_ids=tuple(self.chat.stop_token_ids + self._stop_ids(request.stop)),

@@ -6,9 +6,10 @@ A reward function is called with keyword arguments `fn(prompt=..., completion=..
 the prompt's text (its last user message), the model's reply as text (without its final stop token), and
 the reference answer of the data row (None when there is none); it returns a number. A function
 that raises (anything, `SystemExit` included), takes longer than `rollout.reward_timeout`, or
-returns NaN/inf or something that is not a number, does not stop training: the sample is dropped,
-counted under its reason and reported with its prompt and completion (`RolloutStats.dropped`,
-`RolloutStats.dropped_samples`, and a warning in the log).
+returns NaN/inf, a number beyond +-1e9 (`treerl.algo.checks.MAX_ABS_REWARD`) or something that is
+not a number, does not stop training: the sample is dropped, counted under its reason and reported
+with its prompt and completion (`RolloutStats.dropped`, `RolloutStats.dropped_samples`, and a
+warning in the log).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from treerl.algo.checks import MAX_ABS_REWARD
 from treerl.errors import UserError
 
 RewardFn = Callable[..., float]
@@ -78,7 +80,7 @@ def check_reward_fn(fn: Any, name: str) -> None:
 
 @dataclass(frozen=True)
 class RewardFailure:
-    """Why a reward could not be used: `kind` is "raised", "timeout", "not_a_number" or "not_finite"."""
+    """Why a reward could not be used: `kind` is "raised", "timeout", "not_a_number", "not_finite" or "too_large"."""
 
     kind: str
     message: str
@@ -155,6 +157,9 @@ def check_reward(value: Any) -> float | RewardFailure:
         return RewardFailure("not_a_number", f"returned {value!r}, not a number")
     if not math.isfinite(value):
         return RewardFailure("not_finite", f"returned {value}")
+    if abs(value) > MAX_ABS_REWARD:
+        return RewardFailure("too_large", f"returned {value:g}; rewards must be within +-{MAX_ABS_REWARD:g} (rescale "
+                                          "them: larger ones overflow the advantages and the loss)")
     return value
 
 

@@ -21,21 +21,27 @@ class SingleTurnWorkflow:
     """Samples a group per prompt in one engine call (each prompt prefilled once) and scores every sample.
 
     Each sample is one sequence, prompt + reply, with info: `reward`, `group` (the prompt's id,
-    shared by its samples), `trajectory` (the sample's id), `turn` (0), `finish_reason`.
+    shared by its samples), `trajectory` (the sample's id), `turn` (0), `finish_reason`. A prompt whose
+    tokens + max_new_tokens exceed `max_context_tokens` is not sampled: its samples are dropped (context_limit).
     """
 
     task: SingleTurnTask
     chat: ChatFormat
     sampling: SamplingParams  # n = group size; the seed is set per run
     user_code: UserCode = field(default_factory=UserCode)  # runs the reward function (time limit per call)
+    max_context_tokens: int | None = None  # prompt + reply budget at most (rollout.max_context_tokens); None: no limit
 
     def run(
         self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
     ) -> list[TokenSequence]:
         """The training sequences of `prompts`; `stats` counts what was sampled, kept and dropped."""
-        contexts = [self.chat.prompt(p.messages) for p in prompts]
-        groups = engine.generate(contexts, replace(self.sampling, seed=seed))
         stats.prompts += len(prompts)
+        contexts = [self.chat.prompt(p.messages) for p in prompts]
+        fits = [not stats.drop_over_context(p.id, p.text, len(c), self.sampling.max_new_tokens, self.max_context_tokens,
+                                            self.sampling.n) for p, c in zip(prompts, contexts)]
+        prompts = [p for p, ok in zip(prompts, fits) if ok]
+        contexts = [c for c, ok in zip(contexts, fits) if ok]
+        groups = engine.generate(contexts, replace(self.sampling, seed=seed)) if prompts else []
         sequences = []
         for prompt, context, group in zip(prompts, contexts, groups):
             for j, completion in enumerate(group):

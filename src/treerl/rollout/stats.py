@@ -40,7 +40,7 @@ class RolloutStats:
     model_calls: int = 0  # completions sampled
     generated_tokens: int = 0
     truncated_replies: int = 0  # replies cut off at max_new_tokens
-    context_limit: int = 0  # trajectories ended because the context would exceed max_context_tokens
+    context_limit: int = 0  # trajectories ended (kept, truncated) because the context would exceed max_context_tokens
     history_mismatches: int = 0  # agent calls whose history held earlier replies but extended no recorded call (cut)
     shared_tokens: int = 0  # agent prompt tokens reused from the recorded calls they extend
     sharing_lost_tokens: int = 0  # tokens of the call before a cut history that the call after it no longer shares
@@ -63,6 +63,19 @@ class RolloutStats:
         if len(self.dropped_samples) < REPORTED_SAMPLES:
             self.dropped_samples.append(sample)
             log.warning("dropped sample: %s", sample)
+
+    def drop_over_context(self, prompt_id: str, text: str, tokens: int, budget: int, limit: int | None,
+                          samples: int) -> bool:
+        """True, with the prompt's `samples` counted as dropped (context_limit), when its `tokens` + the reply
+        budget exceed `limit` (rollout.max_context_tokens): no sequence longer than the limit the trainer checked
+        the model for at start is ever sampled or trained."""
+        if limit is None or tokens + budget <= limit:
+            return False
+        reason = (f"the prompt has {tokens} tokens; with max_new_tokens {budget} it exceeds "
+                  f"rollout.max_context_tokens={limit}")
+        for j in range(samples):
+            self.drop(DroppedSample(reason, f"{prompt_id}/{j}", text, ""), "context_limit")
+        return True
 
     def keep(self, reward: float) -> None:
         self.samples += 1

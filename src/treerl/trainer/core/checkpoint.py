@@ -109,8 +109,13 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
                               "checkpoint directory)") from None
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST} ({type(e).__name__}: {e})") from None
+    if not isinstance(files, dict) or not all(isinstance(e, dict) and {"bytes", "sha256"} <= set(e)
+                                              for e in files.values()):
+        raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST} (files must map each path to its bytes "
+                              "and sha256)")
+    check_inside(path)
     for name, expected in files.items():
-        file = path / name
+        file = inside(path, name)
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path}: {name} is missing")
         size = file.stat().st_size
@@ -122,6 +127,29 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: the manifest lists no {STATE_FILE}")
     manifest["step"] = step
     return manifest
+
+
+def inside(path: Path, name: str) -> Path:
+    """The file a manifest entry names, which must lie inside the checkpoint: a relative path without `..`, not
+    through a link that leads out (a crafted manifest must not make resume read or hash any other file)."""
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+        raise CheckpointError(f"checkpoint {path}: its {MANIFEST} names {name!r}, a path outside the checkpoint "
+                              "(entries are relative paths inside it)")
+    file = path / relative
+    if not file.resolve().is_relative_to(path.resolve()):
+        raise CheckpointError(f"checkpoint {path}: {name} is a link to {file.resolve()}, outside the checkpoint")
+    return file
+
+
+def check_inside(path: Path) -> None:
+    """No file or folder of a checkpoint may be a link that leads out of it: loading it would read another file."""
+    root = path.resolve()
+    for folder, folders, names in os.walk(path):  # not into linked folders
+        for item in (Path(folder) / name for name in folders + names):
+            if item.is_symlink() and not item.resolve().is_relative_to(root):
+                raise CheckpointError(f"checkpoint {path}: {item.relative_to(path)} is a link to {item.resolve()}, "
+                                      "outside the checkpoint")
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:

@@ -38,6 +38,7 @@ CHAT_FORMATS = ("template", "plain")
 MODES = ("sync", "async")
 ON_UPDATE = ("finish", "interrupt")
 NONFINITE = ("stop", "skip")
+MAX_THREADS = 1024  # torch threads per process at most (100000 made torch crash)
 
 
 class ConfigError(UserError):
@@ -108,6 +109,7 @@ class TrainerConfig:
     adam_eps: float = 1e-8  # AdamW epsilon
     max_grad_norm: float | None = 1.0  # clip the global gradient norm to this; null: no clipping
     nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: stop (exit code 3) | skip (no optimizer step, counted)
+    max_failed_steps: int = 3  # stop (exit code 3, naming the first failure) after this many consecutive steps whose every sample was dropped; 0: never
     warmup_steps: int = 10  # linear warmup from 0 over this many training steps
     lr_schedule: str = "constant"  # after warmup: constant | cosine (down to min_lr_ratio * lr at the last step)
     min_lr_ratio: float = 0.0  # cosine: final learning rate / lr
@@ -288,11 +290,14 @@ def check_ranges(config: Config) -> None:
         "trainer.eval_prompts": t.eval_prompts, "trainer.eval_every": t.eval_every, "trainer.save_every": t.save_every,
         "trainer.keep_checkpoints": t.keep_checkpoints, "engine.batch_tokens": config.engine.batch_tokens,
         "sft.eval_conversations": config.sft.eval_conversations, "trainer.max_staleness": t.max_staleness,
-        "trainer.max_worker_restarts": t.max_worker_restarts,
+        "trainer.max_worker_restarts": t.max_worker_restarts, "trainer.max_failed_steps": t.max_failed_steps,
     }
     for key, value in non_negative.items():
         if not value >= 0:
             raise ConfigError(f"{key}={value} must be >= 0")
+    for key, threads in (("trainer.threads", t.threads), ("trainer.worker_threads", t.worker_threads)):
+        if threads is not None and threads > MAX_THREADS:  # torch would try to start them all (and crash)
+            raise ConfigError(f"{key}={threads} must be <= {MAX_THREADS}")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from treerl.errors import UserError
 from treerl.tree import PrefixTree, TokenSequence
 
 
@@ -27,6 +28,7 @@ class MetricsLogger:
 
     def __init__(self, output_dir: str | Path, tensorboard: bool = True, start_step: int = 0,
                  wandb_project: str | None = None, wandb_name: str | None = None, run_config: dict | None = None):
+        wandb = import_wandb() if wandb_project is not None else None  # not installed: an error before any file
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
@@ -39,11 +41,7 @@ class MetricsLogger:
 
             self.writer = SummaryWriter(str(self.dir / "tensorboard"), purge_step=start_step or None)
         self.wandb = None
-        if wandb_project is not None:
-            try:
-                import wandb
-            except ImportError:
-                raise ImportError("trainer.wandb=true needs Weights & Biases: pip install 'treerl[wandb]'") from None
+        if wandb is not None:
             self.wandb = wandb.init(project=wandb_project, name=wandb_name, dir=str(self.dir), config=run_config)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -69,6 +67,16 @@ class MetricsLogger:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def import_wandb() -> Any:
+    """The wandb module; a UserError naming the setting if it is not installed (the trainer asks at start)."""
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("trainer.wandb=true needs Weights & Biases: pip install 'treerl[wandb]' (or set "
+                        "trainer.wandb=false)") from None
+    return wandb
 
 
 def json_number(value: Any) -> Any:

@@ -1,11 +1,17 @@
 """What a run shows and writes as it trains, on rank 0 only: progress bar, console lines, metrics, summary.json.
 
 After step 6 (docs/architecture.md): what the run shows and writes.
+
+Nothing is written into output_dir while the run sets up: metrics logged before its first step is trained (the
+start evaluation's) are held, and written when `open` is called, once that step is done. A run that fails while it
+sets up (a model, data row, reward, agent or server it cannot use, or a batch its first step refuses) leaves
+output_dir as it was, so the fixed command runs in it as it is.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +20,7 @@ from tqdm.auto import tqdm
 
 from treerl.distributed import DistEnv
 from treerl.trainer.core.config import Config, to_yaml
-from treerl.trainer.core.metrics import MetricsLogger, json_number
+from treerl.trainer.core.metrics import MetricsLogger, import_wandb, json_number
 
 
 class Reporter:
@@ -23,19 +29,43 @@ class Reporter:
     def __init__(self, config: Config, env: DistEnv) -> None:
         self.config, self.env = config, env
         self.start_step = 0  # where the run starts (or resumed): TensorBoard drops the events it logged after it
+        self.opened = False  # set by `open`, once the run's first step is trained
         self._bar: Any = None
         self._logger: MetricsLogger | None = None
+        self._held: list[Callable[[MetricsLogger], None]] = []  # writes before `open`
+        if config.trainer.wandb and env.is_main:
+            import_wandb()  # not installed: an error now, not at the first metric
 
-    @property
-    def logger(self) -> MetricsLogger | None:
-        """metrics.jsonl and TensorBoard (rank 0; None elsewhere), opened at the first metric, so a run that fails
-        while it sets up (a bad data row, a reward that does not import) writes nothing into output_dir."""
-        if self._logger is None and self.env.is_main:
-            trainer = self.config.trainer
-            self._logger = MetricsLogger(trainer.output_dir, trainer.tensorboard, self.start_step,
-                                         wandb_project=trainer.wandb_project if trainer.wandb else None,
-                                         wandb_name=trainer.wandb_name, run_config=yaml.safe_load(to_yaml(self.config)))
-        return self._logger
+    def open(self) -> None:
+        """The run's first step is trained: open metrics.jsonl and TensorBoard (rank 0) and write what was held."""
+        if self.opened:
+            return
+        self.opened = True
+        if not self.env.is_main:
+            return
+        trainer = self.config.trainer
+        self._logger = MetricsLogger(trainer.output_dir, trainer.tensorboard, self.start_step,
+                                     wandb_project=trainer.wandb_project if trainer.wandb else None,
+                                     wandb_name=trainer.wandb_name, run_config=yaml.safe_load(to_yaml(self.config)))
+        for write in self._held:
+            write(self._logger)
+        self._held = []
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """One row of metrics.jsonl (and TensorBoard), rank 0; held until `open`."""
+        self._write(lambda logger: logger.log(step, metrics))
+
+    def write_jsonl(self, name: str, rows: list[dict[str, Any]]) -> None:
+        """Rows appended to another JSONL file of the run (dropped.jsonl), rank 0; held until `open`."""
+        self._write(lambda logger: logger.write_jsonl(name, rows))
+
+    def _write(self, write: Callable[[MetricsLogger], None]) -> None:
+        if not self.env.is_main:
+            return
+        if self._logger is None:
+            self._held.append(write)
+        else:
+            write(self._logger)
 
     def print(self, message: str) -> None:
         """A line on rank 0's console that does not break the progress bar."""
@@ -58,8 +88,8 @@ class Reporter:
     def step(self, step: int, metrics: dict[str, float], postfix: dict[str, float] | None = None) -> None:
         """A step's metrics, logged every `trainer.log_every` steps and at the last; `postfix` on the progress bar."""
         trainer = self.config.trainer
-        if self.logger is not None and (step % trainer.log_every == 0 or step + 1 == trainer.steps):
-            self.logger.log(step, metrics)
+        if step % trainer.log_every == 0 or step + 1 == trainer.steps:
+            self.log(step, metrics)
         if postfix and self._bar is not None:
             self._bar.set_postfix({k: f"{v:.3f}" for k, v in postfix.items()}, refresh=False)
 

@@ -8,7 +8,9 @@ Before step 1 (docs/architecture.md): where the run starts.
 
 A run writes into `trainer.output_dir` only if it holds no run yet (none of OUTPUTS), if it resumes
 the run there (`trainer.resume=auto`, or a checkpoint inside it), or if `trainer.overwrite=true`
-(the old run's outputs are deleted first). Other files in the directory are never touched.
+(the old run's outputs are deleted first: by `delete_outputs`, once the new run has trained its first
+step, so a run that fails while it sets up leaves the old one as it was). Other files in the directory
+are never touched.
 
 Resuming compares the new config with the checkpoint's: settings that define the model or the
 objective (IMMUTABLE) must be equal, or the run is refused naming each difference; any other
@@ -20,6 +22,7 @@ new `trainer.lr` really is the learning rate from the next step on.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import uuid
 from dataclasses import dataclass, fields
@@ -55,18 +58,19 @@ class Start:
     path: Path | None
     step: int
     run_id: str
+    replaces: bool = False  # output_dir holds an earlier run's outputs that this run deletes before it writes
 
 
 def choose_start(config: Config) -> Start:
     """Claim output_dir and pick the checkpoint to resume, refusing before anything is built or written."""
     trainer = config.trainer
     out = Path(trainer.output_dir)
+    check_output_dir(out)
     for leftover in remove_leftovers(out):
         log.warning("removed %s, an incomplete checkpoint left by a run that was killed while writing it", leftover)
     path = find_resume_path(trainer.resume, out)
     if path is None:
-        claim_fresh(trainer)
-        return Start(None, 0, uuid.uuid4().hex[:12])
+        return Start(None, 0, uuid.uuid4().hex[:12], replaces=claim_fresh(trainer))
     manifest = read_manifest(path)  # verified by find_resume_path
     step = int(manifest["step"])
     if trainer.steps <= step:
@@ -78,32 +82,45 @@ def choose_start(config: Config) -> Start:
         raise UserError(f"trainer.output_dir={str(out)!r} already holds another run ({', '.join(another_run)}); "
                         f"to continue from {path} write to an empty output_dir, or replace that run with "
                         "trainer.overwrite=true")
-    if another_run:
-        delete_outputs(out)
     if changes:
         log.warning("resuming from %s with new values (they are used from now on): %s", path, "; ".join(changes))
-    return Start(path, step, manifest.get("run_id") or uuid.uuid4().hex[:12])
+    return Start(path, step, manifest.get("run_id") or uuid.uuid4().hex[:12], replaces=bool(another_run))
 
 
-def claim_fresh(trainer: TrainerConfig) -> None:
-    """A run from step 0 may write into output_dir: it holds no run, or overwrite / resume=auto allows replacing it."""
+def check_output_dir(out: Path) -> None:
+    """output_dir must be (or become) a directory this process can write: not a file, nor under one."""
+    for folder in (out, *out.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                where = "is a file" if folder == out else f"is under {str(folder)!r}, a file"
+                raise UserError(f"trainer.output_dir={str(out)!r} {where}: it must be a directory (or not exist yet)")
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise UserError(f"trainer.output_dir={str(out)!r}: cannot write into {str(folder)!r} (permission "
+                                "denied); choose another output_dir")
+            return
+
+
+def claim_fresh(trainer: TrainerConfig) -> bool:
+    """A run from step 0 may write into output_dir: it holds no run, or overwrite / resume=auto allows replacing it
+    (returns True: the earlier run's outputs are to be deleted before this run writes)."""
     out = Path(trainer.output_dir)
     held = outputs_in(out)
     if not held:
-        return
+        return False
     broken = [p.name for _, p in step_dirs(out)]
     if trainer.overwrite:
-        log.warning("trainer.overwrite=true: deleting the earlier run's %s in %s", ", ".join(held), out)
+        log.warning("trainer.overwrite=true: the earlier run's %s in %s are deleted once this run has trained a step",
+                    ", ".join(held), out)
     elif trainer.resume == "auto" and not broken:
         log.warning("trainer.resume=auto: %s holds no checkpoint (the earlier run saved none); starting from step 0 "
-                    "and replacing its %s", out, ", ".join(held))
+                    "and replacing its %s once this run has trained a step", out, ", ".join(held))
     elif trainer.resume == "auto":
         raise CheckpointError(f"trainer.resume=auto: no complete checkpoint in {out / 'checkpoints'} (broken: "
                               f"{', '.join(broken)}; see the warnings above); start afresh with trainer.overwrite=true")
     else:
         raise UserError(f"trainer.output_dir={str(out)!r} already holds a run ({', '.join(held)}): continue it with "
                         "trainer.resume=auto, or replace it with trainer.overwrite=true (or choose another output_dir)")
-    delete_outputs(out)
+    return True
 
 
 def outputs_in(out: Path) -> list[str]:

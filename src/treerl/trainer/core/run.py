@@ -34,7 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from treerl.distributed import DistEnv, init_distributed
 from treerl.engine import AutocastEngine, DfsEngine, FlatEngine
 from treerl.engine.base import check_model
-from treerl.models import base_fingerprint, is_lora
+from treerl.models import base_fingerprint, check_device, is_lora
 from treerl.trainer.core.balancer import Balancer
 from treerl.trainer.core.build import build_critic_learner, build_policy_learner, load_policy
 from treerl.trainer.core.checkpoint import (
@@ -46,10 +46,10 @@ from treerl.trainer.core.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
-from treerl.trainer.core.config import Config, ModelConfig, TrainerConfig, to_yaml
+from treerl.trainer.core.config import Config, ConfigError, ModelConfig, TrainerConfig, to_yaml
 from treerl.trainer.core.learner import Learner, NonfiniteGuard
 from treerl.trainer.core.report import Reporter
-from treerl.trainer.core.resume import apply_hyperparameters, choose_start
+from treerl.trainer.core.resume import apply_hyperparameters, choose_start, delete_outputs
 from treerl.trainer.core.stopping import StopSignals
 
 log = logging.getLogger("treerl.trainer")
@@ -57,8 +57,9 @@ T = TypeVar("T")
 
 
 def device_for(config: ModelConfig, env: DistEnv) -> torch.device:
-    """`model.device`, or with auto this rank's own device (its GPU under torchrun, else the CPU)."""
-    return env.device if config.device == "auto" else torch.device(config.device)
+    """`model.device` (checked: a device this machine has), or with auto this rank's own device (its GPU under
+    torchrun, else the CPU)."""
+    return env.device if config.device == "auto" else check_device(config.device, "model.device")
 
 
 def set_threads(trainer: TrainerConfig, device: torch.device) -> int:
@@ -134,8 +135,11 @@ class Run:
     critic: Learner | None = None  # PPO's value model, when the advantages are GAE
     stop: StopSignals = field(default_factory=StopSignals)
     stopped_by: str | None = None  # "SIGINT" / "SIGTERM" when a signal ended the run early
+    failed_steps: list[tuple[int, str]] = field(default_factory=list)  # (step, first failure): the latest steps in a
+    # row whose every sample was dropped (trainer.max_failed_steps of them stop the run)
     step: int = 0  # the step being trained
     threads_before: int = 0  # torch's thread count before the run set its own
+    replaces: bool = False  # output_dir holds an earlier run's outputs, deleted by `claim_output`
     _saved: int = -1  # steps done at the last checkpoint
 
     @classmethod
@@ -153,7 +157,6 @@ class Run:
             torch.set_num_threads(threads_before)
             raise
         run.threads_before = threads_before
-        run.stop.install()
         return run
 
     @classmethod
@@ -170,7 +173,7 @@ class Run:
         guard = NonfiniteGuard(config.trainer.nonfinite, loop_state)
         actor = build_policy_learner(config, model, strategy, balancer, guard, temperature)
         run = cls(config, env, tokenizer, actor, balancer, Reporter(config, env), run_id=start.run_id,
-                  loop_state=loop_state)
+                  loop_state=loop_state, replaces=start.replaces)
         if config.algo.resolved().advantage == "gae":
             run.critic = build_critic_learner(config, strategy, len(tokenizer), device, balancer, guard)
         if start.path is not None:
@@ -200,13 +203,19 @@ class Run:
         """The policy's learner, and the critic's with PPO."""
         return [self.actor] + ([self.critic] if self.critic is not None else [])
 
-    def check_model(self, longest: int) -> None:
-        """Refuse, before any compute or output, a model (or critic) the engine cannot train exactly."""
+    def check_model(self, longest: int, setting: str | None = "rollout.max_context_tokens") -> None:
+        """Refuse, before any compute or output, a model (or critic) the engine cannot train exactly on sequences of
+        up to `longest` tokens; `setting` (the config key that bounds them) must also fit the model's positions."""
         for learner in self.learners():
             engine = learner.engine
             inner = engine.engine if isinstance(engine, AutocastEngine) else engine
             check_model(learner.model, inner.head, not isinstance(inner, FlatEngine), longest,
                         carries_state=isinstance(inner, DfsEngine))
+            most = getattr(learner.model.config.get_text_config(), "max_position_embeddings", None)
+            if setting is not None and isinstance(most, int) and 0 < most < longest:  # <= 0: no limit (XLNet)
+                raise ConfigError(f"{setting}={longest} is more than the model's maximum of {most} positions "
+                                  f"(max_position_embeddings of {type(learner.model).__name__}): set {setting}={most} "
+                                  "or lower")
 
     def trainables(self) -> dict[str, Trainable]:
         """What a checkpoint holds: the policy ("") and, with PPO, the critic."""
@@ -218,7 +227,10 @@ class Run:
     # ------------------------------------------------------------------ the loop
     def steps(self) -> Iterator[int]:
         """Training steps from the resumed one to `trainer.steps`, with a progress bar on rank 0. After a SIGINT or
-        SIGTERM it stops after the current step, with a checkpoint (`stopped_by` names the signal)."""
+        SIGTERM it stops after the current step, with a checkpoint (`stopped_by` names the signal). Before the
+        first step and after the last (setting up, the start and final evaluations) a signal is not caught here:
+        the CLI stops at once, with one line."""
+        self.stop.install()
         self.report.open_bar()
         for step in range(self.start_step, self.config.trainer.steps):
             self.step = step
@@ -232,14 +244,25 @@ class Run:
                                   f"checkpoint {path} (continue with trainer.resume=auto)")
                 break
         self.report.close_bar()
+        self.stop.restore()  # after the last step (the final evaluation, the summary) a signal stops at once
 
     @property
     def steps_done(self) -> int:
         """Steps completed so far (all of them, unless a signal stopped the run)."""
         return self.step + 1 if self.stopped_by else self.config.trainer.steps
 
+    def claim_output(self) -> None:
+        """The first step is trained, so the run has set up: from now on it writes into output_dir (rank 0), the
+        earlier run it replaces deleted first. Everything that writes there calls this first."""
+        if self.report.opened:
+            return
+        if self.env.is_main and self.replaces:
+            delete_outputs(Path(self.config.trainer.output_dir))
+        self.report.open()
+
     def end_step(self, step: int, metrics: dict[str, float], postfix: dict[str, float] | None = None) -> None:
         """After a step: advance the LR schedules, log (rank 0), checkpoint when due."""
+        self.claim_output()
         with warnings.catch_warnings():  # a skipped step (no samples) advances the schedule without an optimizer step
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             for learner in self.learners():
@@ -252,6 +275,7 @@ class Run:
     def save(self, steps_done: int) -> Path:
         """A checkpoint after `steps_done` steps, policy and critic in one atomic directory (every rank calls this;
         rank 0 writes); then the run's own older checkpoints beyond `trainer.keep_checkpoints` are deleted."""
+        self.claim_output()
         path = checkpoint_dir(self.config.trainer.output_dir, steps_done)
         save_checkpoint(path, self.trainables(), self.tokenizer, steps_done, self.loop_state, to_yaml(self.config),
                         self.run_id, self.env.is_main)

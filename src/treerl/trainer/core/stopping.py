@@ -9,8 +9,8 @@ Between steps (docs/architecture.md): a signal ends the run after step 6, with a
         if stop.agreed():            # every rank stops after the same step (one tiny all-reduce under torchrun)
             break
 
-A second signal aborts at once (KeyboardInterrupt), with no checkpoint: the last complete one stays
-the newest (checkpoints are written atomically). Under torchrun, the launcher passes the signal to
+A second signal aborts at once (`treerl.errors.Interrupted`, a KeyboardInterrupt), with no checkpoint: the last
+complete one stays the newest (checkpoints are written atomically). Under torchrun, the launcher passes the signal to
 every rank; `agreed` makes the ranks leave after the same step even if it reached them between steps.
 """
 
@@ -23,6 +23,7 @@ from types import FrameType
 from typing import Any
 
 from treerl.distributed import global_sum
+from treerl.errors import Interrupted
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -57,7 +58,7 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
             self.restore()
-            raise KeyboardInterrupt(f"{signal.Signals(signum).name} received twice: stopped without a checkpoint")
+            raise Interrupted(signum, f"{signal.Signals(signum).name} received twice: stopped without a checkpoint")
         self.received = signum
         name = signal.Signals(signum).name
         # os.write, not logging: a handler may run while the logging lock is held

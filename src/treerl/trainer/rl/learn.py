@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from treerl.algo import (
 from treerl.algo.policy import kl_penalty
 from treerl.distributed import Assignment
 from treerl.engine import LossFn, SequenceView
+from treerl.errors import TrainingStopped
 from treerl.models import is_lora
 from treerl.rollout import CompletionsClient, InferenceEngine, Rollout, RolloutBatch, RolloutStats
 from treerl.trainer.core.build import load_policy
@@ -90,6 +92,7 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
                 first.append(reward)
         run.end_step(step, metrics, {"reward": reward, "loss": metrics.get("train/loss", float("nan")),
                                      "compression": metrics.get("batch/compression", float("nan"))})
+        check_failed_steps(run)
     reward_end = float("nan") if run.stopped_by else evaluate(run, evaluation, config.trainer.steps, "end")
     result = TrainResult(
         reward_start=reward_start, reward_end=reward_end,
@@ -114,6 +117,7 @@ def learn(run: Run, batch: RolloutBatch, reference: Reference | None, step: int,
     metrics = batch.stats.metrics()
     report_dropped(run, step, batch.stats)
     if batch.sequences:
+        run.failed_steps.clear()
         metrics.update(tree_metrics(batch.sequences))
         algo = run.config.algo.resolved()
         proximal_in_loss = proximal_in_loss and algo.loss == "decoupled_ppo"
@@ -126,9 +130,30 @@ def learn(run: Run, batch: RolloutBatch, reference: Reference | None, step: int,
             metrics.update(update_critic(run, batch.sequences, step, algo))
     else:  # every sample was dropped: nothing to learn from, the schedule still advances
         run.loop_state["skipped_steps"] += 1
+        run.failed_steps.append((step, first_failure(batch.stats)))
         run.report.print(f"step {step}: every sample was dropped ({dict(batch.stats.dropped)}); step skipped")
     metrics["trainer/skipped_steps"] = run.loop_state["skipped_steps"]
     return metrics
+
+
+def first_failure(stats: RolloutStats) -> str:
+    """Why a step's first sample was dropped, on one line (or its counts, when no sample was reported)."""
+    if not stats.dropped_samples:
+        return f"dropped: {dict(stats.dropped)}" if stats.dropped else "the step had no samples"
+    sample = stats.dropped_samples[0]
+    reason = " ".join(sample.reason.split())  # an exception's message may span lines
+    return f"[{sample.group}] {reason[:500]}"
+
+
+def check_failed_steps(run: Run) -> None:
+    """Stop the run after `trainer.max_failed_steps` consecutive steps whose every sample was dropped: a broken reward,
+    agent or server, not bad luck; the first failure is named (all are in dropped.jsonl)."""
+    limit, failed = run.config.trainer.max_failed_steps, run.failed_steps
+    if not limit or len(failed) < limit:
+        return
+    raise TrainingStopped(f"every sample of {len(failed)} steps in a row (steps {failed[0][0]}-{failed[-1][0]}) was "
+                          f"dropped (trainer.max_failed_steps={limit}); the first failure: {failed[0][1]}; all of "
+                          f"them in {Path(run.config.trainer.output_dir) / 'dropped.jsonl'}")
 
 
 def update_critic(run: Run, sequences: list[TokenSequence], step: int, algo: AlgoConfig) -> dict[str, float]:
@@ -189,8 +214,7 @@ def evaluate(run: Run, evaluation: Rollout | None, step: int, label: str | None)
         return float("nan")
     stats = collect(run, evaluation, EVAL_STEP).stats
     metrics = {f"eval/{k.removeprefix('rollout/')}": v for k, v in stats.metrics().items()}
-    if run.report.logger is not None:
-        run.report.logger.log(step, metrics)
+    run.report.log(step, metrics)
     if label is not None:
         config = run.config.rollout
         run.report.print(f"mean reward at {label}: {stats.reward_mean:.3f} (evaluation: {stats.samples} samples of "
@@ -200,8 +224,8 @@ def evaluate(run: Run, evaluation: Rollout | None, step: int, label: str | None)
 
 def report_dropped(run: Run, step: int, stats: RolloutStats) -> None:
     """Dropped samples, with their text, go to output_dir/dropped.jsonl (the counters go to the metrics)."""
-    if run.report.logger is not None and stats.dropped_samples:
-        run.report.logger.write_jsonl("dropped.jsonl", [{"step": step, **asdict(s)} for s in stats.dropped_samples])
+    if stats.dropped_samples:
+        run.report.write_jsonl("dropped.jsonl", [{"step": step, **asdict(s)} for s in stats.dropped_samples])
 
 
 # ---------------------------------------------------------------------- batch preparation

@@ -76,6 +76,7 @@ def push_weights(run: Run, rollout: Rollout, version: int) -> None:
     client = rollout.engine
     if not isinstance(client, CompletionsClient):
         return
+    run.claim_output()
     weights = full_weights(run.policy)
     if run.env.is_main:
         path = (Path(run.config.trainer.output_dir) / "server_weights").resolve()

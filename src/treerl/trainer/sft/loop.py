@@ -59,7 +59,7 @@ def sft(config: Config) -> SFTResult:
         stats = PrefixTree.build([s for c in conversations for s in c.sequences]).stats()
         run.report.print(f"{len(conversations)} conversations, {stats.sequences} paths, {stats.flat_tokens} tokens "
                   f"({stats.compression:.2f}x shared as a tree)")
-        run.check_model(max(len(s) for c in conversations for s in c.sequences))
+        run.check_model(max(len(s) for c in conversations for s in c.sequences), setting=None)
         loss_start = evaluate(run, held, run.start_step, "start")
         losses = []
         for step in run.steps():
@@ -96,7 +96,6 @@ def evaluate(run: Run, sequences: list[TokenSequence], step: int, label: str) ->
     total = sum(float((-out["logprobs"] * seq.fields["loss_mask"].to(out["logprobs"])).sum())
                 for seq, out in zip(sequences, outputs))
     loss = total / float(sum(seq.fields["loss_mask"].sum() for seq in sequences))
-    if run.report.logger is not None:
-        run.report.logger.log(step, {"eval/loss": loss})
+    run.report.log(step, {"eval/loss": loss})
     run.report.print(f"mean loss at {label}: {loss:.4f} per assistant token ({len(sequences)} paths)")
     return loss
