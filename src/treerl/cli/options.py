@@ -1,4 +1,7 @@
-"""Checks of command-line options: a value out of range is one `error: --name=value ...` line, before any work."""
+"""Checks of command-line options: a value out of range is one `error: --name=value ...` line, before any work.
+
+Beside the steps (docs/architecture.md): the command line.
+"""
 
 from __future__ import annotations
 

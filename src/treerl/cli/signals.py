@@ -1,5 +1,7 @@
 """SIGINT / SIGTERM outside the training steps: one line and exit code 130 / 143, never a traceback.
 
+Beside the steps (docs/architecture.md): the command line, before and after the training steps.
+
 Training has its own handlers (`treerl.trainer.core.stopping`: finish the step, write a checkpoint). Before
 they are installed (the imports, loading the model, building the rollout) and after they are removed, these
 apply, so a Ctrl-C while a run starts is as clean as one while it trains:
