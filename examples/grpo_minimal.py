@@ -22,7 +22,7 @@ import torch
 from treerl.algo import AlgoConfig, LossNormalizer, build_loss, compute_advantages
 from treerl.engine import DfsEngine
 from treerl.models import build_model
-from treerl.rollout import ChatFormat, EmbeddedEngine, SamplingParams, builtin_tokenizer
+from treerl.rollout import ChatFormat, EmbeddedSampler, SamplingParams, builtin_tokenizer
 from treerl.rollout.tasks import Arithmetic
 from treerl.tree import PrefixTree, TokenSequence
 
@@ -31,7 +31,7 @@ GROUP = 8  # answers sampled per prompt: GRPO's group, whose mean reward is each
 LR = 1e-3
 
 
-def sample(sampler: EmbeddedEngine, chat: ChatFormat, task: Arithmetic, step: int) -> list[TokenSequence]:
+def sample(sampler: EmbeddedSampler, chat: ChatFormat, task: Arithmetic, step: int) -> list[TokenSequence]:
     """GROUP answers to each of the step's prompts, each a sequence with what the loss and advantages read."""
     prompts = task.prompts(step, PROMPTS)
     contexts = [chat.prompt(p.messages) for p in prompts]  # token ids: the chat template with the question
@@ -68,7 +68,7 @@ def main(steps: int) -> None:
     tokenizer = builtin_tokenizer()  # characters; comes with a chat template
     chat = ChatFormat(tokenizer)
     model = build_model(shape="tiny-qwen3", vocab_size=len(tokenizer))  # random init, float32
-    sampler = EmbeddedEngine(model)  # samples with the policy itself (transformers, with a KV cache)
+    sampler = EmbeddedSampler(model)  # samples with the policy itself (transformers, with a KV cache)
     engine = DfsEngine()  # dynamic tree attention: the tree's nodes depth first, shared prefixes once
     config = AlgoConfig(loss="grpo")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)

@@ -1,4 +1,4 @@
-"""Rollout test fixtures: the built-in tokenizer, a tiny float64 policy over its vocabulary, a scripted engine."""
+"""Rollout test fixtures: the built-in tokenizer, a tiny float64 policy over its vocabulary, a scripted sampler."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def policy(tokenizer):
     return tiny_model("tiny-qwen3", vocab_size=len(tokenizer))
 
 
-class ScriptedEngine:
-    """An inference engine whose replies are text chosen by `reply(prompt_text, sample_index)`."""
+class ScriptedSampler:
+    """A sampler whose replies are text chosen by `reply(prompt_text, sample_index)`."""
 
     def __init__(self, tokenizer, reply: Callable[[str, int], str], version: int = 7):
         self.tokenizer, self.reply, self.version = tokenizer, reply, version
@@ -42,7 +42,7 @@ class ScriptedEngine:
             for j in range(params.n):
                 ids = self.tokenizer(self.reply(text, j), add_special_tokens=False)["input_ids"]
                 ids, finish = ids + [self.tokenizer.eos_token_id], "stop"
-                if len(ids) > params.max_new_tokens:  # cut off like a real engine: no stop token
+                if len(ids) > params.max_new_tokens:  # cut off like a real sampler: no stop token
                     ids, finish = ids[: params.max_new_tokens], "length"
                 logprobs = [-0.5 - 0.01 * k for k in range(len(ids))]
                 group.append(Completion(ids, logprobs, finish, [self.version] * len(ids)))
@@ -52,4 +52,4 @@ class ScriptedEngine:
 
 @pytest.fixture
 def scripted(tokenizer):
-    return lambda reply, version=7: ScriptedEngine(tokenizer, reply, version)
+    return lambda reply, version=7: ScriptedSampler(tokenizer, reply, version)

@@ -29,12 +29,12 @@ def _prompts(n: int) -> list[Prompt]:
     return [Prompt(f"t{i}", [{"role": "user", "content": str(i)}], {"kind": i}) for i in range(n)]
 
 
-def _play(chat, engine, agent, tasks: int, **options) -> tuple[list, RolloutStats]:
-    """The sequences and counters of `tasks` tasks played by `agent` through a proxy over `engine`."""
-    workflow = AgentWorkflow(agent, ChatProxy(engine, chat), **options)
+def _play(chat, sampler, agent, tasks: int, **options) -> tuple[list, RolloutStats]:
+    """The sequences and counters of `tasks` tasks played by `agent` through a proxy over `sampler`."""
+    workflow = AgentWorkflow(agent, ChatProxy(sampler, chat), **options)
     stats = RolloutStats()
     try:
-        return workflow.run(engine, _prompts(tasks), stats, seed=0), stats
+        return workflow.run(sampler, _prompts(tasks), stats, seed=0), stats
     finally:
         workflow.proxy.stop()
 
@@ -136,7 +136,7 @@ def test_an_episode_whose_call_outgrows_the_context_limit_is_dropped(chat, scrip
     workflow = AgentWorkflow(agent, ChatProxy(scripted(lambda p, j: "y"), chat, max_context_tokens=30))
     stats = RolloutStats()
     try:
-        sequences = workflow.run(workflow.proxy.engine, _prompts(2), stats, seed=0)
+        sequences = workflow.run(workflow.proxy.sampler, _prompts(2), stats, seed=0)
     finally:
         workflow.proxy.stop()
     assert dict(stats.dropped) == {"agent_context_limit": 8} and stats.kept == 8

@@ -13,7 +13,7 @@ from omegaconf.errors import ConfigAttributeError, ValidationError
 
 from treerl.engine import FlatEngine, PolicyHead
 from treerl.errors import UserError
-from treerl.rollout import CompletionsClient, EmbeddedEngine, Rollout, RolloutConfig, build_engine
+from treerl.rollout import CompletionsClient, EmbeddedSampler, Rollout, RolloutConfig, build_sampler
 from treerl.tree import PrefixTree, validate_sequences
 
 
@@ -26,9 +26,9 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("task", ["arithmetic", "guess_number"])
 def test_collect_is_valid_reproducible_and_rewarded(task, tokenizer, policy):
     config = RolloutConfig(task=task, prompts_per_step=4, group_size=4, seed=1)
-    engine = build_engine(config, policy)
-    engine.version = 2
-    rollout = Rollout(config, tokenizer, engine)
+    sampler = build_sampler(config, policy)
+    sampler.version = 2
+    rollout = Rollout(config, tokenizer, sampler)
     batch = rollout.collect(5)
     validate_sequences(batch.sequences, vocab_size=len(tokenizer))
     assert batch.stats.prompts == 4 and batch.stats.kept == batch.stats.samples > 0
@@ -41,14 +41,14 @@ def test_collect_is_valid_reproducible_and_rewarded(task, tokenizer, policy):
     for seq in batch.sequences:
         generated = seq.fields["loss_mask"] == 1
         assert seq.fields["versions"][generated].eq(2).all() and seq.fields["versions"][~generated].eq(-1).all()
-    assert _same(batch.sequences, Rollout(config, tokenizer, EmbeddedEngine(policy, version=2)).collect(5).sequences)
+    assert _same(batch.sequences, Rollout(config, tokenizer, EmbeddedSampler(policy, version=2)).collect(5).sequences)
     assert not _same(batch.sequences, rollout.collect(6).sequences)
     assert PrefixTree.build(batch.sequences).stats().compression > 1
 
 
 def test_behaviour_logprobs_are_what_the_trainer_recomputes(tokenizer, policy):
     config = RolloutConfig(task="guess_number", prompts_per_step=2, group_size=2, temperature=0.8)
-    batch = Rollout(config, tokenizer, build_engine(config, policy)).collect(0)
+    batch = Rollout(config, tokenizer, build_sampler(config, policy)).collect(0)
     outputs = FlatEngine(head=PolicyHead(temperature=0.8)).forward(policy, batch.sequences)
     for seq, out in zip(batch.sequences, outputs):
         mask = seq.fields["loss_mask"] == 1
@@ -68,7 +68,7 @@ def test_dataset_task_with_a_users_reward_that_sometimes_fails(tokenizer, policy
     config = RolloutConfig(task="dataset", data_path=str(tmp_path / "data.jsonl"),
                            reward_fn="user_reward_for_test:reward", prompts_per_step=3, group_size=4,
                            max_new_tokens=3)
-    batch = Rollout(config, tokenizer, build_engine(config, policy)).collect(0)
+    batch = Rollout(config, tokenizer, build_sampler(config, policy)).collect(0)
     stats = batch.stats
     assert stats.samples == 12 and stats.kept + stats.dropped["reward_raised"] == 12
     assert stats.dropped["reward_raised"] > 0 and len(batch.sequences) == stats.kept
@@ -91,7 +91,7 @@ def test_dataset_task_with_a_users_reward_that_sometimes_fails(tokenizer, policy
 def test_bad_config_is_a_clear_error(overrides, message, tokenizer, policy):
     config = RolloutConfig(**overrides)
     with pytest.raises(ValueError, match=message):
-        Rollout(config, tokenizer, EmbeddedEngine(policy))
+        Rollout(config, tokenizer, EmbeddedSampler(policy))
 
 
 def test_config_works_as_an_omegaconf_structured_config():
@@ -114,12 +114,12 @@ def test_build_engine_picks_the_server_client_or_needs_the_model():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        client = build_engine(RolloutConfig(server_url=url, server_model="m", request_timeout=3))
+        client = build_sampler(RolloutConfig(server_url=url, server_model="m", request_timeout=3))
     finally:
         server.shutdown()
         server.server_close()
     assert isinstance(client, CompletionsClient) and client.model == "m" and client.timeout == 3
     with pytest.raises(UserError, match=rf"rollout.server_url='{url}': cannot reach the inference server"):
-        build_engine(RolloutConfig(server_url=url))  # closed now
+        build_sampler(RolloutConfig(server_url=url))  # closed now
     with pytest.raises(ValueError, match="needs the model"):
-        build_engine(RolloutConfig())
+        build_sampler(RolloutConfig())

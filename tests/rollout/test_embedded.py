@@ -1,4 +1,4 @@
-"""The embedded engine: behaviour log-probs equal the trainer's recomputation, prompts prefilled once, stops."""
+"""The embedded sampler: behaviour log-probs equal the trainer's recomputation, prompts prefilled once, stops."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from treerl.engine import FlatEngine, PolicyHead
-from treerl.rollout import EmbeddedEngine, SamplingParams
+from treerl.rollout import EmbeddedSampler, SamplingParams
 from treerl.rollout.embedded import sample
 from treerl.tree import TokenSequence
 
@@ -24,7 +24,7 @@ def test_logprobs_equal_flat_engine_recomputation(policy, tokenizer, temperature
     prompts = _prompts(tokenizer)
     params = SamplingParams(n=3, max_new_tokens=10, temperature=temperature, top_p=top_p,
                             stop_token_ids=(tokenizer.eos_token_id,), seed=0)
-    groups = EmbeddedEngine(policy).generate(prompts, params)
+    groups = EmbeddedSampler(policy).generate(prompts, params)
     sequences, behaviour = [], []
     for prompt, group in zip(prompts, groups):
         assert len(group) == 3
@@ -43,7 +43,7 @@ def test_each_prompt_is_prefilled_once(policy, tokenizer):
                                             with_kwargs=True)
     try:
         prompts = _prompts(tokenizer)
-        EmbeddedEngine(policy).generate(prompts, SamplingParams(n=4, max_new_tokens=5, seed=1))
+        EmbeddedSampler(policy).generate(prompts, SamplingParams(n=4, max_new_tokens=5, seed=1))
     finally:
         hook.remove()
     assert shapes[0] == (3, max(len(p) for p in prompts))
@@ -56,7 +56,7 @@ def test_stop_tokens_end_a_completion_and_finished_rows_leave_the_batch(policy, 
     rows = []
     hook = policy.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
     try:
-        groups = EmbeddedEngine(policy).generate(
+        groups = EmbeddedSampler(policy).generate(
             _prompts(tokenizer), SamplingParams(n=5, max_new_tokens=6, stop_token_ids=stop, seed=2)
         )
     finally:
@@ -75,9 +75,9 @@ def test_stop_tokens_end_a_completion_and_finished_rows_leave_the_batch(policy, 
 
 
 def test_same_seed_same_completions_and_versions(policy, tokenizer):
-    engine = EmbeddedEngine(policy, version=3)
+    sampler = EmbeddedSampler(policy, version=3)
     params = SamplingParams(n=2, max_new_tokens=6, seed=5)
-    a, b = engine.generate(_prompts(tokenizer), params), engine.generate(_prompts(tokenizer), params)
+    a, b = sampler.generate(_prompts(tokenizer), params), sampler.generate(_prompts(tokenizer), params)
     assert [[c.tokens for c in g] for g in a] == [[c.tokens for c in g] for g in b]
     assert all(c.versions == [3] * len(c.tokens) for g in a for c in g)
 
@@ -85,7 +85,7 @@ def test_same_seed_same_completions_and_versions(policy, tokenizer):
 def test_training_mode_is_restored(policy, tokenizer):
     policy.train()
     try:
-        EmbeddedEngine(policy).generate(_prompts(tokenizer)[:1], SamplingParams(max_new_tokens=2, seed=0))
+        EmbeddedSampler(policy).generate(_prompts(tokenizer)[:1], SamplingParams(max_new_tokens=2, seed=0))
         assert policy.training
     finally:
         policy.eval()
@@ -94,7 +94,7 @@ def test_training_mode_is_restored(policy, tokenizer):
 def test_chunks_of_rows_give_the_same_logprob_semantics(policy, tokenizer):
     """max_rows splits the prompts into chunks; every completion still matches the recomputation."""
     prompts = _prompts(tokenizer)
-    groups = EmbeddedEngine(policy, max_rows=2).generate(prompts, SamplingParams(n=2, max_new_tokens=4, seed=3))
+    groups = EmbeddedSampler(policy, max_rows=2).generate(prompts, SamplingParams(n=2, max_new_tokens=4, seed=3))
     sequences = [TokenSequence(p + c.tokens) for p, g in zip(prompts, groups) for c in g]
     recomputed = FlatEngine().forward(policy, sequences)
     starts = [len(p) for p in prompts for _ in range(2)]
@@ -104,9 +104,9 @@ def test_chunks_of_rows_give_the_same_logprob_semantics(policy, tokenizer):
 
 def test_bad_input_is_refused_before_compute(policy):
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        EmbeddedEngine(policy).generate([[1, 2], []], SamplingParams())
+        EmbeddedSampler(policy).generate([[1, 2], []], SamplingParams())
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        EmbeddedEngine(policy).generate([[1, 10**6]], SamplingParams())
+        EmbeddedSampler(policy).generate([[1, 10**6]], SamplingParams())
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=0.0)
     with pytest.raises(ValueError, match="top_p"):

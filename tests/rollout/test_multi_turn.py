@@ -28,13 +28,13 @@ def _episodes(secrets):
 
 
 def test_episode_tree_shape_sequences_and_rewards(chat, scripted, tokenizer):
-    engine = scripted(_replies)
+    sampler = scripted(_replies)
     stats = RolloutStats()
     task = GuessNumber(max_number=9, max_turns=3)
-    sequences = _workflow(chat, task).run(engine, _episodes([9]), stats)
+    sequences = _workflow(chat, task).run(sampler, _episodes([9]), stats)
     validate_sequences(sequences, vocab_size=len(tokenizer))
-    # turn 0: 2 samples; turn 1: 1 each; turn 2: 3 each -> 6 trajectories of 3 calls, one engine call per turn
-    assert engine.calls == [(1, 2), (2, 1), (2, 3)]
+    # turn 0: 2 samples; turn 1: 1 each; turn 2: 3 each -> 6 trajectories of 3 calls, one sampler call per turn
+    assert sampler.calls == [(1, 2), (2, 1), (2, 3)]
     trajectories = {s.info["trajectory"] for s in sequences}
     assert trajectories == {f"e0/{a}/{b}" for a in range(2) for b in range(3)}
     assert len(sequences) == 18 and stats.kept == 6 and stats.model_calls == 2 + 2 + 6
@@ -88,8 +88,8 @@ class _FlakyTask:
 def test_failing_environment_drops_only_that_branch(chat, scripted):
     """Turn 2 branches reply 4 + b (b = 0..2): 4 raises, 6 is NaN, 5 is kept -> one of three survives per fork."""
     stats = RolloutStats()
-    engine = scripted(lambda text, j: str(2 + j + text.count("<tool>")) if text.count("<tool>") < 2 else str(4 + j))
-    sequences = _workflow(chat, _FlakyTask()).run(engine, _episodes([0]), stats)
+    sampler = scripted(lambda text, j: str(2 + j + text.count("<tool>")) if text.count("<tool>") < 2 else str(4 + j))
+    sequences = _workflow(chat, _FlakyTask()).run(sampler, _episodes([0]), stats)
     assert {s.info["trajectory"] for s in sequences} == {"e0/0/1", "e0/1/1"}
     assert stats.dropped == {"reward_raised": 2, "reward_not_finite": 2} and stats.kept == 2 and stats.samples == 6
     assert "environment raised RuntimeError: tool crashed" in str(stats.dropped_samples[0])
@@ -118,7 +118,7 @@ def test_an_episode_whose_first_prompt_is_over_the_context_limit_is_not_played(c
     episodes[1].messages[0]["content"] = "guess " * 30
     workflow = _workflow(chat, GuessNumber(max_turns=1), group_size=2, branch_at=(), max_turns=1,
                          max_context_tokens=40)
-    engine = scripted(lambda text, j: "5")
-    sequences = workflow.run(engine, episodes, stats)
-    assert engine.calls == [(1, 2)] and {s.info["group"] for s in sequences} == {"e0"}
+    sampler = scripted(lambda text, j: "5")
+    sequences = workflow.run(sampler, episodes, stats)
+    assert sampler.calls == [(1, 2)] and {s.info["group"] for s in sequences} == {"e0"}
     assert stats.dropped == {"context_limit": 2} and stats.prompts == 2

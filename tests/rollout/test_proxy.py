@@ -12,7 +12,7 @@ import torch
 
 from treerl.algo import AlgoConfig, LossNormalizer, build_loss, compute_advantages
 from treerl.engine import DfsEngine, FlatEngine, PolicyHead
-from treerl.rollout import ChatFormat, EmbeddedEngine
+from treerl.rollout import ChatFormat, EmbeddedSampler
 from treerl.rollout.agent import AgentWorkflow
 from treerl.rollout.proxy import ChatProxy
 from treerl.rollout.stats import RolloutStats
@@ -37,11 +37,11 @@ FLAT_LOOKUP = {"type": "function", **LOOKUP["function"]}  # the Responses API's 
 
 @pytest.fixture
 def serve(chat):
-    """`serve(engine, **options)`: a started proxy (stopped after the test)."""
+    """`serve(sampler, **options)`: a started proxy (stopped after the test)."""
     proxies = []
 
-    def start(engine, **options):
-        proxy = ChatProxy(engine, chat, **options)
+    def start(sampler, **options):
+        proxy = ChatProxy(sampler, chat, **options)
         proxy.start()
         proxies.append(proxy)
         return proxy
@@ -154,8 +154,8 @@ def test_named_tool_choice_keeps_the_sampled_tokens_where_the_template_rerenders
 def test_recorded_tokens_and_logprobs_are_what_the_model_sampled(serve, policy, tokenizer, chat):
     """The response's token ids (vLLM's return_token_ids) are the recorded ones, the text decodes from them, and
     the recorded behaviour log-probs equal the model's own log-probs of those tokens at the sampling temperature."""
-    proxy = serve(EmbeddedEngine(policy, version=3), temperature=0.8, max_new_tokens=6)
-    proxy.sampler.seed = 11
+    proxy = serve(EmbeddedSampler(policy, version=3), temperature=0.8, max_new_tokens=6)
+    proxy.batcher.seed = 11
 
     async def agent(client):
         messages = [{"role": "user", "content": "hi"}]
@@ -186,7 +186,7 @@ def test_recorded_tokens_and_logprobs_are_what_the_model_sampled(serve, policy, 
 def test_loss_over_an_episode_tree_equals_the_flat_loss(serve, policy, tokenizer):
     """Episodes of two tasks (4 plays each, lookups and retried answers) trained as a prefix tree: Dr. GRPO loss and
     every gradient equal the flat engine's in float64."""
-    proxy = serve(EmbeddedEngine(policy), max_new_tokens=5)
+    proxy = serve(EmbeddedSampler(policy), max_new_tokens=5)
 
     async def agent(client, task):
         messages = [{"role": "user", "content": task["question"]}]
@@ -199,7 +199,7 @@ def test_loss_over_an_episode_tree_equals_the_flat_loss(serve, policy, tokenizer
     workflow = AgentWorkflow(agent, proxy, group_size=4)
     prompts = [Prompt(f"t{i}", [{"role": "user", "content": q}], {"question": q}) for i, q in enumerate(["a?", "b?"])]
     stats = RolloutStats()
-    sequences = workflow.run(proxy.engine, prompts, stats, seed=1)
+    sequences = workflow.run(proxy.sampler, prompts, stats, seed=1)
     assert stats.kept == 8 and len(sequences) == 24 and stats.model_calls == 24
     tree = PrefixTree.build(sequences).stats()
     assert tree.compression > 2  # the tools header and each task's question are stored once

@@ -1,4 +1,4 @@
-"""`treerl serve` as a real process on loopback: the client gets what the embedded engine gives."""
+"""`treerl serve` as a real process on loopback: the client gets what the embedded sampler gives."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from support import treerl_serve
 
 from treerl.engine import FlatEngine, PolicyHead
 from treerl.models import build_model
-from treerl.rollout import CompletionsClient, EmbeddedEngine, SamplingParams, ServerError
+from treerl.rollout import CompletionsClient, EmbeddedSampler, SamplingParams, ServerError
 from treerl.tree import TokenSequence
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def test_server_completions_equal_the_embedded_engine(server, tokenizer, same_mo
     """Same seed: identical tokens, log-probs and finish reasons; the server adds its eos stop like vLLM."""
     params = SamplingParams(n=3, max_new_tokens=8, temperature=0.9, stop_token_ids=(tokenizer.eos_token_id,), seed=11)
     remote = CompletionsClient(server, model="tiny").generate(_prompts(tokenizer), params)
-    local = EmbeddedEngine(same_model).generate(_prompts(tokenizer), params)
+    local = EmbeddedSampler(same_model).generate(_prompts(tokenizer), params)
     assert len(remote) == 3
     for remote_group, local_group in zip(remote, local):
         assert len(remote_group) == 3
@@ -75,7 +75,7 @@ def test_update_weights_from_disk_changes_samples_and_version(server, tokenizer,
         client.update_weights_from_disk(str(tmp_path / "other"), version=5)
         params = SamplingParams(n=2, max_new_tokens=6, seed=1)
         remote = client.generate(_prompts(tokenizer), params)
-        local = EmbeddedEngine(other).generate(_prompts(tokenizer), params)
+        local = EmbeddedSampler(other).generate(_prompts(tokenizer), params)
         assert [[c.tokens for c in g] for g in remote] == [[c.tokens for c in g] for g in local]
         assert all(c.versions == [5] * len(c.tokens) for g in remote for c in g)
         with pytest.raises(ServerError, match="could not load weights"):
@@ -95,7 +95,7 @@ def test_vllm_reload_protocol_changes_samples_and_version(server, tokenizer, sam
         client.update_weights_from_disk(str(tmp_path / "other"), version=9)
         params = SamplingParams(n=2, max_new_tokens=6, seed=2, stop_token_ids=(tokenizer.eos_token_id,))
         remote = client.generate(_prompts(tokenizer), params)
-        local = EmbeddedEngine(other).generate(_prompts(tokenizer), params)
+        local = EmbeddedSampler(other).generate(_prompts(tokenizer), params)
         assert [[c.tokens for c in g] for g in remote] == [[c.tokens for c in g] for g in local]
         assert all(c.versions == [9] * len(c.tokens) for g in remote for c in g)
         assert client._get("/weight_info") == {"weight_version": "9"}

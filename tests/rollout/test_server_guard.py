@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from support import treerl_serve_process
 
 from treerl.models import build_model
-from treerl.rollout import CompletionsClient, EmbeddedEngine, SamplingParams
+from treerl.rollout import CompletionsClient, EmbeddedSampler, SamplingParams
 from treerl.rollout.embedded import GenerationCancelled
 from treerl.rollout.server import Guard, build_app
 
@@ -25,12 +25,12 @@ KEY = "s3cret-key"
 
 @pytest.fixture
 def served(tokenizer):
-    """A tiny model behind the app with an API key; returns (client, engine)."""
-    engine = EmbeddedEngine(build_model(shape="tiny-qwen3", vocab_size=len(tokenizer), seed=0))
-    app = build_app(engine, tokenizer, "tiny", Guard(api_key=KEY, max_n=4, max_tokens=32, max_prompts=2,
+    """A tiny model behind the app with an API key; returns (client, sampler)."""
+    sampler = EmbeddedSampler(build_model(shape="tiny-qwen3", vocab_size=len(tokenizer), seed=0))
+    app = build_app(sampler, tokenizer, "tiny", Guard(api_key=KEY, max_n=4, max_tokens=32, max_prompts=2,
                                                      request_timeout=30))
     with TestClient(app) as client:
-        yield client, engine
+        yield client, sampler
 
 
 def ask(client, key: str | None = KEY, path: str = "/v1/completions", **body):
@@ -64,10 +64,10 @@ def test_every_endpoint_but_health_needs_the_key(served):
     ({"stream": True}, r"does not support 'stream'"),
 ])
 def test_requests_over_a_limit_are_refused_before_any_work(served, monkeypatch, body, message):
-    client, engine = served
+    client, sampler = served
     calls = []
-    original = engine.generate
-    monkeypatch.setattr(engine, "generate", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = sampler.generate
+    monkeypatch.setattr(sampler, "generate", lambda *a, **k: calls.append(1) or original(*a, **k))
     answer = ask(client, **body)
     assert answer.status_code == 400
     assert re.search(message, answer.json()["error"]["message"])
@@ -77,8 +77,8 @@ def test_requests_over_a_limit_are_refused_before_any_work(served, monkeypatch, 
 
 def test_a_generation_past_the_deadline_stops_and_frees_the_model(tokenizer):
     """request_timeout=0.5 s: a generation of 30000 tokens answers 504 at once, and the next request is served."""
-    engine = EmbeddedEngine(build_model(shape="tiny-qwen3", vocab_size=len(tokenizer)))
-    with TestClient(build_app(engine, tokenizer, guard=Guard(max_tokens=10**6, request_timeout=0.5))) as client:
+    sampler = EmbeddedSampler(build_model(shape="tiny-qwen3", vocab_size=len(tokenizer)))
+    with TestClient(build_app(sampler, tokenizer, guard=Guard(max_tokens=10**6, request_timeout=0.5))) as client:
         started = time.monotonic()
         answer = ask(client, None, max_tokens=30000, ignore_eos=True)
         assert answer.status_code == 504 and "--request-timeout" in answer.json()["error"]["message"]
@@ -87,7 +87,7 @@ def test_a_generation_past_the_deadline_stops_and_frees_the_model(tokenizer):
 
 
 def test_generate_stops_when_asked(tokenizer):
-    engine = EmbeddedEngine(build_model(shape="tiny-qwen3", vocab_size=len(tokenizer)))
+    sampler = EmbeddedSampler(build_model(shape="tiny-qwen3", vocab_size=len(tokenizer)))
     asked = []
 
     def cancelled() -> bool:
@@ -95,7 +95,7 @@ def test_generate_stops_when_asked(tokenizer):
         return len(asked) > 3
 
     with pytest.raises(GenerationCancelled, match="after 3 of 100 tokens"):
-        engine.generate([[1, 2]], SamplingParams(max_new_tokens=100), cancelled=cancelled)
+        sampler.generate([[1, 2]], SamplingParams(max_new_tokens=100), cancelled=cancelled)
 
 
 def save_model(path, tokenizer, **kwargs):
@@ -105,8 +105,8 @@ def save_model(path, tokenizer, **kwargs):
 
 
 def test_a_weight_update_succeeds_whole_or_changes_nothing(served, tokenizer, tmp_path):
-    client, engine = served
-    before = snapshot(engine.model)
+    client, sampler = served
+    before = snapshot(sampler.model)
     other = save_model(tmp_path / "other", tokenizer, seed=1)
     save_model(tmp_path / "llama", tokenizer, shape="tiny-llama")
     nan = save_model(tmp_path / "nan", tokenizer, seed=2)
@@ -124,11 +124,11 @@ def test_a_weight_update_succeeds_whole_or_changes_nothing(served, tokenizer, tm
     for body, message in bad:
         answer = ask(client, path="/update_weights_from_disk", **body).json()
         assert answer["success"] is False and message in answer["message"], answer
-        assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())  # nothing changed
-        assert engine.version == 0
+        assert all(torch.equal(before[k], v) for k, v in sampler.model.state_dict().items())  # nothing changed
+        assert sampler.version == 0
     answer = ask(client, path="/update_weights_from_disk", model_path=str(tmp_path / "other"), weight_version="3")
-    assert answer.json()["success"] is True and engine.version == 3
-    assert all(torch.equal(other.state_dict()[k], v) for k, v in engine.model.state_dict().items())
+    assert answer.json()["success"] is True and sampler.version == 3
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in sampler.model.state_dict().items())
 
 
 def post_and_leave(url: str, body: dict, key: str | None = None) -> None:

@@ -21,12 +21,12 @@ def _workflow(chat, reward_fn=None, n=3):
 
 
 def test_sequences_fields_and_info(chat, scripted, tokenizer):
-    engine = scripted(lambda prompt, j: ["7", "x", "12"][j], version=7)
+    sampler = scripted(lambda prompt, j: ["7", "x", "12"][j], version=7)
     prompts = Arithmetic(seed=0).prompts(0, 2)
     stats = RolloutStats()
-    sequences = _workflow(chat).run(engine, prompts, stats)
+    sequences = _workflow(chat).run(sampler, prompts, stats)
     validate_sequences(sequences, vocab_size=len(tokenizer))
-    assert engine.calls == [(2, 3)]  # one engine call: each prompt once, n samples
+    assert sampler.calls == [(2, 3)]  # one sampler call: each prompt once, n samples
     assert len(sequences) == 6 and stats.sequences == 6 and stats.kept == 6 and stats.samples == 6
     for i, seq in enumerate(sequences):
         prompt = prompts[i // 3]
@@ -52,10 +52,10 @@ def test_failing_reward_drops_the_sample_and_reports_it(chat, scripted, caplog):
             return math.nan
         return 1.0
 
-    engine = scripted(lambda prompt, j: ["7", "x", "12"][j])
+    sampler = scripted(lambda prompt, j: ["7", "x", "12"][j])
     stats = RolloutStats()
     with caplog.at_level(logging.WARNING, logger="treerl.rollout"):
-        sequences = _workflow(chat, flaky).run(engine, Arithmetic(seed=0).prompts(0, 2), stats)
+        sequences = _workflow(chat, flaky).run(sampler, Arithmetic(seed=0).prompts(0, 2), stats)
     assert len(sequences) == 2 and all(s.info["reward"] == 1.0 for s in sequences)
     assert stats.samples == 6 and stats.kept == 2
     assert stats.dropped == {"reward_raised": 2, "reward_not_finite": 2}
@@ -81,12 +81,12 @@ def test_a_prompt_longer_than_the_context_limit_is_not_sampled_and_counted(chat,
     shortest = len(chat.prompt(prompts[0].messages))
     workflow = _workflow(chat)
     workflow.max_context_tokens = shortest + workflow.sampling.max_new_tokens  # the first prompt just fits
-    engine = scripted(lambda prompt, j: "7")
+    sampler = scripted(lambda prompt, j: "7")
     stats = RolloutStats()
-    sequences = workflow.run(engine, prompts, stats)
-    assert engine.calls == [(1, 3)] and {s.info["group"] for s in sequences} == {prompts[0].id}
+    sequences = workflow.run(sampler, prompts, stats)
+    assert sampler.calls == [(1, 3)] and {s.info["group"] for s in sequences} == {prompts[0].id}
     assert stats.dropped == {"context_limit": 3} and stats.kept == 3 and stats.samples == 6 and stats.prompts == 2
     assert all(len(s) <= workflow.max_context_tokens for s in sequences)
     assert "exceeds rollout.max_context_tokens" in stats.dropped_samples[0].reason
-    assert workflow.run(engine, prompts[1:], RolloutStats()) == []  # nothing fits: no engine call at all
-    assert engine.calls == [(1, 3)]
+    assert workflow.run(sampler, prompts[1:], RolloutStats()) == []  # nothing fits: no sampler call at all
+    assert sampler.calls == [(1, 3)]

@@ -15,12 +15,12 @@ import torch
 
 from treerl.engine import FlatEngine, PolicyHead
 from treerl.models import build_model
-from treerl.rollout import EmbeddedEngine, RolloutStats, SamplingParams
+from treerl.rollout import EmbeddedSampler, RolloutStats, SamplingParams
 from treerl.rollout.tasks import build_task
 from treerl.trainer import ConfigError, train
 from treerl.trainer.asynchronous import pool as pool_module
 from treerl.trainer.asynchronous import worker_set
-from treerl.trainer.asynchronous.interruptible import InterruptibleEngine
+from treerl.trainer.asynchronous.interruptible import InterruptibleSampler
 from treerl.trainer.asynchronous.loop import decoupled
 from treerl.trainer.asynchronous.pool import RolloutPool
 from treerl.trainer.asynchronous.weights import SharedWeights
@@ -68,16 +68,16 @@ def test_an_interrupted_reply_resumes_on_the_new_weights_with_per_token_versions
     """Decoded 3 tokens at a time; new weights arrive after the first segment: later tokens are theirs."""
     old, new = build_model(seed=0, dtype=torch.float64), build_model(seed=1, dtype=torch.float64)
     snapshots = {0: snapshot(old), 1: snapshot(new)}
-    engine = EmbeddedEngine(build_model(seed=0, dtype=torch.float64), version=0)
+    embedded = EmbeddedSampler(build_model(seed=0, dtype=torch.float64), version=0)
     refreshes = []
 
     def refresh() -> None:
-        refreshes.append(engine.version)
+        refreshes.append(embedded.version)
         if len(refreshes) == 2:  # the first look is before the first segment; the update lands after it
-            engine.model.load_state_dict(snapshots[1])
-            engine.version = 1
+            embedded.model.load_state_dict(snapshots[1])
+            embedded.version = 1
 
-    sampler = InterruptibleEngine(engine, refresh, segment_tokens=3)
+    sampler = InterruptibleSampler(embedded, refresh, segment_tokens=3)
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
     groups = sampler.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=0))
     assert [len(g) for g in groups] == [2, 2]

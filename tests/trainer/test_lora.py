@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from treerl.cli.main import app
 from treerl.engine import FlatEngine
 from treerl.models import ADAPTER_FILE
-from treerl.rollout import Rollout, build_engine
+from treerl.rollout import Rollout, build_sampler
 from treerl.testing import model_outputs
 from treerl.trainer import train
 from treerl.trainer.core.build import load_policy
@@ -43,7 +43,7 @@ def test_only_the_adapters_train_and_the_reference_is_the_base_without_them(tiny
     before = {n: p.detach().clone() for n, p in run.policy.named_parameters()}
     reference = load_reference(config, run)
     assert reference.copy is None  # no second model in memory
-    batch = Rollout(config.rollout, run.tokenizer, build_engine(config.rollout, run.policy)).collect(0).sequences
+    batch = Rollout(config.rollout, run.tokenizer, build_sampler(config.rollout, run.policy)).collect(0).sequences
     for _ in range(2):
         step = copy.deepcopy(batch)
         prepare(run, step, reference)

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from treerl.rollout import Rollout, build_engine
+from treerl.rollout import Rollout, build_sampler
 from treerl.testing import compare_runs, relative_error, run_engine
 from treerl.trainer import ConfigError
 from treerl.trainer.core.build import build_train_engine, load_policy
@@ -22,7 +22,7 @@ COMMON = ["algo.kl_coef=0.0", "algo.loss=grpo", "trainer.recompute_logprobs=true
 def _batch(config) -> list:
     """One rollout batch, sampled once in float32, for every run below to train on."""
     run = Run.start(config, temperature=config.rollout.temperature)
-    batch = Rollout(config.rollout, run.tokenizer, build_engine(config.rollout, run.policy)).collect(0).sequences
+    batch = Rollout(config.rollout, run.tokenizer, build_sampler(config.rollout, run.policy)).collect(0).sequences
     run.finish()
     return batch
 

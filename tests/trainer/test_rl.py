@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from treerl.cli.main import app
 from treerl.errors import CheckpointError, TrainingStopped, UserError
-from treerl.rollout import CompletionsClient, Rollout, SamplingParams, build_engine
+from treerl.rollout import CompletionsClient, Rollout, SamplingParams, build_sampler
 from treerl.testing import relative_error
 from treerl.trainer import ConfigError, train
 from treerl.trainer.core.checkpoint import checkpoint_dir, latest_checkpoint, read_weights
@@ -73,7 +73,7 @@ def _gradients(config) -> tuple[dict[str, torch.Tensor], float, dict]:
     run.actor.optimizer.register_step_pre_hook(
         lambda *_: captured.update({n: p.grad.clone() for n, p in run.policy.named_parameters() if p.grad is not None})
     )
-    rollout = Rollout(config.rollout, run.tokenizer, build_engine(config.rollout, run.policy))
+    rollout = Rollout(config.rollout, run.tokenizer, build_sampler(config.rollout, run.policy))
     batch = rollout.collect(0).sequences
     prepare(run, batch, None)
     metrics = run.actor.update(batch, policy_loss(config.algo.resolved(), batch), step=0)
@@ -120,7 +120,7 @@ def _critic_gradients(config) -> tuple[dict[str, torch.Tensor], dict[str, torch.
                                    ("critic", run.critic.model, run.critic.optimizer)):
         optimizer.register_step_pre_hook(lambda *_, name=name, model=model: grads[name].update(
             {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    rollout = Rollout(config.rollout, run.tokenizer, build_engine(config.rollout, run.policy))
+    rollout = Rollout(config.rollout, run.tokenizer, build_sampler(config.rollout, run.policy))
     batch = rollout.collect(0).sequences
     prepare(run, batch, None)
     algo = config.algo.resolved()

@@ -8,7 +8,7 @@ Field conventions (all per-token fields are aligned with the tokens, same length
                    nonzero value is an error naming the sequence. A mask of all zeros is
                    allowed and contributes exactly 0.
     advantages     A_t (written by `compute_advantages`, or supplied).
-    old_logprobs   behaviour policy log pi_behav(y_t | y_<t), from the rollout engine; <= 0.
+    old_logprobs   behaviour policy log pi_behav(y_t | y_<t), from the rollout's sampler; <= 0.
     prox_logprobs  proximal policy log-probs (decoupled PPO): the policy before this update,
                    recomputed with `fill_fields(engine, policy, batch, {"logprobs": "prox_logprobs"})`.
     ref_logprobs   reference policy log-probs for the KL penalty (`fill_fields` on the reference model).

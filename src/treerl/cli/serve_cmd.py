@@ -38,7 +38,7 @@ def serve(
     served_model_name: str = typer.Option("default", help="the model name clients send"),
     trust_remote_code: bool = typer.Option(False, help="run Python code shipped with --model-path (auto_map)"),
 ) -> None:
-    """Serve the embedded sampling engine with vLLM's /v1/completions API (tokens + behaviour log-probs).
+    """Serve the embedded sampler with vLLM's /v1/completions API (tokens + behaviour log-probs).
 
     On loopback (the default host) no API key is needed unless --api-key / TREERL_API_KEY sets one; on any
     other address one is required. SIGTERM or Ctrl-C stops generations in progress and exits.
@@ -46,7 +46,7 @@ def serve(
     import torch
 
     from treerl.models import build_model, check_device, check_model_dir
-    from treerl.rollout.embedded import EmbeddedEngine
+    from treerl.rollout.embedded import EmbeddedSampler
     from treerl.rollout.server import Guard, run_server
     from treerl.rollout.tokenizer import load_tokenizer
 
@@ -71,7 +71,7 @@ def serve(
                   request_timeout=request_timeout)
     access = "API key required" if guard.api_key else "no API key (loopback only)"
     typer.echo(f"treerl serve: {model_path or shape} on http://{host}:{port}/v1 as {served_model_name!r}; {access}")
-    run_server(EmbeddedEngine(model), tokenizer, host=host, port=port, model_name=served_model_name, guard=guard)
+    run_server(EmbeddedSampler(model), tokenizer, host=host, port=port, model_name=served_model_name, guard=guard)
 
 
 def is_loopback(host: str) -> bool:

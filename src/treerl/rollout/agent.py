@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treerl.errors import Interrupted, UserError
-from treerl.rollout.inference import InferenceEngine
 from treerl.rollout.proxy import ChatProxy, EpisodeLog, RecordedCall
 from treerl.rollout.rewards import RewardFailure, check_reward, import_object
+from treerl.rollout.sampler import Sampler
 from treerl.rollout.sequences import model_call_sequence
 from treerl.rollout.stats import DroppedSample, RolloutStats
 from treerl.rollout.tasks.base import Prompt
@@ -190,13 +190,13 @@ class AgentWorkflow:
         import_openai()  # missing: an error when the rollout is built, not at the first episode
         self._ids = itertools.count()
 
-    def run(self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats,
+    def run(self, sampler: Sampler, prompts: list[Prompt], stats: RolloutStats,
             seed: int | None = None) -> list[TokenSequence]:
         """The training sequences of the episodes of `prompts`; `stats` counts what happened."""
-        if engine is not self.proxy.engine:
-            raise ValueError("the agent workflow samples with its proxy's engine")
+        if sampler is not self.proxy.sampler:
+            raise ValueError("the agent workflow samples with its proxy's sampler")
         self.proxy.start()
-        self.proxy.sampler.seed = seed
+        self.proxy.batcher.seed = seed
         stats.prompts += len(prompts)
         episodes = run_coroutine(self._play_all(prompts))
         per_turn = {e.prompt.id for e in episodes if isinstance(e.reward, EpisodeReward) and e.reward.turns}

@@ -7,7 +7,7 @@ for model replies in chat-message form (`ModelRequest`), one answered choice (`A
 message normalisation that lets the proxy compare a request's history with the replies it returned.
 
 Streaming (`stream=true`) sends the same answer as server-sent `chat.completion.chunk` events: the
-engine samples whole replies, so each choice's text comes in one delta once it is sampled, then its
+sampler samples whole replies, so each choice's text comes in one delta once it is sampled, then its
 tool calls, then its finish reason (and a usage chunk with `stream_options.include_usage`).
 """
 
@@ -24,7 +24,7 @@ from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ConfigDict, Field
 
 from treerl.rollout.chat import Message, Tool
-from treerl.rollout.inference import Completion
+from treerl.rollout.sampler import Completion
 
 TOOL_CHOICES = ("auto", "none", "required")
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from treerl.errors import UserError
-from treerl.rollout.inference import Completion, SamplingParams, check_prompts
+from treerl.rollout.sampler import Completion, SamplingParams, check_prompts
 
 REACH_TIMEOUT = 30.0  # seconds `check_reachable` waits for the server's first answer
 API_KEY_ENV = "TREERL_API_KEY"  # the server's key, for `treerl serve --api-key` and the trainer's client alike

@@ -4,11 +4,11 @@ Steps 1 and 2 (docs/architecture.md): one step's rollout, from prompts to traini
 
 The trainer's whole interface:
 
-    engine = build_engine(config, model)            # embedded, or a client of config.server_url
-    rollout = Rollout(config, tokenizer, engine)
+    sampler = build_sampler(config, model)           # embedded, or a client of config.server_url
+    rollout = Rollout(config, tokenizer, sampler)
     batch = rollout.collect(step)                    # RolloutBatch(sequences, stats)
     ...train on batch.sequences, log batch.stats.metrics()...
-    engine.version = step + 1                        # after the optimizer step (embedded engine)
+    sampler.version = step + 1                       # after the optimizer step (embedded sampler)
 
 `collect(step)` depends only on (config, step, weights): the prompts of a step and the sampling
 seed are derived from them, so resuming at step k repeats step k exactly, with no state to save.
@@ -28,11 +28,11 @@ from treerl.rollout.agent import AgentWorkflow, load_agent
 from treerl.rollout.chat import ChatFormat
 from treerl.rollout.client import API_KEY_ENV, CompletionsClient
 from treerl.rollout.config import AGENT_TASKS, RolloutConfig
-from treerl.rollout.embedded import EmbeddedEngine
-from treerl.rollout.inference import InferenceEngine, SamplingParams
+from treerl.rollout.embedded import EmbeddedSampler
 from treerl.rollout.multi_turn import MultiTurnWorkflow
 from treerl.rollout.proxy import ChatProxy
 from treerl.rollout.rewards import UserCode, load_reward_fn
+from treerl.rollout.sampler import Sampler, SamplingParams
 from treerl.rollout.single_turn import SingleTurnWorkflow
 from treerl.rollout.stats import RolloutStats
 from treerl.rollout.tasks import AgentTask, SingleTurnTask, build_task
@@ -48,10 +48,10 @@ class RolloutBatch:
     stats: RolloutStats = field(default_factory=RolloutStats)
 
 
-def build_engine(config: RolloutConfig, model: PreTrainedModel | None = None,
-                 autocast: torch.dtype | None = None) -> InferenceEngine:
+def build_sampler(config: RolloutConfig, model: PreTrainedModel | None = None,
+                  autocast: torch.dtype | None = None) -> Sampler:
     """A client of `config.server_url` if set (one that cannot be reached is a UserError; its API key from the
-    environment variable TREERL_API_KEY, never from the config, which checkpoints store), else the embedded engine
+    environment variable TREERL_API_KEY, never from the config, which checkpoints store), else the embedded sampler
     sampling with `model` (under autocast to `autocast`, as the trainer's engines compute: bf16-mixed)."""
     if config.server_url:
         client = CompletionsClient(config.server_url, model=config.server_model, timeout=config.request_timeout,
@@ -59,17 +59,17 @@ def build_engine(config: RolloutConfig, model: PreTrainedModel | None = None,
         client.check_reachable()
         return client
     if model is None:
-        raise ValueError("rollout: no rollout.server_url, so the embedded engine needs the model")
-    return EmbeddedEngine(model, autocast=autocast)
+        raise ValueError("rollout: no rollout.server_url, so the embedded sampler needs the model")
+    return EmbeddedSampler(model, autocast=autocast)
 
 
 class Rollout:
     """Makes the training sequences of each step from the configured task."""
 
-    def __init__(self, config: RolloutConfig, tokenizer: PreTrainedTokenizerBase, engine: InferenceEngine):
+    def __init__(self, config: RolloutConfig, tokenizer: PreTrainedTokenizerBase, sampler: Sampler):
         config.check()
         self.config = config
-        self.engine = engine
+        self.sampler = sampler
         self.chat = ChatFormat(tokenizer, config.stop_tokens)
         reward_fn = load_reward_fn(config.reward_fn) if config.task == "dataset" else None
         self.task: SingleTurnTask | AgentTask = build_task(config, reward_fn)
@@ -83,7 +83,7 @@ class Rollout:
         self.user_code = UserCode(timeout=config.reward_timeout)  # rewards and environments, with a time limit
         self.proxy: ChatProxy | None = None
         if config.task in AGENT_TASKS:  # an agent's episodes, recorded by the chat proxy this rollout serves
-            self.proxy = ChatProxy(engine, self.chat, tool_parser=config.tool_parser, temperature=config.temperature,
+            self.proxy = ChatProxy(sampler, self.chat, tool_parser=config.tool_parser, temperature=config.temperature,
                                    top_p=config.top_p, max_new_tokens=sampling.max_new_tokens,
                                    max_context_tokens=config.max_context_tokens)
             self.workflow: SingleTurnWorkflow | MultiTurnWorkflow | AgentWorkflow = AgentWorkflow(
@@ -114,7 +114,7 @@ class Rollout:
         started = time.perf_counter()
         prompts = self.task.prompts(step, self.config.prompts_per_step)
         seed = rng_for("sampling", self.config.seed, step).getrandbits(62)
-        sequences = self.workflow.run(self.engine, prompts, stats, seed=seed)
+        sequences = self.workflow.run(self.sampler, prompts, stats, seed=seed)
         stats.seconds = time.perf_counter() - started
         return RolloutBatch(sequences, stats)
 

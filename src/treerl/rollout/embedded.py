@@ -1,4 +1,4 @@
-"""The embedded inference engine: sampling from the trainer's own transformers model, in process.
+"""The embedded sampler: sampling from the trainer's own transformers model, in process.
 
 Step 1 (docs/architecture.md): sampling in the trainer's own process.
 
@@ -21,7 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from treerl.engine import autocast
 from treerl.errors import TrainingStopped
-from treerl.rollout.inference import Completion, SamplingParams, check_prompts
+from treerl.rollout.sampler import Completion, SamplingParams, check_prompts
 
 
 class GenerationCancelled(RuntimeError):
@@ -29,7 +29,7 @@ class GenerationCancelled(RuntimeError):
 
 
 @dataclass
-class EmbeddedEngine:
+class EmbeddedSampler:
     """Samples with `model` itself; runs anywhere the model runs (CPU included)."""
 
     model: PreTrainedModel

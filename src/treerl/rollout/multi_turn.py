@@ -33,8 +33,8 @@ import copy
 from dataclasses import dataclass, field, replace
 
 from treerl.rollout.chat import ChatFormat
-from treerl.rollout.inference import Completion, InferenceEngine, SamplingParams
 from treerl.rollout.rewards import RewardFailure, UserCode, check_reward
+from treerl.rollout.sampler import Completion, Sampler, SamplingParams
 from treerl.rollout.sequences import model_call_sequence
 from treerl.rollout.stats import DroppedSample, RolloutStats
 from treerl.rollout.tasks.base import AgentTask, Environment, Prompt
@@ -70,7 +70,7 @@ class Trajectory:
 
 @dataclass
 class MultiTurnWorkflow:
-    """Plays a batch of episodes turn by turn, all live trajectories in one engine call per turn."""
+    """Plays a batch of episodes turn by turn, all live trajectories in one sampler call per turn."""
 
     task: AgentTask
     chat: ChatFormat
@@ -83,7 +83,7 @@ class MultiTurnWorkflow:
     user_code: UserCode = field(default_factory=UserCode)  # runs the environment's steps (time limit per call)
 
     def run(
-        self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
+        self, sampler: Sampler, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
     ) -> list[TokenSequence]:
         """The training sequences of the episodes that start with `prompts`; `stats` counts what happened."""
         stats.prompts += len(prompts)
@@ -97,7 +97,7 @@ class MultiTurnWorkflow:
                 break
             n = self.group_size if turn == 0 else self.branch_factor if turn in self.branch_at else 1
             turn_seed = None if seed is None else seed + turn
-            groups = engine.generate([t.context for t in live], replace(self.sampling, n=n, seed=turn_seed))
+            groups = sampler.generate([t.context for t in live], replace(self.sampling, n=n, seed=turn_seed))
             next_live = []
             for parent, group in zip(live, groups):
                 for j, completion in enumerate(group):

@@ -10,7 +10,7 @@ episode). The proxy serves
     GET  /v1/models             the one model, `policy`
 
 and answers any other path with HTTP 404 and a JSON body naming these. A request is rendered with
-the model's own chat template (tools included), sampled with the inference engine (the embedded
+the model's own chat template (tools included), sampled with the rollout's sampler (the embedded
 one, or a vLLM / SGLang / `treerl serve` server through `CompletionsClient`), and its tool calls are
 parsed with the model family's parser (`treerl.rollout.tool_parsers`). Each call is recorded:
 prompt token ids, completion token ids, behaviour log-probs and policy versions, the same whichever
@@ -52,8 +52,8 @@ the policy the trainer trains), so tool choices are enforced on what the model w
 - `tool_choice="none"`: the reply is all content.
 Penalties, `logit_bias`, constrained output formats and `top_logprobs` are refused with HTTP 400.
 
-Requests are answered concurrently; the `BatchingSampler` gathers the requests in flight into one
-engine call (the embedded engine samples them as one batch), behind a lock.
+Requests are answered concurrently; the `RequestBatcher` gathers the requests in flight into one
+sampler call (the embedded sampler samples them as one batch), behind a lock.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ from treerl.rollout.chat_api import (
     same_turn,
     tool_call,
 )
-from treerl.rollout.inference import Completion, InferenceEngine, SamplingParams
 from treerl.rollout.responses_api import ResponsesRequest, continued, response_events, response_object
+from treerl.rollout.sampler import Completion, Sampler, SamplingParams
 from treerl.rollout.tool_parsers import ToolCall, get_tool_parser
 
 ENDPOINTS = "POST /v1/chat/completions (stream or not), POST /v1/responses (stream or not), GET /v1/models"
@@ -175,21 +175,21 @@ class _Pending:
     future: Future
 
 
-class BatchingSampler:
-    """Collects concurrent requests and samples them in as few engine calls as possible, one at a time.
+class RequestBatcher:
+    """Collects concurrent requests and samples them in as few sampler calls as possible, one at a time.
 
     A batch starts when as many requests wait as there are open episodes (every agent is waiting
     for the model), or when no new request came for `gather_seconds`.
     """
 
-    def __init__(self, engine: InferenceEngine, expected: Any = lambda: 1, gather_seconds: float = 0.02,
+    def __init__(self, sampler: Sampler, expected: Any = lambda: 1, gather_seconds: float = 0.02,
                  max_rows: int = 256):
-        self.engine = engine
+        self.sampler = sampler
         self.expected = expected
         self.gather_seconds = gather_seconds
         self.max_rows = max_rows
         self.seed: int | None = None  # set per rollout step; each batch gets the next seed
-        self.lock = threading.Lock()  # held while the engine samples (the trainer may hold it too)
+        self.lock = threading.Lock()  # held while the sampler samples (the trainer may hold it too)
         self._queue: list[_Pending] = []
         self._arrived = threading.Condition()
         self._last_arrival = 0.0
@@ -220,7 +220,7 @@ class BatchingSampler:
 
     def _sample(self, batch: list[_Pending]) -> None:
         """Requests with the same prompt and settings become one prompt with their samples added up (prefilled
-        once); one engine call per setting and sample count; errors go to the requests' futures."""
+        once); one sampler call per setting and sample count; errors go to the requests' futures."""
         same: dict[tuple, list[_Pending]] = {}
         for pending in batch:
             same.setdefault((tuple(pending.prompt), replace(pending.params, n=1, seed=None)), []).append(pending)
@@ -232,7 +232,7 @@ class BatchingSampler:
             seed = None if self.seed is None else self.seed + self._batches
             try:
                 with self.lock:
-                    results = self.engine.generate([members[0].prompt for members in prompts], replace(params, seed=seed))
+                    results = self.sampler.generate([members[0].prompt for members in prompts], replace(params, seed=seed))
             except Exception as e:  # handed to each waiting request, which answers with an error
                 for members in prompts:
                     for m in members:
@@ -253,9 +253,9 @@ class ToolCallRequired(HTTPException):
 
 @dataclass
 class ChatProxy:
-    """The proxy: sampling settings of the rollout, the engine, and the recorder of open episodes."""
+    """The proxy: sampling settings of the rollout, its sampler, and the recorder of open episodes."""
 
-    engine: InferenceEngine
+    sampler: Sampler
     chat: ChatFormat
     tool_parser: str = "auto"  # a name of treerl.rollout.tool_parsers; auto: the chat template's format
     temperature: float = 1.0  # the trainer's: requests must use it (or leave it unset)
@@ -267,7 +267,7 @@ class ChatProxy:
     def __post_init__(self) -> None:
         self.parse = get_tool_parser(self.tool_parser, self.chat.tokenizer.chat_template)
         self.recorder = CallRecorder()
-        self.sampler = BatchingSampler(self.engine, expected=lambda: self.recorder.open_count)
+        self.batcher = RequestBatcher(self.sampler, expected=lambda: self.recorder.open_count)
         self.app = build_proxy_app(self)
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -311,7 +311,7 @@ class ChatProxy:
         """Sample the request's replies, enforce its tool choice, record them; the prompt and the answers."""
         context, params = self.prepare(request, log)
         try:
-            completions: list[Completion] = await asyncio.wrap_future(self.sampler.submit(context.tokens, params))
+            completions: list[Completion] = await asyncio.wrap_future(self.batcher.submit(context.tokens, params))
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
         answers = [self.reply(completion, request) for completion in completions]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from treerl.rollout.inference import Completion
+from treerl.rollout.sampler import Completion
 from treerl.tree import TokenSequence
 
 

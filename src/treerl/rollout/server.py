@@ -1,4 +1,4 @@
-"""`treerl serve`: the embedded engine behind an OpenAI-compatible completions API (FastAPI + uvicorn).
+"""`treerl serve`: the embedded sampler behind an OpenAI-compatible completions API (FastAPI + uvicorn).
 
 Beside the steps (docs/architecture.md): step 1's sampling served to other processes.
 
@@ -9,7 +9,7 @@ answers the subset of vLLM's / SGLang's API that `CompletionsClient` uses, with 
   `temperature`, `top_p`, `logprobs`, `stop_token_ids`, `ignore_eos`, `seed`, `return_token_ids`,
   `return_tokens_as_token_ids`, `skip_special_tokens`. Each choice carries `token_ids`,
   `logprobs.token_logprobs` (log_softmax(logits / T) of the sampled token, see
-  `treerl.rollout.inference`), `finish_reason` and `stop_reason`; `metadata.weight_version` is
+  `treerl.rollout.sampler`), `finish_reason` and `stop_reason`; `metadata.weight_version` is
   the policy version. `top_logprobs` holds only the sampled token (no top-k alternatives).
   Generation stops at the tokenizer's eos token unless `ignore_eos`, and at any `stop_token_ids`;
   the stop token is part of `token_ids`. Streaming and `echo` are refused.
@@ -21,13 +21,13 @@ answers the subset of vLLM's / SGLang's API that `CompletionsClient` uses, with 
 - `GET /health`, `GET /v1/models`.
 
 Requests are served one at a time (a lock around the model); a request's prompts and samples
-are batched together by the engine.
+are batched together by the sampler.
 
 Limits (`Guard`): with an API key every endpoint but /health needs `Authorization: Bearer <key>`
 (401 otherwise). `n`, `max_tokens` and the number of prompts have upper bounds, checked before
 anything is allocated (400 naming the option that raises them). A generation stops, and frees the
 model, when its client disconnects, when it runs past `request_timeout`, or when the server shuts
-down (SIGTERM / Ctrl-C): the engine looks between two decoding steps. A weight update reads and
+down (SIGTERM / Ctrl-C): the sampler looks between two decoding steps. A weight update reads and
 checks every tensor (safetensors only: names, shapes, finite values) before one is copied in: it
 succeeds whole or changes nothing.
 """
@@ -52,8 +52,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treerl.errors import UserError
 from treerl.models import first_nonfinite, read_weights, tied_names
-from treerl.rollout.embedded import EmbeddedEngine, GenerationCancelled
-from treerl.rollout.inference import Completion, SamplingParams
+from treerl.rollout.embedded import EmbeddedSampler, GenerationCancelled
+from treerl.rollout.sampler import Completion, SamplingParams
 
 POLL_SECONDS = 0.2  # how often a request looks whether its client is still there
 
@@ -120,9 +120,9 @@ class Guard:
                                      f"the model's {max_positions} positions")
 
 
-def build_app(engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, model_name: str = "default",
+def build_app(sampler: EmbeddedSampler, tokenizer: PreTrainedTokenizerBase, model_name: str = "default",
               guard: Guard | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` (its model) and `tokenizer` under the name `model_name`."""
+    """The FastAPI app serving `sampler` (its model) and `tokenizer` under the name `model_name`."""
     guard = guard or Guard()
     app = FastAPI(title="treerl serve")
     lock = threading.Lock()
@@ -151,7 +151,7 @@ def build_app(engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, model_
             if cancel.is_set():
                 raise GenerationCancelled("cancelled while waiting for the model")
         try:
-            return engine.generate(prompts, params, cancelled=cancel.is_set), engine.version
+            return sampler.generate(prompts, params, cancelled=cancel.is_set), sampler.version
         finally:
             lock.release()
 
@@ -160,7 +160,7 @@ def build_app(engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, model_
         if request.stream or request.echo:
             raise HTTPException(400, "treerl serve does not support 'stream' or 'echo'")
         prompts = _prompt_ids(request.prompt, tokenizer)
-        guard.check(request, prompts, getattr(engine.model.config, "max_position_embeddings", None))
+        guard.check(request, prompts, getattr(sampler.model.config, "max_position_embeddings", None))
         stop = set(request.stop_token_ids or [])
         if not request.ignore_eos and tokenizer.eos_token_id is not None:
             stop.add(tokenizer.eos_token_id)
@@ -215,15 +215,15 @@ def build_app(engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, model_
     def update_weights_from_disk(request: UpdateWeightsRequest) -> dict[str, Any]:
         try:
             version = int(request.weight_version) if request.weight_version is not None else None
-            weights = checked_weights(engine.model, request.model_path)
+            weights = checked_weights(sampler.model, request.model_path)
         except (UserError, ValueError) as e:
             return {"success": False, "message": f"{type(e).__name__}: {e}"}
         with lock:
-            swap_weights(engine.model, weights)
-            engine.version = version if version is not None else engine.version + 1
-        return {"success": True, "message": f"loaded {request.model_path}", "weight_version": str(engine.version)}
+            swap_weights(sampler.model, weights)
+            sampler.version = version if version is not None else sampler.version + 1
+        return {"success": True, "message": f"loaded {request.model_path}", "weight_version": str(sampler.version)}
 
-    add_weight_sync_routes(app, engine, lambda path: update_weights_from_disk(UpdateWeightsRequest(model_path=path)),
+    add_weight_sync_routes(app, sampler, lambda path: update_weights_from_disk(UpdateWeightsRequest(model_path=path)),
                            dependencies=authorized)
     return app
 
@@ -311,7 +311,7 @@ def _choice(
     }
 
 
-def run_server(engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, host: str, port: int,
+def run_server(sampler: EmbeddedSampler, tokenizer: PreTrainedTokenizerBase, host: str, port: int,
                model_name: str = "default", guard: Guard | None = None) -> None:
     """Serve until SIGTERM or Ctrl-C; then generations in progress are cancelled and the server exits promptly."""
     import uvicorn
@@ -323,7 +323,7 @@ def run_server(engine: EmbeddedEngine, tokenizer: PreTrainedTokenizerBase, host:
             guard.shutting_down.set()  # running generations stop at their next token
             super().handle_exit(sig, frame)
 
-    app = build_app(engine, tokenizer, model_name, guard)
+    app = build_app(sampler, tokenizer, model_name, guard)
     Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)).run()
 
 
@@ -341,7 +341,7 @@ class WeightVersionRequest(BaseModel):
     new_version: str
 
 
-def add_weight_sync_routes(app: FastAPI, engine: EmbeddedEngine, load: Any, dependencies: list | None = None) -> None:
+def add_weight_sync_routes(app: FastAPI, sampler: EmbeddedSampler, load: Any, dependencies: list | None = None) -> None:
     """The version routes of SGLang and the weight-reload routes of vLLM (VLLM_SERVER_DEV_MODE=1), so one client
     is tested against both protocols. `load(path)` loads a checkpoint as the SGLang route does.
 
@@ -352,15 +352,15 @@ def add_weight_sync_routes(app: FastAPI, engine: EmbeddedEngine, load: Any, depe
 
     @app.get("/get_weight_version", dependencies=dependencies)
     def get_weight_version() -> dict[str, str]:
-        return {"weight_version": str(engine.version)}
+        return {"weight_version": str(sampler.version)}
 
     @app.get("/get_model_info", dependencies=dependencies)
     def get_model_info() -> dict[str, Any]:
-        return {"model_path": reload_path["model"], "is_generation": True, "weight_version": str(engine.version)}
+        return {"model_path": reload_path["model"], "is_generation": True, "weight_version": str(sampler.version)}
 
     @app.get("/weight_info", dependencies=dependencies)
     def weight_info() -> dict[str, str]:
-        return {"weight_version": str(engine.version)}
+        return {"weight_version": str(sampler.version)}
 
     @app.post("/pause", dependencies=dependencies)
     def pause() -> dict[str, str]:
@@ -373,7 +373,7 @@ def add_weight_sync_routes(app: FastAPI, engine: EmbeddedEngine, load: Any, depe
     @app.post("/update_weight_version", dependencies=dependencies)
     def update_weight_version(request: WeightVersionRequest) -> dict[str, Any]:
         try:
-            engine.version = int(request.new_version)
+            sampler.version = int(request.new_version)
         except ValueError:
             raise HTTPException(400, f"new_version {request.new_version!r} is not an integer") from None
         return {"success": True, "new_version": request.new_version}

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from treerl.rollout.chat import ChatFormat
-from treerl.rollout.inference import InferenceEngine, SamplingParams
 from treerl.rollout.rewards import RewardFailure, UserCode, call_reward
+from treerl.rollout.sampler import Sampler, SamplingParams
 from treerl.rollout.sequences import model_call_sequence
 from treerl.rollout.stats import DroppedSample, RolloutStats
 from treerl.rollout.tasks.base import Prompt, SingleTurnTask
@@ -18,7 +18,7 @@ from treerl.tree import TokenSequence
 
 @dataclass
 class SingleTurnWorkflow:
-    """Samples a group per prompt in one engine call (each prompt prefilled once) and scores every sample.
+    """Samples a group per prompt in one sampler call (each prompt prefilled once) and scores every sample.
 
     Each sample is one sequence, prompt + reply, with info: `reward`, `group` (the prompt's id,
     shared by its samples), `trajectory` (the sample's id), `turn` (0), `finish_reason`. A prompt whose
@@ -32,7 +32,7 @@ class SingleTurnWorkflow:
     max_context_tokens: int | None = None  # prompt + reply budget at most (rollout.max_context_tokens); None: no limit
 
     def run(
-        self, engine: InferenceEngine, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
+        self, sampler: Sampler, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
     ) -> list[TokenSequence]:
         """The training sequences of `prompts`; `stats` counts what was sampled, kept and dropped."""
         stats.prompts += len(prompts)
@@ -41,7 +41,7 @@ class SingleTurnWorkflow:
                                             self.sampling.n) for p, c in zip(prompts, contexts)]
         prompts = [p for p, ok in zip(prompts, fits) if ok]
         contexts = [c for c, ok in zip(contexts, fits) if ok]
-        groups = engine.generate(contexts, replace(self.sampling, seed=seed)) if prompts else []
+        groups = sampler.generate(contexts, replace(self.sampling, seed=seed)) if prompts else []
         sequences = []
         for prompt, context, group in zip(prompts, contexts, groups):
             for j, completion in enumerate(group):

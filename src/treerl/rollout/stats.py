@@ -10,7 +10,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
-from treerl.rollout.inference import Completion
+from treerl.rollout.sampler import Completion
 
 log = logging.getLogger("treerl.rollout")
 

@@ -2,9 +2,9 @@
 
 Step 1 (docs/architecture.md) in a worker: new weights from step 6 taken mid-reply.
 
-The embedded engine decodes a whole call on one set of weights. With `trainer.on_update=interrupt`
+The embedded sampler decodes a whole call on one set of weights. With `trainer.on_update=interrupt`
 a rollout worker decodes in segments of `trainer.interrupt_tokens` tokens and, before each
-segment (and each engine call, so every turn of an episode), loads the newest published weights.
+segment (and each sampler call, so every turn of an episode), loads the newest published weights.
 The unfinished replies then go on under those weights: each is prefilled again (prompt + its tokens
 so far, so the KV cache is recomputed with the new weights, as AReaL does) and decoded further.
 A resumed reply holds tokens of several policy versions; every token keeps the version and the
@@ -16,27 +16,27 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from treerl.rollout import Completion, EmbeddedEngine, SamplingParams
+from treerl.rollout import Completion, EmbeddedSampler, SamplingParams
 from treerl.rollout.tasks.base import rng_for
 
 
 @dataclass
-class InterruptibleEngine:
-    """An `InferenceEngine` over an embedded engine whose weights `refresh()` may replace between segments."""
+class InterruptibleSampler:
+    """A `Sampler` over an embedded sampler whose weights `refresh()` may replace between segments."""
 
-    engine: EmbeddedEngine
-    refresh: Callable[[], None]  # loads newer weights into engine.model, if any, and sets engine.version
+    inner: EmbeddedSampler
+    refresh: Callable[[], None]  # loads newer weights into inner.model, if any, and sets inner.version
     segment_tokens: int = 8
 
     @property
     def version(self) -> int:
-        return self.engine.version
+        return self.inner.version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """`params.n` completions per prompt, decoded `segment_tokens` at a time on the newest weights."""
         budget = params.max_new_tokens
         self.refresh()
-        first = self.engine.generate(prompts, replace(params, max_new_tokens=min(self.segment_tokens, budget)))
+        first = self.inner.generate(prompts, replace(params, max_new_tokens=min(self.segment_tokens, budget)))
         replies = [(p, completion) for p, group in enumerate(first) for completion in group]
         segment = 0
         while unfinished := [(i, p, c) for i, (p, c) in enumerate(replies) if c.finish_reason == "length"
@@ -45,7 +45,7 @@ class InterruptibleEngine:
             self.refresh()
             done = len(unfinished[0][2].tokens)  # every unfinished reply has decoded the same number of tokens
             seed = None if params.seed is None else rng_for("segment", params.seed, segment).getrandbits(62)
-            more = self.engine.generate(
+            more = self.inner.generate(
                 [prompts[p] + c.tokens for _, p, c in unfinished],
                 replace(params, n=1, max_new_tokens=min(self.segment_tokens, budget - done), seed=seed),
             )

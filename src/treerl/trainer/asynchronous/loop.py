@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from treerl.algo import AlgoConfig
-from treerl.rollout import EmbeddedEngine, Rollout
+from treerl.rollout import EmbeddedSampler, Rollout
 from treerl.trainer.asynchronous.pool import RolloutPool
 from treerl.trainer.asynchronous.weights import SharedWeights
 from treerl.trainer.core.config import Config, ConfigError
@@ -71,7 +71,7 @@ def train_async(config: Config) -> AsyncTrainResult:
         if run.env.world_size > 1:
             raise ConfigError("trainer.mode=async runs the trainer in one process (its rollout workers are its "
                               "children); data parallel training is synchronous only")
-        sampler = EmbeddedEngine(run.policy, version=run.start_step,  # evaluation only
+        sampler = EmbeddedSampler(run.policy, version=run.start_step,  # evaluation only
                                  autocast=autocast_dtype(config.trainer.precision))
         task = Rollout(config.rollout, run.tokenizer, sampler).task
         weights = SharedWeights.of(run.policy, version=run.start_step)

@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from treerl.rollout import EmbeddedEngine, Rollout, RolloutStats
+from treerl.rollout import EmbeddedSampler, Rollout, RolloutStats
 from treerl.rollout.tasks.base import Prompt, rng_for
-from treerl.trainer.asynchronous.interruptible import InterruptibleEngine
+from treerl.trainer.asynchronous.interruptible import InterruptibleSampler
 from treerl.trainer.asynchronous.weights import SharedWeights
 from treerl.trainer.core.build import load_policy
 from treerl.trainer.core.config import Config
@@ -57,7 +57,7 @@ class Job:
 
 @dataclass
 class Chunk:
-    """Jobs a worker samples in one workflow run (one engine call per turn for all of them)."""
+    """Jobs a worker samples in one workflow run (one sampler call per turn for all of them)."""
 
     jobs: list[Job]
     version: int  # the trainer's policy version when it admitted them: the worker samples with this one or newer
@@ -107,24 +107,24 @@ def worker_main(slot: int, config: Config, weights: SharedWeights, jobs: Connect
     try:
         model, tokenizer = load_policy(config.model, torch.device("cpu"))
         model.register_forward_pre_hook(beat)
-        engine = EmbeddedEngine(model, version=weights.pull(model, have=-1),
-                                autocast=autocast_dtype(config.trainer.precision))
+        embedded = EmbeddedSampler(model, version=weights.pull(model, have=-1),
+                                   autocast=autocast_dtype(config.trainer.precision))
 
         def refresh() -> None:
-            engine.version = weights.pull(model, engine.version)
+            embedded.version = weights.pull(model, embedded.version)
 
-        sampler = engine if config.trainer.on_update == "finish" else InterruptibleEngine(
-            engine, refresh, config.trainer.interrupt_tokens)
+        sampler = embedded if config.trainer.on_update == "finish" else InterruptibleSampler(
+            embedded, refresh, config.trainer.interrupt_tokens)
         rollout = Rollout(config.rollout, tokenizer, sampler)
         rollout.watch(beat)
         outbox.put(("ready", os.getpid()))
         while (chunk := receive(jobs)) is not None:
             beat()
             refresh()
-            while engine.version < chunk.version:  # published before the chunk was sent, so this never waits long
+            while embedded.version < chunk.version:  # published before the chunk was sent, so this never waits long
                 time.sleep(0.001)
                 refresh()
-            outbox.put(("done", *sample_chunk(rollout, chunk, engine.version)))
+            outbox.put(("done", *sample_chunk(rollout, chunk, embedded.version)))
     except EOFError:  # the trainer is gone
         pass
     except BaseException:
@@ -152,7 +152,7 @@ def sample_chunk(rollout: Rollout, chunk: Chunk, version: int) -> tuple[list[Gro
     started = time.perf_counter()
     step, place = divmod(chunk.jobs[0].index, rollout.config.prompts_per_step)
     seed = rng_for("sampling", rollout.config.seed, step).getrandbits(62) + place
-    sequences = rollout.workflow.run(rollout.engine, [job.prompt for job in chunk.jobs], stats, seed=seed)
+    sequences = rollout.workflow.run(rollout.sampler, [job.prompt for job in chunk.jobs], stats, seed=seed)
     stats.seconds = time.perf_counter() - started
     by_group: dict[str, list[TokenSequence]] = defaultdict(list)
     for seq in sequences:

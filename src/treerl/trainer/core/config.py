@@ -124,7 +124,7 @@ class TrainerConfig:
     max_staleness: int = 1  # async: a group is trained at most this many policy versions after its oldest token (0: synchronous)
     rollout_workers: int = 1  # async: rollout worker processes, each sampling with its own copy of the policy on CPU
     worker_threads: int = 1  # async: torch threads per worker (on CPU the trainer keeps the cores the workers leave)
-    worker_prompts: int | None = None  # async: prompts (groups) a worker samples in one engine call; null: prompts_per_step / rollout_workers
+    worker_prompts: int | None = None  # async: prompts (groups) a worker samples in one sampler call; null: prompts_per_step / rollout_workers
     on_update: str = "finish"  # async: in-flight generations finish on the old weights | interrupt: resume on the new ones
     interrupt_tokens: int = 8  # async, on_update=interrupt: tokens decoded between two looks for new weights
     decoupled_loss: bool = True  # async: train ppo, grpo, dr_grpo, rloo, reinforce_pp as decoupled PPO (same advantages)
@@ -219,7 +219,7 @@ def check_choices(config: Config) -> None:
             raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
     if config.model.lora.rank and config.rollout.server_url:
         raise ConfigError("model.lora.rank > 0 with rollout.server_url: pushing the policy to an inference server "
-                          "each step is not implemented for LoRA; sample with the embedded engine (no server_url), "
+                          "each step is not implemented for LoRA; sample with the embedded sampler (no server_url), "
                           "and serve the result with `treerl export`")
     if config.trainer.mode == "async" and config.rollout.server_url:
         raise ConfigError("trainer.mode=async samples with its own rollout workers; rollout.server_url needs trainer.mode=sync")

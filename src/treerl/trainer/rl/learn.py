@@ -41,7 +41,7 @@ from treerl.distributed import Assignment
 from treerl.engine import LossFn, SequenceView
 from treerl.errors import TrainingStopped
 from treerl.models import is_lora
-from treerl.rollout import CompletionsClient, InferenceEngine, Rollout, RolloutBatch, RolloutStats
+from treerl.rollout import CompletionsClient, Rollout, RolloutBatch, RolloutStats, Sampler
 from treerl.trainer.core.build import load_policy
 from treerl.trainer.core.config import Config
 from treerl.trainer.core.learner import Learner
@@ -173,10 +173,10 @@ def collect(run: Run, rollout: Rollout, step: int) -> RolloutBatch:
     """The global batch of `step`, the same on every rank."""
     if run.env.world_size == 1:
         return rollout.collect(step)
-    if rollout.proxy is not None and not isinstance(rollout.engine, CompletionsClient):
+    if rollout.proxy is not None and not isinstance(rollout.sampler, CompletionsClient):
         raise RuntimeError("agent tasks under torchrun need an inference server (rollout.server_url): their episodes "
                            "are not reproducible, so the ranks cannot each sample the same batch")
-    if isinstance(rollout.engine, CompletionsClient):  # a server's samples need not be reproducible: rank 0 asks
+    if isinstance(rollout.sampler, CompletionsClient):  # a server's samples need not be reproducible: rank 0 asks
         box = [rollout.collect(step) if run.env.is_main else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]  # type: ignore[return-value]
@@ -200,7 +200,7 @@ def check_same_batch(sequences: list[TokenSequence]) -> None:
         )
 
 
-def evaluation_rollout(run: Run, sampler: InferenceEngine) -> Rollout | None:
+def evaluation_rollout(run: Run, sampler: Sampler) -> Rollout | None:
     """The fixed evaluation set (`trainer.eval_prompts` prompts), sampled like the training rollout; None: no evaluation."""
     config = run.config
     if not config.trainer.eval_prompts:

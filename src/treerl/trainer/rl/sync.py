@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from treerl.rollout import CompletionsClient, Rollout, build_engine
+from treerl.rollout import CompletionsClient, Rollout, build_sampler
 from treerl.trainer.core.checkpoint import full_weights, write_pretrained_atomically
 from treerl.trainer.core.config import Config
 from treerl.trainer.core.precision import autocast_dtype
@@ -44,7 +44,7 @@ def train_sync(config: Config) -> TrainResult:
     rollouts: list[Rollout] = []
     try:
         run.check_model(config.rollout.max_context_tokens)
-        sampler = build_engine(config.rollout, run.policy, autocast=autocast_dtype(config.trainer.precision))
+        sampler = build_sampler(config.rollout, run.policy, autocast=autocast_dtype(config.trainer.precision))
         sampler.version = run.start_step
         rollout = Rollout(config.rollout, run.tokenizer, sampler)
         rollouts.append(rollout)
@@ -64,7 +64,7 @@ def train_step(run: Run, rollout: Rollout, reference: Reference | None, step: in
     started = time.perf_counter()
     batch = collect(run, rollout, step)
     metrics = learn(run, batch, reference, step)
-    rollout.engine.version = step + 1
+    rollout.sampler.version = step + 1
     push_weights(run, rollout, step + 1)
     metrics["time/rollout"] = batch.stats.seconds
     metrics["time/step"] = time.perf_counter() - started
@@ -73,7 +73,7 @@ def train_step(run: Run, rollout: Rollout, reference: Reference | None, step: in
 
 def push_weights(run: Run, rollout: Rollout, version: int) -> None:
     """With an inference server: write the updated policy to disk and have the server load it."""
-    client = rollout.engine
+    client = rollout.sampler
     if not isinstance(client, CompletionsClient):
         return
     run.claim_output()

@@ -1,8 +1,10 @@
-"""What every inference engine shares: sampling parameters, a completion, and the `generate` interface.
+"""What every sampler shares: sampling parameters, a completion, and the `generate` interface.
 
-Step 1 (docs/architecture.md): the interface every sampler implements.
+Step 1 (docs/architecture.md): the interface every sampler implements (`EmbeddedSampler` in process,
+`CompletionsClient` for a server). A sampler is not an engine: in treerl an engine is what trains
+(`treerl.engine`), a sampler what generates.
 
-Log-prob semantics (the same for every engine): the behaviour log-prob of a sampled token is
+Log-prob semantics (the same for every sampler): the behaviour log-prob of a sampled token is
 `log_softmax(logits / temperature)[token]`, the log-prob of the *untruncated* tempered distribution,
 which is exactly what the trainer recomputes with `treerl.engine.PolicyHead(temperature=T)`. With
 `top_p < 1` tokens are sampled from the nucleus (the smallest set of most likely tokens whose
@@ -29,7 +31,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting one of these (it is kept in the completion)
-    seed: int | None = None  # same seed, weights and prompts -> same completions (embedded engine)
+    seed: int | None = None  # same seed, weights and prompts -> same completions (embedded sampler)
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -60,7 +62,7 @@ class Completion:
             )
 
 
-class InferenceEngine(Protocol):
+class Sampler(Protocol):
     """Samples completions; `version` is the policy version its weights are at (the trainer bumps it)."""
 
     version: int
