@@ -8,7 +8,7 @@ from treerl.engine.dfs import DfsEngine
 from treerl.engine.flat import FlatEngine
 from treerl.engine.head import PolicyHead, ValueHead
 from treerl.engine.packed import PackedEngine
-from treerl.engine.precision import AutocastEngine, autocast
+from treerl.engine.autocast import AutocastEngine, autocast
 
 __all__ = ["AutocastEngine", "DfsEngine", "Engine", "FlatEngine", "LossFn", "PackedEngine", "PolicyHead",
            "SequenceView", "StepStats", "ValueHead", "autocast"]

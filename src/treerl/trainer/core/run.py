@@ -10,7 +10,7 @@ Around steps 1 to 6 (docs/architecture.md): the run's context and wiring.
 
 The pieces, each in its own module: `Learner` (learner.py: one model's optimizer step, clipping and
 non-finite guard), `Balancer` (balancer.py: how a minibatch is split over the ranks, and the cost
-model it learns), `Reporter` (report.py: progress bar, console, metrics, summary.json), and the
+model it learns), `Reporter` (reporter.py: progress bar, console, metrics, summary.json), and the
 builders of the models, engines and learners (build.py).
 """
 
@@ -48,7 +48,7 @@ from treerl.trainer.core.checkpoint import (
 )
 from treerl.trainer.core.config import Config, ConfigError, ModelConfig, TrainerConfig, to_yaml
 from treerl.trainer.core.learner import Learner, NonfiniteGuard
-from treerl.trainer.core.report import Reporter
+from treerl.trainer.core.reporter import Reporter
 from treerl.trainer.core.resume import apply_hyperparameters, choose_start, delete_outputs
 from treerl.trainer.core.stopping import StopSignals
 
