@@ -49,6 +49,10 @@ MUTATIONS = [
              'IMMUTABLE = ("model.path", ', "IMMUTABLE = (",
              ("tests/trainer/test_checkpoint.py::test_a_refused_resume_writes_nothing",),
              "resuming on another model.path of the same architecture silently loads the checkpoint into it"),
+    Mutation("resume-loop-state-dropped", "src/treerl/trainer/core/run.py",
+             "        self.loop_state.update(saved)\n", "",
+             ("tests/trainer/test_rl.py::test_the_skipped_step_count_goes_on_after_a_resume",),
+             "a resumed run counts its skipped steps, and prices its batches, as if it had just started"),
     # ------------------------------------------------------------------ the DFS walk's plan
     Mutation("plan-keep-without-room", "src/treerl/tree/plan.py",
              "return [True, False] if fits else [False]", "return [True, False]",

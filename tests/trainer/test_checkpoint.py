@@ -25,6 +25,7 @@ from treerl.trainer.core.checkpoint import (
     step_dirs,
     verify_checkpoint,
 )
+from treerl.trainer.core.loop_state import LoopState
 from treerl.trainer.core.run import Run
 
 
@@ -48,6 +49,20 @@ def test_a_checkpoint_is_one_verified_directory_with_policy_critic_state_and_eos
     assert json.loads((step / "config.json").read_text())["eos_token_id"] == eos_id  # generate stops at <eos>
     assert json.loads((step / "generation_config.json").read_text())["eos_token_id"] == eos_id
     assert not list((tmp_path / "run" / "checkpoints").glob(".*"))  # no temporary directory left
+
+
+def test_the_loop_state_is_written_as_plain_values_and_older_ones_still_load(tmp_path):
+    """On disk the loop state is the dict of its fields (loadable with weights_only=True); a checkpoint of an older
+    treerl (a field missing, a key no longer known) loads with the missing field at its default."""
+    state = LoopState(skipped_steps=2, nonfinite_skipped=1, cost_samples=[([1.0, 2.0, 3.0], 0.5)], lora_base=[0.25])
+    torch.save({"loop": state.to_dict()}, tmp_path / "state.pt")
+    assert LoopState.from_dict(torch.load(tmp_path / "state.pt", weights_only=True)["loop"]) == state
+    older = {"skipped_steps": 3, "cost_samples": [], "retired_counter": 7}
+    assert LoopState.from_dict(older) == LoopState(skipped_steps=3)
+    shared = LoopState()
+    held = shared  # what the balancer and the non-finite guard hold
+    shared.update(state)
+    assert held == state and held is shared
 
 
 def test_a_kill_while_a_checkpoint_replaces_its_step_keeps_the_previous_copy(tiny_config, tmp_path, monkeypatch):

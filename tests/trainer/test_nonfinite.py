@@ -93,7 +93,7 @@ def test_a_skipped_step_leaves_weights_and_optimizer_untouched(tiny_config, monk
         original = Learner.clip_gradients
         monkeypatch.setattr(Learner, "clip_gradients", lambda self: next(norms, None) or original(self))
         skipped = run.actor.update(batch, loss, step=0)
-        assert skipped["train/nonfinite_skipped"] == 1.0 and run.loop_state["nonfinite_skipped"] == 1
+        assert skipped["train/nonfinite_skipped"] == 1.0 and run.loop_state.nonfinite_skipped == 1
         assert all(torch.equal(before[k], v) for k, v in run.policy.state_dict().items())
         assert not run.actor.optimizer.state and all(p.grad is None for p in run.policy.parameters())
         stepped = run.actor.update(batch, loss, step=0)

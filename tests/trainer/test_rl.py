@@ -237,6 +237,14 @@ def test_a_step_whose_samples_all_fail_is_skipped_not_fatal(tiny_config, tmp_pat
     assert [r["trainer/skipped_steps"] for r in rows] == [1, 2]
 
 
+def test_the_skipped_step_count_goes_on_after_a_resume(tiny_config, tmp_path, user_task):
+    """The loop state (here: skipped steps) is saved with the checkpoint and restored from it."""
+    broken = (*user_task, "rollout.reward_fn=my_rewards_for_trainer_test:broken")
+    train(tiny_config(*broken, "trainer.steps=1"))
+    result = train(tiny_config(*broken, "trainer.steps=2", "trainer.resume=auto"))
+    assert result.steps == 2 and result.skipped_steps == 2
+
+
 @pytest.mark.parametrize("reward, reason, text", [("exits", "reward_raised", "raised SystemExit: exit called on"),
                                                   ("hangs", "reward_timeout", "did not return within 0.2 s")])
 def test_a_reward_that_exits_or_hangs_drops_its_sample_and_the_run_goes_on(tiny_config, tmp_path, user_task, reward,

@@ -7,7 +7,7 @@ Step 4 (docs/architecture.md): the run's balancer, and its cost model refitted f
     balancer.record(measured)                    # (tree features, seconds) of this rank's micro-batches
     metrics |= balancer.metrics(assignment, minibatch)
 
-The measured samples live in the run's `loop_state` (saved with every checkpoint), so a resumed run
+The measured samples live in the run's `LoopState` (saved with every checkpoint), so a resumed run
 prices batches as the run it continues did.
 """
 
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 
 from treerl.distributed import Assignment, CostModel, DistEnv, balance, evaluate
 from treerl.trainer.core.config import TrainerConfig
+from treerl.trainer.core.loop_state import LoopState
 from treerl.tree import TokenSequence
 
 COST_WINDOW = 256  # most recent measured micro-batches the cost model is fitted on
@@ -34,7 +34,7 @@ class Balancer:
 
     env: DistEnv
     trainer: TrainerConfig  # micro_batch_tokens, fit_cost_model
-    loop_state: dict[str, Any]  # the run's checkpointed state: the samples are under "cost_samples"
+    loop_state: LoopState  # the run's checkpointed state: the measured samples are its cost_samples
     cost: CostModel = field(default_factory=CostModel)
 
     def assign(self, sequences: list[TokenSequence]) -> Assignment:
@@ -47,15 +47,15 @@ class Balancer:
             return
         gathered: list[list] = [[] for _ in range(self.env.world_size)]
         dist.all_gather_object(gathered, measured)
-        samples = deque(self.loop_state["cost_samples"], maxlen=COST_WINDOW)
+        samples = deque(self.loop_state.cost_samples, maxlen=COST_WINDOW)
         samples.extend((features.tolist(), float(seconds))  # plain lists: a checkpoint holds no numpy objects
                        for rank_samples in gathered for features, seconds in rank_samples)
-        self.loop_state["cost_samples"] = list(samples)
+        self.loop_state.cost_samples = list(samples)
         self.fit()
 
     def fit(self) -> None:
         """Refit the cost model on the kept samples (also after a resume), once there are enough of them."""
-        samples = self.loop_state.get("cost_samples", [])
+        samples = self.loop_state.cost_samples
         if len(samples) >= COST_MIN_SAMPLES:
             fitted = CostModel.from_features([f for f, _ in samples], [s for _, s in samples])
             if any(w > 0 for w in fitted.weights):  # all zero would price every plan alike

@@ -8,7 +8,7 @@ Layout of `output_dir/checkpoints/step_000123/` (123 = steps completed):
     model.safetensors, tokenizer files     (the config carries the tokenizer's eos id, so generate stops there)
                                            (LoRA: adapter_config.json + adapter_model.safetensors, peft's
                                            format, instead; `treerl export` merges them into the base)
-    trainer_state.pt                       optimizer, LR schedule, RNG states, step, loop state
+    trainer_state.pt                       optimizer, LR schedule, RNG states, step, loop state (LoopState)
     config.yaml                            the run's resolved config
     critic/                                PPO's critic the same way (model files + trainer_state.pt)
     manifest.json                          step, run id, and every file's size and sha256
@@ -62,6 +62,7 @@ from transformers.utils import logging as hf_logging
 
 from treerl.errors import CheckpointError, TrainingStopped
 from treerl.models import ADAPTER_FILE, adapter_names, first_nonfinite, is_lora, read_weights, tied_names
+from treerl.trainer.core.loop_state import LoopState
 
 log = logging.getLogger("treerl.trainer")
 
@@ -228,7 +229,7 @@ def save_checkpoint(
     parts: dict[str, Trainable],
     tokenizer: PreTrainedTokenizerBase,
     step: int,
-    loop_state: dict[str, Any],
+    loop_state: LoopState,
     config_yaml: str,
     run_id: str,
     is_main: bool,
@@ -258,7 +259,7 @@ def save_checkpoint(
             write_pretrained(tmp / name, model, weights, tokenizer)
             state = {"step": step, "optimizer": optimizer, "scheduler": scheduler}
             if not name:
-                state |= {"rng": rng_states(), "loop": loop_state}
+                state |= {"rng": rng_states(), "loop": loop_state.to_dict()}
             torch.save(state, tmp / name / STATE_FILE)
         (tmp / CONFIG_FILE).write_text(config_yaml)
         manifest = {"format": FORMAT, "step": step, "run_id": run_id, "parts": sorted(gathered),
@@ -392,10 +393,10 @@ def prune_checkpoints(output_dir: str | Path, keep: int, run_id: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- loading
-def load_checkpoint(path: Path, parts: dict[str, Trainable]) -> tuple[int, dict[str, Any]]:
+def load_checkpoint(path: Path, parts: dict[str, Trainable]) -> tuple[int, LoopState]:
     """Restore every part's weights, optimizer and schedule, and the RNG states, from a verified checkpoint
     (every rank reads it); returns (step, loop state)."""
-    loop: dict[str, Any] = {}
+    loop = LoopState()
     step = 0
     for name, part in parts.items():
         folder = path / name
@@ -411,7 +412,7 @@ def load_checkpoint(path: Path, parts: dict[str, Trainable]) -> tuple[int, dict[
             raise CheckpointError(f"checkpoint {folder}: its optimizer state does not fit this run's model "
                                   f"({type(e).__name__}: {e})") from None
         if not name:
-            step, loop = int(state["step"]), state["loop"]
+            step, loop = int(state["step"]), LoopState.from_dict(state["loop"])
             set_rng_states(state["rng"])
     return step, loop
 

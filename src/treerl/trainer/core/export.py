@@ -27,6 +27,7 @@ from treerl.trainer.core.checkpoint import (
     write_pretrained_atomically,
 )
 from treerl.trainer.core.config import load_config
+from treerl.trainer.core.loop_state import LoopState
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None = None) -> Path:
@@ -40,7 +41,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
     config = load_config(path / CONFIG_FILE)  # the run's own settings: its base model, dtype and LoRA
     model, tokenizer = load_policy(config.model, torch.device("cpu"))
     if is_lora(model):
-        check_same_base(path, read_state(path / STATE_FILE).get("loop", {}).get("lora_base"), base_fingerprint(model))
+        saved = LoopState.from_dict(read_state(path / STATE_FILE).get("loop", {}))
+        check_same_base(path, saved.lora_base, base_fingerprint(model))
         load_weights(path, model)
         model = model.merge_and_unload()
     else:

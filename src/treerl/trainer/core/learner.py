@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ from treerl.engine import Engine, LossFn
 from treerl.errors import TrainingStopped
 from treerl.trainer.core.balancer import Balancer
 from treerl.trainer.core.checkpoint import Trainable
+from treerl.trainer.core.loop_state import LoopState
 from treerl.trainer.core.metrics import sum_over_ranks
 from treerl.tree import TokenSequence
 
@@ -39,7 +39,7 @@ class NonfiniteGuard:
     """`trainer.nonfinite` for every learner of a run: stop before the optimizer step, or skip it and count it."""
 
     action: str  # "stop" | "skip"
-    loop_state: dict[str, Any]  # the run's checkpointed state: the count is under "nonfinite_skipped"
+    loop_state: LoopState  # the run's checkpointed state: it counts the skipped steps (nonfinite_skipped)
 
     def skip(self, learner: str, metrics: dict[str, float], step: int) -> None:
         """A NaN/inf loss or gradient norm: stop (TrainingStopped), or count the skipped optimizer step."""
@@ -49,9 +49,9 @@ class NonfiniteGuard:
                 f"non-finite {what}: stopped before the optimizer step, so no weight changed and nothing was "
                 "written (the newest checkpoint is the last good state). Look for NaN/inf in the model's weights "
                 "and the rewards, lower trainer.lr or an algo coefficient, or set trainer.nonfinite=skip")
-        self.loop_state["nonfinite_skipped"] = self.loop_state.get("nonfinite_skipped", 0) + 1
+        self.loop_state.nonfinite_skipped += 1
         log.warning("non-finite %s: optimizer step skipped (trainer.nonfinite=skip; %d so far)", what,
-                    self.loop_state["nonfinite_skipped"])
+                    self.loop_state.nonfinite_skipped)
 
 
 @dataclass

@@ -48,6 +48,7 @@ from treerl.trainer.core.checkpoint import (
 )
 from treerl.trainer.core.config import Config, ConfigError, ModelConfig, TrainerConfig, to_yaml
 from treerl.trainer.core.learner import Learner, NonfiniteGuard
+from treerl.trainer.core.loop_state import LoopState
 from treerl.trainer.core.reporter import Reporter
 from treerl.trainer.core.resume import apply_hyperparameters, choose_start, delete_outputs
 from treerl.trainer.core.stopping import StopSignals
@@ -131,7 +132,7 @@ class Run:
     report: Reporter
     start_step: int = 0
     run_id: str = ""  # written into each checkpoint's manifest; a resumed run keeps its checkpoint's
-    loop_state: dict[str, Any] = field(default_factory=dict)  # saved and restored with each checkpoint
+    loop_state: LoopState = field(default_factory=LoopState)  # counters and measured costs, saved with each checkpoint
     critic: Learner | None = None  # PPO's value model, when the advantages are GAE
     stop: StopSignals = field(default_factory=StopSignals)
     stopped_by: str | None = None  # "SIGINT" / "SIGTERM" when a signal ended the run early
@@ -167,8 +168,7 @@ class Run:
         model, tokenizer = load_policy(config.model, device)
         base = base_fingerprint(model) if is_lora(model) else None  # before sharding: the full frozen weights
         strategy = data_parallel_strategy(config.trainer, env)
-        loop_state: dict[str, Any] = {"skipped_steps": 0, "nonfinite_skipped": 0, "cost_samples": [],
-                                      "lora_base": base}
+        loop_state = LoopState(lora_base=base)
         balancer = Balancer(env, config.trainer, loop_state)
         guard = NonfiniteGuard(config.trainer.nonfinite, loop_state)
         actor = build_policy_learner(config, model, strategy, balancer, guard, temperature)
@@ -182,9 +182,9 @@ class Run:
 
     def _resume(self, path: Path, base: list[float] | None) -> None:
         """Load the checkpoint at `path` (policy, critic, loop state), then apply this config's hyperparameters."""
-        self.start_step, loop_state = load_checkpoint(path, self.trainables())
-        check_same_base(path, loop_state.get("lora_base"), base)
-        self.loop_state.update(loop_state)
+        self.start_step, saved = load_checkpoint(path, self.trainables())
+        check_same_base(path, saved.lora_base, base)
+        self.loop_state.update(saved)
         self._saved = self.start_step
         apply_hyperparameters(self.actor.trainable(), self.config.trainer.lr, self.config.trainer)
         if self.critic is not None:

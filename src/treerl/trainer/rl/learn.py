@@ -97,9 +97,9 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
     result = TrainResult(
         reward_start=reward_start, reward_end=reward_end,
         train_reward_first=_mean(first), train_reward_last=_mean(rewards),
-        steps=run.steps_done, skipped_steps=run.loop_state["skipped_steps"], dropped_samples=dropped,
+        steps=run.steps_done, skipped_steps=run.loop_state.skipped_steps, dropped_samples=dropped,
         seconds=time.perf_counter() - started, output_dir=config.trainer.output_dir,
-        nonfinite_skipped=run.loop_state["nonfinite_skipped"], stopped_by=run.stopped_by,
+        nonfinite_skipped=run.loop_state.nonfinite_skipped, stopped_by=run.stopped_by,
     )
     run.report.summarise(asdict(result) | summary(), f"training reward: first {len(first)} steps "
                   f"{result.train_reward_first:.3f} -> last {len(rewards)} steps {result.train_reward_last:.3f}")
@@ -129,10 +129,10 @@ def learn(run: Run, batch: RolloutBatch, reference: Reference | None, step: int,
         if run.critic is not None:
             metrics.update(update_critic(run, batch.sequences, step, algo))
     else:  # every sample was dropped: nothing to learn from, the schedule still advances
-        run.loop_state["skipped_steps"] += 1
+        run.loop_state.skipped_steps += 1
         run.failed_steps.append((step, first_failure(batch.stats)))
         run.report.print(f"step {step}: every sample was dropped ({dict(batch.stats.dropped)}); step skipped")
-    metrics["trainer/skipped_steps"] = run.loop_state["skipped_steps"]
+    metrics["trainer/skipped_steps"] = run.loop_state.skipped_steps
     return metrics
 
 

@@ -74,7 +74,7 @@ def sft(config: Config) -> SFTResult:
         loss_end = nan if run.stopped_by else evaluate(run, held, config.trainer.steps, "end")
         result = SFTResult(loss_start, loss_end, losses[0] if losses else nan, losses[-1] if losses else nan,
                            run.steps_done, time.perf_counter() - started, config.trainer.output_dir,
-                           run.loop_state["nonfinite_skipped"], run.stopped_by)
+                           run.loop_state.nonfinite_skipped, run.stopped_by)
         run.report.summarise(asdict(result), f"training loss: first step {result.train_loss_first:.4f} -> "
                       f"last step {result.train_loss_last:.4f}")
         return result
