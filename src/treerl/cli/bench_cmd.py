@@ -68,49 +68,67 @@ def bench(
         shape=shape, vocab_size=vocab_size or None, device=device, dtype=dtype, scale=scale, repeats=repeats,
         memory=memory, workloads=workloads.split(","), engines=engines.split(","),
     )
-    console = Console()
     if compare_async:
-        from treerl.bench.async_compare import compare, markdown
-
-        rows = compare(train_config, override, [int(s) for s in seeds.split(",")], target, threads, out / "async")
-        print(markdown(rows))
-        console.print(f"written to {out}/async/async_compare.{{json,md,png}}")
-        return
-    if profile:
-        from treerl.bench.profile import profile_markdown
-        from treerl.bench.run import profile_engines
-
-        rows = profile_engines(config)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "profile.json").write_text(json.dumps({"settings": describe(config), "rows": rows}, indent=1))
-        (out / "profile.md").write_text(profile_markdown(rows) + "\n")
-        print(profile_markdown(rows))
-        console.print(f"written to {out}/profile.{{json,md}}")
-        return
-    if precision:
+        run_async_compare(train_config, override, [int(s) for s in seeds.split(",")], target, threads, out)
+    elif profile:
+        run_profile(config, out)
+    elif precision:
         run_precision_bench(PrecisionBenchConfig(
             shape=shape, vocab_size=vocab_size or None, device=device, prompt_tokens=prompt_tokens,
             response_tokens=response_tokens, samples=samples, lora_rank=lora_rank, variants=variants.split(","),
             engines=[e for e in engines.split(",") if e in ("flat", "dfs")] or ["flat", "dfs"]), out)
-        return
-    if balance:
-        from treerl.bench.balance import balance_tables
+    elif balance:
+        run_balance(config, balance_scale, out)
+    else:
+        run_engine_bench(config, out)
 
-        rows, table, fitted = balance_tables(config, balance_scale)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "balance.json").write_text(json.dumps({"cost_model": fitted.weights, "rows": rows}, indent=1))
-        (out / "balance.md").write_text(table + "\n")
-        console.print(f"cost model {fitted.describe()}")
-        print(table)
-        console.print(f"written to {out}/balance.{{json,md}}")
-        return
+
+def run_engine_bench(config: BenchConfig, out: Path) -> None:
+    """The default: engines side by side (and peak memory as G grows), printed and written to out/."""
     from treerl.bench.report import markdown, memory_markdown, write
 
     rows = run_bench(config)
-    memory_rows = memory_scaling(config) if memory else []
+    memory_rows = memory_scaling(config) if config.memory else []
     paths = write(rows, memory_rows, describe(config), out)
     print(markdown(rows))
     if memory_rows:
         print("\nPeak memory (MiB) of one step, G samples of one prompt:\n")
         print(memory_markdown(memory_rows))
-    console.print(f"written to {', '.join(str(p) for p in paths.values())}")
+    Console().print(f"written to {', '.join(str(p) for p in paths.values())}")
+
+
+def run_async_compare(train_config: str, override: list[str], seeds: list[int], target: float | None, threads: int,
+                      out: Path) -> None:
+    """`--async`: sync vs async training runs, the table printed and written to out/async/."""
+    from treerl.bench.async_compare import compare, markdown
+
+    rows = compare(train_config, override, seeds, target, threads, out / "async")
+    print(markdown(rows))
+    Console().print(f"written to {out}/async/async_compare.{{json,md,png}}")
+
+
+def run_profile(config: BenchConfig, out: Path) -> None:
+    """`--profile`: where each engine's step time goes, printed and written to out/profile.{json,md}."""
+    from treerl.bench.profile import profile_markdown
+    from treerl.bench.run import profile_engines
+
+    rows = profile_engines(config)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps({"settings": describe(config), "rows": rows}, indent=1))
+    (out / "profile.md").write_text(profile_markdown(rows) + "\n")
+    print(profile_markdown(rows))
+    Console().print(f"written to {out}/profile.{{json,md}}")
+
+
+def run_balance(config: BenchConfig, balance_scale: float, out: Path) -> None:
+    """`--balance`: the balancer against the baselines, printed and written to out/balance.{json,md}."""
+    from treerl.bench.balance import balance_tables
+
+    rows, table, fitted = balance_tables(config, balance_scale)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "balance.json").write_text(json.dumps({"cost_model": fitted.weights, "rows": rows}, indent=1))
+    (out / "balance.md").write_text(table + "\n")
+    console = Console()
+    console.print(f"cost model {fitted.describe()}")
+    print(table)
+    console.print(f"written to {out}/balance.{{json,md}}")

@@ -60,13 +60,10 @@ class EmbeddedSampler:
             self.model.train(was_training)
 
     @torch.inference_mode()
-    def _generate(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
-        cancelled: Callable[[], bool] | None = None,
-    ) -> list[list[Completion]]:
-        """Prefill the distinct prompts, repeat their cache n-fold, decode until every row stops."""
-        model, n = self.model, params.n
-        device = generator.device
+    def _prefill(self, prompts: list[list[int]],
+                 device: torch.device) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
+        """The prompts left-padded into one batch and run once: each row's last logits, the KV cache, the
+        attention mask and each row's next position."""
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -75,16 +72,25 @@ class EmbeddedSampler:
             mask[row, width - len(prompt) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1]
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1], cache, mask, positions[:, -1] + 1
 
+    @torch.inference_mode()
+    def _generate(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> list[list[Completion]]:
+        """Prefill the distinct prompts, repeat their cache n-fold, decode until every row stops."""
+        model, n = self.model, params.n
+        device = generator.device
+        logits, cache, mask, next_position = self._prefill(prompts, device)
         # n rows per prompt; reorder_cache serves every layer kind (recurrent layers have no batch_repeat_interleave)
         cache.reorder_cache(torch.arange(len(prompts), device=device).repeat_interleave(n))
         logits = logits.repeat_interleave(n, dim=0)
         mask = mask.repeat_interleave(n, dim=0)
-        next_position = positions[:, -1].repeat_interleave(n) + 1
+        next_position = next_position.repeat_interleave(n)
         active = torch.arange(len(prompts) * n, device=device)  # which output row each cache row is
         stop = torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
         tokens: list[list[int]] = [[] for _ in range(len(prompts) * n)]

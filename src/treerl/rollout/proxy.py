@@ -305,6 +305,37 @@ class ChatProxy:
         """The base_url an agent's OpenAI client uses for this episode."""
         return f"{self.url}/episodes/{episode_id}/v1"
 
+    # ------------------------------------------------------------------ the two APIs
+    async def chat_completions(self, request: ChatRequest, episode_id: str | None) -> Any:
+        """A chat completions request, recorded under `episode_id` (None: not recorded); streamed if it asks."""
+        log = self.recorder.get(episode_id) if episode_id is not None else None
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        prompt, answers = await self.answer(request.model_request(), log, response_id)
+        response = chat_response(request, response_id, request.model or self.model_name, prompt, answers,
+                                 self.token_strings)
+        if request.stream:
+            return StreamingResponse(chat_chunks(response, request), media_type="text/event-stream")
+        return response
+
+    async def responses(self, request: ResponsesRequest, episode_id: str | None) -> Any:
+        """A Responses API request, recorded under `episode_id` (None: not recorded; `previous_response_id` then
+        refused: only a recorded episode remembers its responses); streamed if it asks."""
+        log = self.recorder.get(episode_id) if episode_id is not None else None
+        previous: list[Message] = []
+        if request.previous_response_id is not None:
+            if log is None:
+                raise HTTPException(400, "previous_response_id is served only for recorded episodes "
+                                         "(/episodes/<id>/v1/responses)")
+            before = log.response(request.previous_response_id)
+            previous = continued(before.messages, before.instructions, before.reply)
+        response_id = f"resp_{uuid.uuid4().hex}"
+        prompt, [answer] = await self.answer(request.model_request(previous), log, response_id, request.instructions)
+        response = response_object(request, response_id, request.model or self.model_name, prompt, answer,
+                                   self.token_strings)
+        if request.stream:
+            return StreamingResponse(response_events(response), media_type="text/event-stream")
+        return response
+
     # ------------------------------------------------------------------ one request
     async def answer(self, request: ModelRequest, log: EpisodeLog | None, response_id: str,
                      instructions: str | None = None) -> tuple[list[int], list[Answer]]:
@@ -455,48 +486,21 @@ def build_proxy_app(proxy: ChatProxy) -> FastAPI:
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": proxy.model_name, "object": "model", "owned_by": "treerl"}]}
 
-    async def chat(request: ChatRequest, episode_id: str | None) -> Any:
-        log = proxy.recorder.get(episode_id) if episode_id is not None else None
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt, answers = await proxy.answer(request.model_request(), log, response_id)
-        response = chat_response(request, response_id, request.model or proxy.model_name, prompt, answers,
-                                 proxy.token_strings)
-        if request.stream:
-            return StreamingResponse(chat_chunks(response, request), media_type="text/event-stream")
-        return response
-
-    async def responses(request: ResponsesRequest, episode_id: str | None) -> Any:
-        log = proxy.recorder.get(episode_id) if episode_id is not None else None
-        previous: list[Message] = []
-        if request.previous_response_id is not None:
-            if log is None:
-                raise HTTPException(400, "previous_response_id is served only for recorded episodes "
-                                         "(/episodes/<id>/v1/responses)")
-            before = log.response(request.previous_response_id)
-            previous = continued(before.messages, before.instructions, before.reply)
-        response_id = f"resp_{uuid.uuid4().hex}"
-        prompt, [answer] = await proxy.answer(request.model_request(previous), log, response_id, request.instructions)
-        response = response_object(request, response_id, request.model or proxy.model_name, prompt, answer,
-                                   proxy.token_strings)
-        if request.stream:
-            return StreamingResponse(response_events(response), media_type="text/event-stream")
-        return response
-
     @app.post("/episodes/{episode_id}/v1/chat/completions")
     async def episode_chat(episode_id: str, request: ChatRequest) -> Any:
-        return await chat(request, episode_id)
+        return await proxy.chat_completions(request, episode_id)
 
     @app.post("/v1/chat/completions")
     async def plain_chat(request: ChatRequest) -> Any:
-        return await chat(request, None)
+        return await proxy.chat_completions(request, None)
 
     @app.post("/episodes/{episode_id}/v1/responses")
     async def episode_responses(episode_id: str, request: ResponsesRequest) -> Any:
-        return await responses(request, episode_id)
+        return await proxy.responses(request, episode_id)
 
     @app.post("/v1/responses")
     async def plain_responses(request: ResponsesRequest) -> Any:
-        return await responses(request, None)
+        return await proxy.responses(request, None)
 
     app.get("/episodes/{episode_id}/v1/models")(lambda episode_id: models())
     app.get("/v1/models")(models)

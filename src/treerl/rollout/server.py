@@ -125,35 +125,14 @@ def build_app(sampler: EmbeddedSampler, tokenizer: PreTrainedTokenizerBase, mode
     """The FastAPI app serving `sampler` (its model) and `tokenizer` under the name `model_name`."""
     guard = guard or Guard()
     app = FastAPI(title="treerl serve")
-    lock = threading.Lock()
+    lock = threading.Lock()  # one generation or weight update at a time
     authorized = [Depends(guard.authorize)]
-
-    @app.exception_handler(HTTPException)
-    def openai_error(_, exc: HTTPException) -> JSONResponse:
-        """Errors in the OpenAI shape, so every client prints the message."""
-        return JSONResponse(
-            status_code=exc.status_code,
-            content={"error": {"message": str(exc.detail), "type": "invalid_request_error", "code": exc.status_code}},
-        )
-
-    @app.get("/health")
-    def health() -> dict[str, str]:
-        return {"status": "ok"}
+    app.exception_handler(HTTPException)(openai_error)
+    app.get("/health")(lambda: {"status": "ok"})
 
     @app.get("/v1/models", dependencies=authorized)
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "treerl"}]}
-
-    def generate(prompts: list[list[int]], params: SamplingParams,
-                 cancel: threading.Event) -> tuple[list[list[Completion]], int]:
-        """In a worker thread: wait for the model (giving up if cancelled), generate, free it."""
-        while not lock.acquire(timeout=POLL_SECONDS):
-            if cancel.is_set():
-                raise GenerationCancelled("cancelled while waiting for the model")
-        try:
-            return sampler.generate(prompts, params, cancelled=cancel.is_set), sampler.version
-        finally:
-            lock.release()
 
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(request: CompletionRequest, raw: Request) -> dict[str, Any]:
@@ -161,71 +140,113 @@ def build_app(sampler: EmbeddedSampler, tokenizer: PreTrainedTokenizerBase, mode
             raise HTTPException(400, "treerl serve does not support 'stream' or 'echo'")
         prompts = _prompt_ids(request.prompt, tokenizer)
         guard.check(request, prompts, getattr(sampler.model.config, "max_position_embeddings", None))
-        stop = set(request.stop_token_ids or [])
-        if not request.ignore_eos and tokenizer.eos_token_id is not None:
-            stop.add(tokenizer.eos_token_id)
-        try:
-            params = SamplingParams(
-                n=request.n, max_new_tokens=request.max_tokens, temperature=request.temperature,
-                top_p=request.top_p, stop_token_ids=tuple(sorted(stop)), seed=request.seed,
-            )
-        except ValueError as e:
-            raise HTTPException(400, str(e)) from None
+        params = _sampling_params(request, tokenizer)
         cancel = threading.Event()
-        work = asyncio.ensure_future(run_in_threadpool(generate, prompts, params, cancel))
-        deadline = time.monotonic() + guard.request_timeout
-        why = None
-        while not work.done():
-            await asyncio.wait({work}, timeout=POLL_SECONDS)
-            if work.done():
-                break
-            if guard.shutting_down.is_set():
-                why = (503, "the server is shutting down")
-            elif time.monotonic() > deadline:
-                why = (504, f"generation took longer than {guard.request_timeout:g} s (treerl serve --request-timeout)")
-            elif await raw.is_disconnected():
-                why = (499, "the client disconnected")
-            if why is not None:
-                cancel.set()
-        try:
-            groups, version = await work
-        except GenerationCancelled:
-            raise HTTPException(*(why or (503, "generation cancelled"))) from None
-        except ValueError as e:
-            raise HTTPException(400, str(e)) from None
-        choices = [
-            _choice(p * request.n + j, completion, prompt, request, tokenizer)
-            for p, (prompt, group) in enumerate(zip(prompts, groups))
-            for j, completion in enumerate(group)
-        ]
-        generated = sum(len(c.tokens) for group in groups for c in group)
-        prompt_tokens = sum(len(p) for p in prompts)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
-                      "total_tokens": prompt_tokens + generated},
-            "metadata": {"weight_version": str(version)},
-        }
+        work = asyncio.ensure_future(run_in_threadpool(_generate, sampler, lock, prompts, params, cancel))
+        groups, version = await _finished(work, cancel, raw, guard)
+        return _completions_response(request, prompts, groups, version, tokenizer, model_name)
 
     @app.post("/update_weights_from_disk", dependencies=authorized)
     def update_weights_from_disk(request: UpdateWeightsRequest) -> dict[str, Any]:
-        try:
-            version = int(request.weight_version) if request.weight_version is not None else None
-            weights = checked_weights(sampler.model, request.model_path)
-        except (UserError, ValueError) as e:
-            return {"success": False, "message": f"{type(e).__name__}: {e}"}
-        with lock:
-            swap_weights(sampler.model, weights)
-            sampler.version = version if version is not None else sampler.version + 1
-        return {"success": True, "message": f"loaded {request.model_path}", "weight_version": str(sampler.version)}
+        return _load_weights(sampler, lock, request.model_path, request.weight_version)
 
-    add_weight_sync_routes(app, sampler, lambda path: update_weights_from_disk(UpdateWeightsRequest(model_path=path)),
-                           dependencies=authorized)
+    add_weight_sync_routes(app, sampler, lambda path: _load_weights(sampler, lock, path, None), dependencies=authorized)
     return app
+
+
+def openai_error(_: Request, exc: HTTPException) -> JSONResponse:
+    """Errors in the OpenAI shape, so every client prints the message."""
+    return JSONResponse(
+        status_code=exc.status_code,
+        content={"error": {"message": str(exc.detail), "type": "invalid_request_error", "code": exc.status_code}},
+    )
+
+
+def _sampling_params(request: CompletionRequest, tokenizer: PreTrainedTokenizerBase) -> SamplingParams:
+    """The request's sampling settings; it stops at the tokenizer's eos unless `ignore_eos` (400 if one is invalid)."""
+    stop = set(request.stop_token_ids or [])
+    if not request.ignore_eos and tokenizer.eos_token_id is not None:
+        stop.add(tokenizer.eos_token_id)
+    try:
+        return SamplingParams(n=request.n, max_new_tokens=request.max_tokens, temperature=request.temperature,
+                              top_p=request.top_p, stop_token_ids=tuple(sorted(stop)), seed=request.seed)
+    except ValueError as e:
+        raise HTTPException(400, str(e)) from None
+
+
+def _generate(sampler: EmbeddedSampler, lock: threading.Lock, prompts: list[list[int]], params: SamplingParams,
+              cancel: threading.Event) -> tuple[list[list[Completion]], int]:
+    """In a worker thread: wait for the model (giving up if cancelled), generate, free it; the completions and the
+    policy version that sampled them."""
+    while not lock.acquire(timeout=POLL_SECONDS):
+        if cancel.is_set():
+            raise GenerationCancelled("cancelled while waiting for the model")
+    try:
+        return sampler.generate(prompts, params, cancelled=cancel.is_set), sampler.version
+    finally:
+        lock.release()
+
+
+async def _finished(work: asyncio.Future, cancel: threading.Event, raw: Request,
+                    guard: Guard) -> tuple[list[list[Completion]], int]:
+    """Wait for a generation; cancel it (and answer 503, 504 or 499) when the server shuts down, the request runs
+    past its deadline or the client leaves; 400 for a prompt the model refuses."""
+    deadline = time.monotonic() + guard.request_timeout
+    why = None
+    while not work.done():
+        await asyncio.wait({work}, timeout=POLL_SECONDS)
+        if work.done():
+            break
+        if guard.shutting_down.is_set():
+            why = (503, "the server is shutting down")
+        elif time.monotonic() > deadline:
+            why = (504, f"generation took longer than {guard.request_timeout:g} s (treerl serve --request-timeout)")
+        elif await raw.is_disconnected():
+            why = (499, "the client disconnected")
+        if why is not None:
+            cancel.set()
+    try:
+        return await work
+    except GenerationCancelled:
+        raise HTTPException(*(why or (503, "generation cancelled"))) from None
+    except ValueError as e:
+        raise HTTPException(400, str(e)) from None
+
+
+def _completions_response(request: CompletionRequest, prompts: list[list[int]], groups: list[list[Completion]],
+                          version: int, tokenizer: PreTrainedTokenizerBase, model_name: str) -> dict[str, Any]:
+    """The completions response in vLLM's shape: a choice per sample, usage, and the policy version."""
+    choices = [
+        _choice(p * request.n + j, completion, prompt, request, tokenizer)
+        for p, (prompt, group) in enumerate(zip(prompts, groups))
+        for j, completion in enumerate(group)
+    ]
+    generated = sum(len(c.tokens) for group in groups for c in group)
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                  "total_tokens": prompt_tokens + generated},
+        "metadata": {"weight_version": str(version)},
+    }
+
+
+def _load_weights(sampler: EmbeddedSampler, lock: threading.Lock, path: str, version: str | None) -> dict[str, Any]:
+    """SGLang's `update_weights_from_disk`: check every tensor at `path`, then copy them in between two generations
+    and set the version (given, else one more); the answer says whether it succeeded and why not."""
+    try:
+        new_version = int(version) if version is not None else None
+        weights = checked_weights(sampler.model, path)
+    except (UserError, ValueError) as e:
+        return {"success": False, "message": f"{type(e).__name__}: {e}"}
+    with lock:
+        swap_weights(sampler.model, weights)
+        sampler.version = new_version if new_version is not None else sampler.version + 1
+    return {"success": True, "message": f"loaded {path}", "weight_version": str(sampler.version)}
 
 
 def checked_weights(model: PreTrainedModel, path: str) -> dict[str, torch.Tensor]:
