@@ -107,7 +107,7 @@ def test_config_works_as_an_omegaconf_structured_config():
         config.merge_with_dotlist(["group_size=many"])
 
 
-def test_build_engine_picks_the_server_client_or_needs_the_model():
+def test_build_sampler_picks_the_server_client_or_needs_the_model():
     """A server that answers anything (here 501 to GET /health) is reachable; one nobody listens on is a UserError
     naming rollout.server_url before anything is sampled (it was a traceback at the first sample)."""
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)

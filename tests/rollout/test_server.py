@@ -34,7 +34,7 @@ def _prompts(tokenizer):
                                           return_dict=False) for c in ("3+4=", "guess 1-9", "x")]
 
 
-def test_server_completions_equal_the_embedded_engine(server, tokenizer, same_model):
+def test_server_completions_equal_the_embedded_sampler(server, tokenizer, same_model):
     """Same seed: identical tokens, log-probs and finish reasons; the server adds its eos stop like vLLM."""
     params = SamplingParams(n=3, max_new_tokens=8, temperature=0.9, stop_token_ids=(tokenizer.eos_token_id,), seed=11)
     remote = CompletionsClient(server, model="tiny").generate(_prompts(tokenizer), params)
