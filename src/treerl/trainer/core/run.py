@@ -209,8 +209,9 @@ class Run:
         for learner in self.learners():
             engine = learner.engine
             inner = engine.engine if isinstance(engine, AutocastEngine) else engine
-            check_model(learner.model, inner.head, not isinstance(inner, FlatEngine), longest,
-                        carries_state=isinstance(inner, DfsEngine))
+            with learner.dp.gathered():  # FSDP2: the routing probe runs the model, on full parameters
+                check_model(learner.model, inner.head, not isinstance(inner, FlatEngine), longest,
+                            carries_state=isinstance(inner, DfsEngine))
             most = getattr(learner.model.config.get_text_config(), "max_position_embeddings", None)
             if setting is not None and isinstance(most, int) and 0 < most < longest:  # <= 0: no limit (XLNet)
                 raise ConfigError(f"{setting}={longest} is more than the model's maximum of {most} positions "
