@@ -11,7 +11,7 @@ from treerl.engine import FlatEngine
 from treerl.engine.head import ValueHead
 from treerl.testing import relative_error
 from treerl.tree import TokenSequence
-from treerl.tree.workloads import random_trees
+from treerl.bench.workloads import random_trees
 
 VOCAB = 64
 RTOL = 1e-10  # the policy's RMSNorm runs in float64 (tests/support.py): engines agree to ~1e-15

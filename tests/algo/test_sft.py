@@ -9,7 +9,7 @@ from algo_testing import RTOL, VOCAB
 from treerl.algo import AlgoConfig, LossNormalizer, build_loss
 from treerl.engine import DfsEngine
 from treerl.tree import PrefixTree
-from treerl.tree.workloads import AgentShape, agent_trees
+from treerl.bench.workloads import AgentShape, agent_trees
 
 
 def test_sft_on_agent_trees_equals_per_sequence_cross_entropy(policy) -> None:

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from treerl.cli.main import app
 from treerl.tree.io import write_jsonl
-from treerl.tree.workloads import grpo_groups
+from treerl.bench.workloads import grpo_groups
 
 
 def test_inspect_table_and_json(tmp_path):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from treerl.distributed import CostModel, TrieOrder, balance, evaluate, first_fit, lpt
 from treerl.tree import BatchError, PrefixTree, TokenSequence
-from treerl.tree.workloads import AgentShape, agent_trees, grpo_groups, random_trees
+from treerl.bench.workloads import AgentShape, agent_trees, grpo_groups, random_trees
 
 FITTED = CostModel((2e-3, 2e-5, 4e-9, 1e-3, 5e-4, 1e-7))  # per call, token, attention pair, leaf, sequence, flat token
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from treerl.distributed import FEATURES, CostModel, TrieOrder, tree_features
 from treerl.tree import PrefixTree, TokenSequence
-from treerl.tree.workloads import AgentShape, agent_trees, grpo_groups, random_trees
+from treerl.bench.workloads import AgentShape, agent_trees, grpo_groups, random_trees
 
 
 def built_features(sequences: list[TokenSequence]) -> np.ndarray:

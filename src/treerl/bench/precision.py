@@ -28,7 +28,7 @@ from treerl.trainer.core.build import enable_gradient_checkpointing
 from treerl.trainer.core.config import TrainerConfig
 from treerl.trainer.core.optim import build_optimizer
 from treerl.trainer.core.precision import autocast_dtype, parameter_dtype
-from treerl.tree.workloads import grpo_groups
+from treerl.bench.workloads import grpo_groups
 
 # name -> (trainer.precision, LoRA on, gradient checkpointing on)
 VARIANTS: dict[str, tuple[str, bool, bool]] = {

@@ -25,7 +25,7 @@ from treerl.engine import DfsEngine, FlatEngine, PackedEngine
 from treerl.engine.base import Engine, SequenceView
 from treerl.models import build_model
 from treerl.tree import PrefixTree, TokenSequence
-from treerl.tree.workloads import AgentShape, agent_trees, grpo_groups, random_trees
+from treerl.bench.workloads import AgentShape, agent_trees, grpo_groups, random_trees
 
 ENGINES: dict[str, Callable[[], Engine]] = {
     "flat": FlatEngine,  # the dense baseline every engine is compared with: the faster layout on the device

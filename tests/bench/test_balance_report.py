@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from treerl.distributed.cost import CostModel
-from treerl.distributed.report import balance_markdown, balance_report
-from treerl.tree.workloads import grpo_groups
+from treerl.bench.balance import balance_markdown, balance_report
+from treerl.bench.workloads import grpo_groups
 
 # A plausible fitted model: per call, per unique token, per attention pair, per leaf, per sequence, per flat token.
 FITTED = CostModel((1e-2, 9e-6, 2e-9, 5e-3, 1e-3, 1e-8))
