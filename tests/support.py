@@ -43,12 +43,12 @@ def exact_norms(model: torch.nn.Module) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def float64_throughout() -> Iterator[None]:
-    """Keep float64 tensors in float64 where transformers rounds them to float32 (`.float()`, `.to(float32)`).
+    """Keep float64 tensors in float64 where transformers rounds them to float32 (`.float()`, `.to(float32)`, `.type`).
 
     The recurrent mixers' torch paths (the delta rule, the Mamba2 scan) compute in float32 even in a float64
     model, which puts a ~1e-7 floor under every comparison of a hybrid model; inside this block a tree engine
     must match the flat reference to float64 rounding, so that any real difference stands out."""
-    to, to_float = torch.Tensor.to, torch.Tensor.float
+    to, to_float, to_type = torch.Tensor.to, torch.Tensor.float, torch.Tensor.type
 
     def to_keeping_float64(self, *args, **kwargs):
         if self.dtype == torch.float64:
@@ -60,11 +60,18 @@ def float64_throughout() -> Iterator[None]:
     def float_keeping_float64(self, *args, **kwargs):
         return self if self.dtype == torch.float64 else to_float(self, *args, **kwargs)
 
-    torch.Tensor.to, torch.Tensor.float = to_keeping_float64, float_keeping_float64
+    def type_keeping_float64(self, dtype=None, *args, **kwargs):
+        # GLM-DSA's router: `F.linear(hidden.type(torch.float32), weight.type(torch.float32))` with its weight kept in
+        # float32: both operands go to float64 (the weight's float32 values exactly), not the hidden state to float32
+        if dtype is torch.float32 and self.dtype in (torch.float32, torch.float64):
+            return to(self, torch.float64)
+        return to_type(self, dtype, *args, **kwargs)
+
+    torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = to_keeping_float64, float_keeping_float64, type_keeping_float64
     try:
         yield
     finally:
-        torch.Tensor.to, torch.Tensor.float = to, to_float
+        torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = to, to_float, to_type
 
 
 def tiny_model(shape: str = "tiny-qwen3", vocab_size: int = 64, exact: bool = True):

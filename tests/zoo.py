@@ -281,6 +281,9 @@ OVERRIDES: dict[str, dict] = {
     "blt": {"encoder_hash_byte_group_vocab": 64, "local_attention_window_len": WINDOW, "use_cache": False},
     # axial position embeddings must sum to the width
     "reformer": {"axial_pos_shape": [16, 16], "axial_pos_embds_dim": [16, 48]},
+    # Dory loops its middle layers: the layer count is input + recurrent + output layers, one of each here
+    "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1,
+             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
     # XLM's causal-LM mode (the xlm-clm checkpoints); its default is the masked-LM encoder
     "xlm": {"causal": True},
 }

@@ -100,8 +100,8 @@ def test_dfs_memory_is_bounded_by_the_path_not_the_batch():
     assert flat_ratio > 10, f"flat should grow with the batch; got {flat_ratio:.1f}x"
 
 
-def test_default_memory_stays_near_the_one_path_walk():
-    """Turn chains (each call extends the last, as agents' are): the default walk packs calls but holds at most
+def test_one_path_memory_stays_near_the_one_path_walk():
+    """Turn chains (each call extends the last, as agents' are): memory="one-path" packs calls but holds at most
     1.5x the one-path walk's peak; an explicit token budget may hold more (and does, when it packs the chain)."""
     model = tiny_model("tiny-qwen3", 512)
     gen = torch.Generator().manual_seed(0)
@@ -116,7 +116,7 @@ def test_default_memory_stays_near_the_one_path_walk():
         return out
 
     one_path = peak(DfsEngine(batch_tokens=0, recompute="always"))
-    assert peak(DfsEngine()) <= 1.5 * one_path
+    assert peak(DfsEngine(memory="one-path")) <= 1.5 * one_path
     assert peak(DfsEngine(memory_budget_tokens=8 * 70)) > 2 * one_path  # the whole tree in one call
 
 

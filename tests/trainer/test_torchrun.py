@@ -18,7 +18,10 @@ from treerl.trainer.sft.data import example_path
 pytestmark = pytest.mark.slow  # two processes importing torch + transformers: ~15 s on 2 cores
 
 STRATEGIES = ("ddp", "fsdp2")
-LOW_PRECISION = {"float32": 1e-5, "bfloat16": 2e-2}  # dtype -> relative tolerance of the final weights
+# dtype -> relative tolerance of the final weights. A rank's half of the batch is planned into other calls than the
+# whole batch (units fill up to flat's micro-batch), so float32 rounds differently; AdamW turns a rounding-level
+# difference in a near-zero gradient into an update difference of up to lr (measured 6e-5 after two steps).
+LOW_PRECISION = {"float32": 2e-4, "bfloat16": 2e-2}
 PRECISION = {"float32": "trainer.precision=fp32", "bfloat16": "trainer.precision=bf16"}  # (pure bfloat16)
 PPO = ["algo.loss=ppo", "algo.kl_coef=0.0",  # with a critic: its values, GAE and its updates under data parallelism
        "trainer.save_every=1", "trainer.keep_checkpoints=0"]

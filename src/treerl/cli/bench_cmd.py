@@ -45,6 +45,7 @@ def bench(
                                 help=f"comma-separated, of: {', '.join(ENGINES)} (default: all but "
                                      f"{', '.join(OPT_IN_ENGINES)})"),
     memory: bool = typer.Option(True, help="also measure peak memory (one extra untimed run)"),
+    scaling: bool = typer.Option(True, help="also the peak-memory table as G samples of one prompt grow"),
     profile: bool = typer.Option(False, "--profile", help="where each engine's step time goes (torch.profiler) instead"),
     balance: bool = typer.Option(False, "--balance", help="data-parallel balancer vs first-fit and LPT instead"),
     balance_scale: float = typer.Option(1.0, help="--balance: tau2-like episode lengths x scale"),
@@ -53,7 +54,7 @@ def bench(
     override: list[str] = typer.Option([], "--set", help="--async: key=value override for both runs (repeatable)"),
     seeds: str = typer.Option("0", help="--async: comma-separated seeds, one sync and one async run each"),
     target: float | None = typer.Option(None, help="--async: reward to reach (default: 0.9 x sync's final reward)"),
-    threads: int = typer.Option(1, help="--async: torch threads of the trainer in both modes"),
+    threads: int | None = typer.Option(None, help="torch threads (default: torch's own; --async: 1, the trainer's in both modes)"),
     precision: bool = typer.Option(False, "--precision", help="one training step per precision, with LoRA and "
                                    "gradient checkpointing, flat vs dfs, on G samples of one prompt (--shape)"),
     variants: str = typer.Option(",".join(PRECISION_VARIANTS), help="--precision: comma-separated variants"),
@@ -66,10 +67,10 @@ def bench(
     """Measure what prefix sharing buys: time, memory and speedup over flat, against the FLOP ideal."""
     config = BenchConfig(
         shape=shape, vocab_size=vocab_size or None, device=device, dtype=dtype, scale=scale, repeats=repeats,
-        memory=memory, workloads=workloads.split(","), engines=engines.split(","),
+        memory=memory, workloads=workloads.split(","), engines=engines.split(","), threads=threads,
     )
     if compare_async:
-        run_async_compare(train_config, override, [int(s) for s in seeds.split(",")], target, threads, out)
+        run_async_compare(train_config, override, [int(s) for s in seeds.split(",")], target, threads or 1, out)
     elif profile:
         run_profile(config, out)
     elif precision:
@@ -80,17 +81,17 @@ def bench(
     elif balance:
         run_balance(config, balance_scale, out)
     else:
-        run_engine_bench(config, out)
+        run_engine_bench(config, out, scaling)
 
 
-def run_engine_bench(config: BenchConfig, out: Path) -> None:
+def run_engine_bench(config: BenchConfig, out: Path, scaling: bool = True) -> None:
     """The default: engines side by side (and peak memory as G grows), printed and written to out/."""
     from treerl.bench.report import markdown, memory_markdown, write
 
     rows = run_bench(config)
-    memory_rows = memory_scaling(config) if config.memory else []
+    print(markdown(rows), flush=True)  # the engines' table first: the scaling table takes a while
+    memory_rows = memory_scaling(config) if config.memory and scaling else []
     paths = write(rows, memory_rows, describe(config), out)
-    print(markdown(rows))
     if memory_rows:
         print("\nPeak memory (MiB) of one step, G samples of one prompt:\n")
         print(memory_markdown(memory_rows))

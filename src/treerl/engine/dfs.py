@@ -13,11 +13,13 @@ unit's backward reads its slots' gradients plus, through the K/V gradient store,
 descendants sent to its K/V, and passes its ancestors' share on. Parameter gradients accumulate
 in `.grad`. The result equals training each sequence on its own.
 
-Memory: the plan keeps what is held at once (the running unit's graph and the graphs kept on the
-path) within a budget of graph tokens: by default 1.5x the largest node (so within 1.5x of the
-one-path walk's peak, on any machine), or an explicit number of tokens or bytes, or a share of the
-device's free memory. A unit whose descendants do not fit beside its graph runs without a graph
-going down and again with one going up.
+Memory (treerl.engine.memory): the plan keeps what is held at once (the running unit's graph and the
+graphs kept on the path) within a budget of graph tokens. The default contract, `memory="micro-batch"`:
+never more than FlatEngine's packed micro-batch of `max_tokens` tokens (the one knob flat training
+sets), or 1.5x the one-path walk when one path alone needs more; `memory="one-path"`: 1.5x the
+one-path walk (one node's graph at a time); or an explicit byte budget. Bytes are measured from the
+model. A unit whose descendants do not fit beside its graph runs without a graph going down and again
+with one going up.
 
 No host synchronisation in the walk: every index (token ids, positions, output rows, slots) is
 built on the host before it starts and copied to the device once; losses and metrics stay on the
@@ -30,7 +32,6 @@ This module is the engine and the traversal; `unit_inputs` builds what each unit
 from __future__ import annotations
 
 import inspect
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from transformers import PreTrainedModel
 from treerl.attention import PathKV, TreeCall, engine_attention
 from treerl.engine.base import Head, LossFn, OutputSlots, StepStats, check_batch, final_hidden, output_dtype, run_length
 from treerl.engine.head import PolicyHead
+from treerl.engine.memory import MemoryMode, check_memory_settings, graph_budget_tokens, micro_batch_tokens
 from treerl.engine.recurrent import (
     PathIndexKeys,
     PathStates,
@@ -52,27 +54,24 @@ from treerl.engine.recurrent import (
 from treerl.engine.support import attention_layers, check_all_layers_routed, decoder_module
 from treerl.engine.unit_inputs import UnitInputs, build_unit_inputs
 from treerl.engine.walk_outputs import WalkOutputs
-from treerl.models import model_geometry
 from treerl.tree import ROOT, PrefixTree, TokenSequence
 from treerl.tree.plan import PlanCost, Unit, WalkPlan, check_recompute
 
-ONE_PATH_SLACK = 1.5
-"""The default budget: this many times the largest node's rows. The one-path walk (one node per call, every
-graph recomputed) holds one node's graph at a time, so the default peak stays within this factor of its peak
-whatever the tree and the machine; more memory is an explicit budget (`memory_budget_tokens` / `_bytes`)."""
-
-
 @dataclass
 class DfsEngine:
-    """Depth-first dynamic tree attention with exact per-sequence gradients."""
+    """Depth-first dynamic tree attention with exact per-sequence gradients.
+
+    Memory contract (default `memory="micro-batch"`): never more autograd graph than FlatEngine's packed
+    micro-batch of `max_tokens` tokens, or 1.5x the one-path walk when one path alone needs more."""
 
     head: Head = field(default_factory=PolicyHead)
     chunk_tokens: int = 2048  # longest run of one node computed at once; longer nodes become chains
     batch_tokens: int = 8192  # most tokens in one model call (nodes packed without padding); 0: one node per call
     recompute: Literal["auto", "always", "never"] = "auto"  # open units: cost model within the budget | always | never
-    memory_budget_tokens: int | None = None  # tokens of autograd graph held at once; None: see ONE_PATH_SLACK
-    memory_budget_bytes: int | None = None  # instead: bytes of autograd graph held at once (graph_bytes_per_token)
-    memory_budget_fraction: float | None = None  # instead: this share of the device's free memory at each step
+    memory: MemoryMode = "micro-batch"  # at most flat's micro-batch of max_tokens | "one-path": 1.5x the one-path walk
+    max_tokens: int = 8192  # the flat micro-batch (FlatEngine.max_tokens) the default contract is measured against
+    memory_budget_bytes: int | None = None  # instead: bytes held at once (graph and the path's K/V), from the model
+    memory_budget_tokens: int | None = None  # instead: tokens of autograd graph held at once (tests, experiments)
     plan_cost: PlanCost | None = None  # None: PlanCost.for_device
 
     def forward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> list[dict[str, torch.Tensor]]:
@@ -103,16 +102,7 @@ class DfsEngine:
         check_recompute(self.recompute)
         if self.batch_tokens < 0:
             raise ValueError(f"batch_tokens must be >= 0, got {self.batch_tokens}")
-        budgets = {"memory_budget_tokens": self.memory_budget_tokens, "memory_budget_bytes": self.memory_budget_bytes,
-                   "memory_budget_fraction": self.memory_budget_fraction}
-        given = [name for name, value in budgets.items() if value is not None]
-        if len(given) > 1:
-            raise ValueError(f"set one memory budget, not {' and '.join(given)}")
-        for name in ("memory_budget_tokens", "memory_budget_bytes"):
-            if budgets[name] is not None and budgets[name] <= 0:
-                raise ValueError(f"{name} must be > 0, got {budgets[name]}")
-        if self.memory_budget_fraction is not None and not 0 < self.memory_budget_fraction <= 1:
-            raise ValueError(f"memory_budget_fraction must be in (0, 1], got {self.memory_budget_fraction}")
+        check_memory_settings(self.memory, self.max_tokens, self.memory_budget_tokens, self.memory_budget_bytes)
         return PrefixTree.build(sequences).chunked(self.chunk_tokens)
 
     def plan(self, model: PreTrainedModel, tree: PrefixTree) -> WalkPlan:
@@ -125,39 +115,15 @@ class DfsEngine:
 
     def graph_budget_tokens(self, model: PreTrainedModel, tree: PrefixTree) -> int:
         """Tokens of autograd graph the walk may hold at once (`tree` is chunked: no node over `chunk_tokens`)."""
-        if self.memory_budget_tokens is not None:
-            return self.memory_budget_tokens
-        if self.memory_budget_bytes is not None:
-            return self.memory_budget_bytes // graph_bytes_per_token(model)
-        if self.memory_budget_fraction is not None:
-            return int(free_memory(_device(model)) * self.memory_budget_fraction) // graph_bytes_per_token(model)
         largest = max(run_length(node, self.head.shifted) for node in tree.nodes[1:])
-        return int(ONE_PATH_SLACK * largest)
+        shift = 1 if self.head.shifted else 0
+        micro_batch = micro_batch_tokens([len(s) - shift for s in tree.sequences], self.max_tokens)
+        return graph_budget_tokens(model, largest, max(len(s) for s in tree.sequences), self.memory, micro_batch,
+                                   self.memory_budget_tokens, self.memory_budget_bytes)
 
 
 def _device(model: PreTrainedModel) -> torch.device:
     return model.get_input_embeddings().weight.device
-
-
-def free_memory(device: torch.device) -> int:
-    """Bytes this process could still allocate on `device`: on CUDA the device's free memory plus what
-    PyTorch's caching allocator holds reserved but unused; on CPU the available RAM."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError):
-        return 4 << 30
-
-
-def graph_bytes_per_token(model: PreTrainedModel) -> int:
-    """Rough size of what autograd saves per token for one pass through the model (for byte budgets)."""
-    g = model_geometry(model.config)
-    per_layer = 3 * g.hidden + 5 * g.heads * g.head_dim + 4 * g.kv_heads * g.head_dim + 4 * g.ffn
-    elem = next(model.parameters()).element_size()
-    layers = g.layers or len(attention_layers(model)) or 1
-    return (layers * per_layer + 2 * g.hidden) * elem
 
 
 class _Walk:

@@ -39,6 +39,7 @@ from treerl.engine.base import (
     to_device,
 )
 from treerl.engine.head import PolicyHead
+from treerl.engine.memory import flat_micro_batches
 from treerl.engine.support import check_all_layers_routed
 from treerl.tree import TokenSequence
 
@@ -102,17 +103,7 @@ class FlatEngine:
         if not packed:
             return [[i] for i in range(len(sequences))]
         shift = 1 if self.head.shifted else 0
-        batches: list[list[int]] = []
-        size = 0
-        for i, seq in enumerate(sequences):
-            n = len(seq) - shift
-            if batches and size + n <= self.max_tokens:
-                batches[-1].append(i)
-                size += n
-            else:
-                batches.append([i])
-                size = n
-        return batches
+        return flat_micro_batches([len(seq) - shift for seq in sequences], self.max_tokens)
 
     def _run(self, model: PreTrainedModel, batch: list[TokenSequence], packed: bool) -> list[dict[str, torch.Tensor]]:
         """One call on `batch`; per-sequence outputs aligned with tokens (differentiable if grad is on)."""

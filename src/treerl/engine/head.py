@@ -98,7 +98,8 @@ def verify_logit_transform(model: PreTrainedModel, transform: LogitTransform) ->
     logits = output.logits if hasattr(output, "logits") else output[0]
     hidden = seen.get("hidden")
     readable = hidden is not None and hidden.shape[-1] == lm_head.in_features  # else the head reads something else
-    ours = transform.apply(lm_head(hidden).to(logits.dtype)) if readable else None
+    # a head kept in float32 (HY-V4's, `_keep_in_fp32_modules_strict`) reads the hidden state in its own dtype
+    ours = transform.apply(lm_head(hidden.to(lm_head.weight.dtype)).to(logits.dtype)) if readable else None
     tolerance = {16: 1e-2, 32: 1e-5}.get(torch.finfo(logits.dtype).bits, 1e-10)
     error = _relative(ours, logits) if ours is not None else float("inf")
     if not error <= tolerance:

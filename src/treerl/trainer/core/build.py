@@ -37,8 +37,8 @@ def build_train_engine(config: EngineConfig, temperature: float = 1.0, head: Pol
     engine: Engine
     if config.name == "dfs":
         engine = DfsEngine(head=head, chunk_tokens=config.chunk_tokens, batch_tokens=config.batch_tokens,
-                           recompute=config.recompute, memory_budget_tokens=config.memory_budget_tokens,  # type: ignore[arg-type]
-                           memory_budget_bytes=config.memory_budget_bytes)
+                           recompute=config.recompute, memory=config.memory, max_tokens=config.max_tokens,  # type: ignore[arg-type]
+                           memory_budget_tokens=config.memory_budget_tokens, memory_budget_bytes=config.memory_budget_bytes)
     elif config.name == "packed":
         engine = PackedEngine(head=head, max_tokens=config.max_tokens)
     else:

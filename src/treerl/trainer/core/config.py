@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from treerl.algo import AlgoConfig
+from treerl.engine.memory import check_memory_settings
 from treerl.errors import UserError
 from treerl.models import DTYPES, SHAPES
 from treerl.rollout import RolloutConfig
@@ -87,9 +88,10 @@ class EngineConfig:
     chunk_tokens: int = 2048  # dfs: longest run of one node computed at once
     batch_tokens: int = 8192  # dfs: most tokens in one model call (tree nodes packed without padding); 0: one node per call
     recompute: str = "auto"  # dfs: auto (a cost model keeps or recomputes each graph within the budget) | always | never
-    memory_budget_tokens: int | None = None  # dfs: tokens of autograd graph held at once; null: 1.5x the largest node
-    memory_budget_bytes: int | None = None  # dfs: the same budget in bytes (set at most one of the two)
-    max_tokens: int = 8192  # flat: tokens per packed row (no padding); packed: unique tokens per pack
+    memory: str = "micro-batch"  # dfs: micro-batch (never more graph than flat's micro-batch of max_tokens tokens, or 1.5x the one-path walk when one path needs more) | one-path (1.5x the one-path walk)
+    memory_budget_bytes: int | None = None  # dfs: instead, bytes held at once (autograd graph and the path's K/V, measured from the model)
+    memory_budget_tokens: int | None = None  # dfs: instead, tokens of autograd graph held at once (set at most one of the two)
+    max_tokens: int = 8192  # flat: tokens per packed row (no padding); packed: unique tokens per pack; dfs: the micro-batch its memory contract is measured against
     head_chunk_rows: int = 1024  # rows of the LM head computed at once (no [tokens, vocab] logits tensor)
 
 
@@ -277,9 +279,7 @@ def check_ranges(config: Config) -> None:
     optional = {"trainer.micro_batch_tokens": t.micro_batch_tokens, "trainer.max_grad_norm": t.max_grad_norm,
                 "critic.lr": config.critic.lr, "trainer.threads": t.threads,
                 "rollout.reward_timeout": config.rollout.reward_timeout,
-                "trainer.worker_prompts": t.worker_prompts,
-                "engine.memory_budget_bytes": config.engine.memory_budget_bytes,
-                "engine.memory_budget_tokens": config.engine.memory_budget_tokens}
+                "trainer.worker_prompts": t.worker_prompts}
     positive.update({k: v for k, v in optional.items() if v is not None})
     for key, value in positive.items():
         if not value > 0:
@@ -302,8 +302,11 @@ def check_ranges(config: Config) -> None:
         raise ConfigError(f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise ConfigError(f"trainer.betas={t.betas} must be two numbers in [0, 1)")
-    if config.engine.memory_budget_tokens is not None and config.engine.memory_budget_bytes is not None:
-        raise ConfigError("engine.memory_budget_tokens and engine.memory_budget_bytes are the same budget: set one")
+    e = config.engine
+    try:
+        check_memory_settings(e.memory, e.max_tokens, e.memory_budget_tokens, e.memory_budget_bytes, prefix="engine.")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def get(config: Any, key: str) -> Any:

@@ -1,0 +1,152 @@
+"""DfsEngine's memory contract: how many tokens of autograd graph a walk may hold at once.
+
+Step 5 (docs/architecture.md): the budget the plan of each DFS walk keeps to.
+
+The contract users already know from flat training: `memory="micro-batch"` (the default) holds at most
+as much as FlatEngine's packed micro-batch of `max_tokens` tokens (the knob flat training sets; one value
+for both engines): the largest micro-batch flat forms on the same sequences, or 1.5x the one-path walk when one path alone needs more (a node longer than the
+micro-batch). `memory="one-path"`: 1.5x the one-path walk (one node's graph at a time, the published
+design's peak), for runs at the edge of memory. An explicit `memory_budget_bytes` replaces either;
+`memory_budget_tokens` counts graph tokens directly (tests, experiments).
+
+Bytes come from the model, not from a token estimate: a probe forward records what autograd saves per
+token (`graph_bytes_per_token`), and the path's K/V store with its gradients (`path_bytes_per_token`) is
+taken out of the budget before it is turned into graph tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Literal
+
+import torch
+from transformers import PreTrainedModel
+
+from treerl.engine.base import final_hidden
+from treerl.engine.recurrent import find_mixers
+from treerl.engine.support import attention_layers
+from treerl.models import model_geometry
+
+MemoryMode = Literal["micro-batch", "one-path"]
+MEMORY_MODES = ("micro-batch", "one-path")
+
+ONE_PATH_SLACK = 1.5
+"""The one-path floor: this many times the largest node's rows. The one-path walk (one node per call, every
+graph recomputed) holds one node's graph at a time, so a budget of this factor stays within 1.5x its peak."""
+
+PROBE_TOKENS = 64
+_probed: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, int]] = weakref.WeakKeyDictionary()
+
+
+def check_memory_settings(memory: str, max_tokens: int, budget_tokens: int | None, budget_bytes: int | None,
+                          prefix: str = "") -> None:
+    """Refuse a memory setting the engine cannot honour, naming it (`prefix`: "engine." in a config)."""
+    if memory not in MEMORY_MODES:
+        raise ValueError(f"{prefix}memory must be 'micro-batch' or 'one-path', got {memory!r}")
+    if not max_tokens > 0:
+        raise ValueError(f"{prefix}max_tokens must be > 0, got {max_tokens}")
+    if budget_tokens is not None and budget_bytes is not None:
+        raise ValueError(f"set one memory budget, not {prefix}memory_budget_tokens and {prefix}memory_budget_bytes")
+    for name, value in (("memory_budget_tokens", budget_tokens), ("memory_budget_bytes", budget_bytes)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{prefix}{name} must be > 0, got {value}")
+
+
+def flat_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """FlatEngine's packed micro-batches: sequences in order, a row growing while it stays within `max_tokens`
+    tokens (a longer sequence gets a row of its own). `lengths`: each sequence's rows."""
+    batches: list[list[int]] = []
+    size = 0
+    for i, n in enumerate(lengths):
+        if batches and size + n <= max_tokens:
+            batches[-1].append(i)
+            size += n
+        else:
+            batches.append([i])
+            size = n
+    return batches
+
+
+def micro_batch_tokens(lengths: list[int], max_tokens: int) -> int:
+    """Rows of the largest micro-batch FlatEngine forms on these sequences: what the default contract allows."""
+    return max((sum(lengths[i] for i in batch) for batch in flat_micro_batches(lengths, max_tokens)), default=0)
+
+
+def graph_budget_tokens(model: PreTrainedModel, largest_node: int, longest_path: int, memory: str,
+                        micro_batch: int, budget_tokens: int | None = None, budget_bytes: int | None = None) -> int:
+    """Graph tokens a walk may hold at once: the contract of `memory` (or an explicit budget) for this model.
+
+    `largest_node`: rows of the tree's largest node (the one-path walk holds one node's graph);
+    `longest_path`: tokens of its longest sequence (what the path's K/V store may hold);
+    `micro_batch`: rows of flat's largest micro-batch on the same sequences (`micro_batch_tokens`)."""
+    one_path = int(ONE_PATH_SLACK * largest_node)
+    if budget_tokens is not None:
+        return budget_tokens
+    if budget_bytes is None and memory == "one-path":
+        return one_path
+    per_token = graph_bytes_per_token(model)
+    budget = budget_bytes if budget_bytes is not None else micro_batch * per_token  # what flat holds
+    tokens = (budget - longest_path * path_bytes_per_token(model)) // per_token
+    return int(tokens) if budget_bytes is not None else max(int(tokens), one_path)
+
+
+def graph_bytes_per_token(model: PreTrainedModel) -> int:
+    """Bytes autograd saves per token in one forward of `model` as configured now (dtype, autocast,
+    checkpointing, adapters), measured once by a probe forward and cached per model and autocast state."""
+    device = model.get_input_embeddings().weight.device
+    autocast = torch.is_autocast_enabled(device.type)
+    key = (autocast, torch.get_autocast_dtype(device.type) if autocast else None, _trainable(model))
+    cache = _probed.setdefault(model, {})
+    if key not in cache:
+        cache[key] = _probe(model, device) or _estimate(model)
+    return cache[key]
+
+
+def path_bytes_per_token(model: PreTrainedModel) -> int:
+    """Bytes one path token costs in the K/V store: keys and values of every attention layer, and their gradients."""
+    g = model_geometry(model.config)
+    layers = len(attention_layers(model, find_mixers(model).mixer_classes)) or g.layers or 1
+    return 2 * 2 * layers * g.kv_heads * g.head_dim * _compute_dtype(model).itemsize
+
+
+def _probe(model: PreTrainedModel, device: torch.device) -> int:
+    """Bytes per token of the tensors autograd saves in a forward of PROBE_TOKENS tokens (weights excluded)."""
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._base is not None else tensor
+        if not (base.requires_grad and base.is_leaf):  # a weight (also FSDP2's gathered copy) is no activation
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.arange(PROBE_TOKENS, device=device)[None] % vocab
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            hidden = final_hidden(model, input_ids=ids)
+    except Exception:  # noqa: BLE001 - a model whose forward needs more than ids: the geometric estimate instead
+        return 0
+    if not hidden.requires_grad:  # nothing trainable: no graph, so no bytes to measure
+        return 0
+    return math.ceil((sum(saved.values()) + hidden.nbytes) / PROBE_TOKENS)
+
+
+def _estimate(model: PreTrainedModel) -> int:
+    """A geometric estimate of the probe's figure, for a model with nothing trainable or that the probe cannot run."""
+    g = model_geometry(model.config)
+    per_layer = 3 * g.hidden + 5 * g.heads * g.head_dim + 4 * g.kv_heads * g.head_dim + 4 * g.ffn
+    return ((g.layers or 1) * per_layer + 2 * g.hidden) * _compute_dtype(model).itemsize
+
+
+def _compute_dtype(model: PreTrainedModel) -> torch.dtype:
+    """The dtype activations have: autocast's where it is on, else the parameters'."""
+    device = model.get_input_embeddings().weight.device
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return next(model.parameters()).dtype
+
+
+def _trainable(model: PreTrainedModel) -> int:
+    """How many parameter tensors are trainable (adapters added, a base frozen: another probe)."""
+    return sum(p.requires_grad for p in model.parameters())
