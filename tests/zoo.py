@@ -55,7 +55,7 @@ _SMALL: dict[str, int] = {
     **dict.fromkeys(["num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts"],
                     EXPERTS_PER_TOKEN),
     **dict.fromkeys(["n_shared_experts", "num_shared_experts", "moe_num_shared_experts"], 1),
-    **dict.fromkeys(["vocab_size", "decoder_vocab_size", "vocab_size_per_layer_input"], VOCAB),
+    **dict.fromkeys(["vocab_size", "decoder_vocab_size", "vocab_size_per_layer_input", "unpadded_vocab_size"], VOCAB),
     **dict.fromkeys(_WINDOW_KEYS, WINDOW),
     "attention_chunk_size": WINDOW,  # Llama-4's chunked attention: blocks of 8
     "local_attention": 2 * WINDOW,  # ModernBERT's spans both sides: its decoder's window is half of it

@@ -95,6 +95,26 @@ def test_measured_peak_within_the_contract(workload):
     assert strict <= ONE_PATH_SLACK * one_path, f"{workload}: one-path mode held {strict / one_path:.2f}x the walk"
 
 
+@pytest.mark.slow  # ~10 s on 2 cores
+@pytest.mark.parametrize("workload", ["grpo", "agent"])
+def test_a_hybrids_peak_within_flats_one_sequence_micro_batch(workload):
+    """Flat cannot pack a hybrid's sequences (a recurrent state would run from one into the next): its micro-batch is
+    one sequence, so the default DfsEngine holds no more than that or 1.5x the one-path walk (the larger: one
+    sequence is one path), whatever max_tokens says."""
+    model = build_model(shape="tiny-qwen3.5", vocab_size=512, dtype=torch.float32, seed=0)
+    batch = _trees(0)[workload]
+
+    def peak(engine):
+        out = peak_memory(lambda: engine.forward_backward(model, batch, _loss))
+        model.zero_grad(set_to_none=True)
+        return out
+
+    flat = peak(FlatEngine(layout="sequences"))
+    contract = max(flat, ONE_PATH_SLACK * peak(DfsEngine(batch_tokens=0, recompute="always")))
+    dfs = peak(DfsEngine(max_tokens=8192))
+    assert dfs <= contract, f"{workload}: DfsEngine held {dfs / 2**20:.2f} MiB, the contract {contract / 2**20:.2f} MiB"
+
+
 def test_the_probe_counts_what_autograd_saves_per_token():
     """The probe's bytes per token follow what the model saves: the same for a second model of the shape, more
     for a wider and deeper one, about half in bfloat16; a frozen model gets the geometric estimate (still > 0)."""

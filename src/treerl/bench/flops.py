@@ -2,36 +2,42 @@
 
 Beside the steps (docs/architecture.md): the FLOP ideal step 5 is measured against.
 
-Forward FLOPs of one token = 2 x (weights it multiplies: attention projections, MLP, LM head)
-+ 4 x heads x head_dim x (keys it attends to) per layer. Backward costs a fixed multiple of
-forward for both, so the ratio flat/tree is the FLOP-ideal speedup of prefix sharing.
+Forward FLOPs of one token = 2 x (weights it multiplies: every linear layer of the body and the LM head,
+counted on a meta-device build of the config, so recurrent mixers' projections count too)
++ 4 x heads x head_dim x (keys it attends to) per softmax-attention layer (a hybrid's recurrent layers
+attend to no keys: their cost per token is their projections'). Backward costs a fixed multiple of
+forward for both, so the ratio flat/tree is the FLOP-ideal speedup of prefix sharing. Mixture-of-experts
+models count every expert's weights: an over-estimate of the per-token share.
 """
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from treerl.engine.recurrent import find_mixers
+from treerl.engine.support import attention_layers
 from treerl.models import model_geometry
 from treerl.tree import PrefixTree
 
 
-def linear_flops_per_token(config: PretrainedConfig) -> int:
-    """2 x multiply-adds of every weight matrix a token passes through (layers and LM head)."""
+def flop_rates(config: PretrainedConfig) -> tuple[int, int]:
+    """(2 x multiply-adds of every weight matrix a token passes through, q.k and p.v FLOPs of one query-key pair
+    summed over the softmax-attention layers), read off a meta-device model of `config`."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head = model.get_output_embeddings()
+    if head is not None and not isinstance(head, torch.nn.Linear):
+        linear += head.weight.numel()
     g = model_geometry(config)
-    attention = g.hidden * g.heads * g.head_dim * 2 + g.hidden * g.kv_heads * g.head_dim * 2  # q, o and k, v
-    mlp = 3 * g.hidden * g.ffn
-    return 2 * (g.layers * (attention + mlp) + g.hidden * g.vocab)
-
-
-def attention_flops_per_key(config: PretrainedConfig) -> int:
-    """q.k and p.v for one query-key pair, all layers and heads."""
-    g = model_geometry(config)
-    return 4 * g.heads * g.head_dim * g.layers
+    layers = len(attention_layers(model, find_mixers(model).mixer_classes))
+    return 2 * linear, 4 * g.heads * g.head_dim * layers
 
 
 def tree_flops(tree: PrefixTree, config: PretrainedConfig) -> tuple[int, int]:
     """(flat, tree) forward FLOPs: every sequence on its own vs every unique token once."""
-    per_token, per_key = linear_flops_per_token(config), attention_flops_per_key(config)
+    per_token, per_key = flop_rates(config)
 
     def causal(start: int, end: int) -> int:  # sum of (position + 1) over positions [start, end)
         return (end * (end + 1) - start * (start + 1)) // 2

@@ -26,14 +26,20 @@ def markdown(rows: list[dict]) -> str:
         "| contract MiB |",
         "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
+    notes = []
     for r in rows:
+        if r.get("refused"):
+            lines.append(f"| {r['workload']} | {r['flat_tokens']:,} | {r['unique_tokens']:,} | {r['compression']:.2f} | "
+                         f"{r['ideal']:.2f}x | {r['engine']} | refused | - | - | - | - | - |")
+            notes.append(f"- {r['engine']} refused: {r['refused']}")
+            continue
         contract = _mib(r.get("contract_bytes")) + (" **over**" if r.get("over_contract") else "")
         lines.append(
             f"| {r['workload']} | {r['flat_tokens']:,} | {r['unique_tokens']:,} | {r['compression']:.2f} | "
             f"{r['ideal']:.2f}x | {r['engine']} | {r['seconds']:.3f} | {_times(r['speedup'])} | "
             f"{_share(r['of_ideal'])} | {_times(r.get('vs_dta'))} | {_mib(r['peak_bytes'])} | {contract} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + ([""] + list(dict.fromkeys(notes)) if notes else []))
 
 
 def _times(value: float | None) -> str:

@@ -117,7 +117,10 @@ class DfsEngine:
         """Tokens of autograd graph the walk may hold at once (`tree` is chunked: no node over `chunk_tokens`)."""
         largest = max(run_length(node, self.head.shifted) for node in tree.nodes[1:])
         shift = 1 if self.head.shifted else 0
-        micro_batch = micro_batch_tokens([len(s) - shift for s in tree.sequences], self.max_tokens)
+        lengths = [len(s) - shift for s in tree.sequences]
+        # flat cannot pack a model whose layers carry a state (one sequence would run into the next): its micro-batch
+        # is then one sequence, and so is the contract's
+        micro_batch = max(lengths) if find_mixers(model) else micro_batch_tokens(lengths, self.max_tokens)
         return graph_budget_tokens(model, largest, max(len(s) for s in tree.sequences), self.memory, micro_batch,
                                    self.memory_budget_tokens, self.memory_budget_bytes)
 

@@ -4,7 +4,8 @@ Step 5 (docs/architecture.md): the budget the plan of each DFS walk keeps to.
 
 The contract users already know from flat training: `memory="micro-batch"` (the default) holds at most
 as much as FlatEngine's packed micro-batch of `max_tokens` tokens (the knob flat training sets; one value
-for both engines): the largest micro-batch flat forms on the same sequences, or 1.5x the one-path walk when one path alone needs more (a node longer than the
+for both engines): the largest micro-batch flat forms on the same sequences (one sequence for a model whose
+layers carry a state, which flat cannot pack), or 1.5x the one-path walk when one path alone needs more (a node longer than the
 micro-batch). `memory="one-path"`: 1.5x the one-path walk (one node's graph at a time, the published
 design's peak), for runs at the edge of memory. An explicit `memory_budget_bytes` replaces either;
 `memory_budget_tokens` counts graph tokens directly (tests, experiments).
