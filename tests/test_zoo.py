@@ -6,7 +6,16 @@ import importlib.util
 
 import pytest
 import torch
-from zoo import CAUSAL_LM_TYPES, ZooSkip, arch_info, build_tiny, default_config, input_ids, tiny_config
+from zoo import (
+    CAUSAL_LM_TYPES,
+    OPTIONAL_PACKAGES,
+    ZooSkip,
+    arch_info,
+    build_tiny,
+    default_config,
+    input_ids,
+    tiny_config,
+)
 
 # Each skip with the reason build_tiny gives (a regex); a type that newly fails to build fails the test.
 EXPECTED_SKIPS = {
@@ -14,8 +23,10 @@ EXPECTED_SKIPS = {
     "gemma4_unified_assistant": "speculative-decoding drafter",
     "xglm": "overflows",  # in float64 only
 }
-if importlib.util.find_spec("timm") is None:
-    EXPECTED_SKIPS["gemma3n"] = "requires the timm library"
+# A type whose build needs an optional package (zoo.OPTIONAL_PACKAGES) skips only where the package is absent.
+EXPECTED_SKIPS.update({model_type: f"needs a package that is not installed: .*{package}"
+                       for model_type, package in OPTIONAL_PACKAGES.items()
+                       if importlib.util.find_spec(package) is None})
 
 MAX_PARAMETERS = 600_000  # < 5 MB in float64
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from treerl.bench.engines import ENGINES, BenchConfig, contract_bytes, make_workload, profile_engines, run_bench
 from treerl.bench.flops import flop_rates, tree_flops
-from treerl.bench.memory import peak_memory
+from treerl.bench.peak import peak_memory
 from treerl.bench.profile import bucket, profile_markdown
 from treerl.bench.report import markdown
-from treerl.bench.run import ENGINES, BenchConfig, contract_bytes, make_workload, profile_engines, run_bench
 from treerl.cli.main import app
 from treerl.engine import DfsEngine
 from treerl.models import model_config
@@ -137,7 +137,7 @@ def test_cli_writes_json_markdown_and_plot(tmp_path):
 
 
 def test_memory_scaling_dfs_holds_a_path_flat_holds_the_batch():
-    from treerl.bench.run import memory_scaling
+    from treerl.bench.engines import memory_scaling
 
     config = BenchConfig(shape="tiny-qwen3", vocab_size=128, scale=1 / 64)
     rows = memory_scaling(config, groups=(1, 16))

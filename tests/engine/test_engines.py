@@ -6,7 +6,7 @@ import pytest
 import torch
 from support import tiny_model
 
-from treerl.bench.memory import peak_memory
+from treerl.bench.peak import peak_memory
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
 from treerl.tree import BatchError, TokenSequence
 from treerl.bench.workloads import grpo_groups

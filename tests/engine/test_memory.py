@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treerl.bench.memory import peak_memory
+from treerl.bench.peak import peak_memory
 from treerl.bench.workloads import AgentShape, agent_trees, grpo_groups, random_trees
 from treerl.engine import DfsEngine, FlatEngine
 from treerl.engine.base import run_length

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from treerl.bench.run import BenchConfig, make_workload, timed_step
+from treerl.bench.engines import BenchConfig, make_workload, timed_step
 from treerl.bench.workloads import AgentShape, agent_trees, grpo_groups, random_trees
 from treerl.distributed import CostModel
 from treerl.distributed.assign import balance, evaluate, first_fit, lpt

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from treerl.bench.memory import peak_memory
-from treerl.bench.run import _loss
+from treerl.bench.engines import _loss
+from treerl.bench.peak import peak_memory
 from treerl.engine import AutocastEngine, DfsEngine, Engine, FlatEngine
 from treerl.models import add_lora, build_model
 from treerl.trainer.core.build import enable_gradient_checkpointing

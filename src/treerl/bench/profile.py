@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from treerl.bench.memory import _quiet_stderr
+from treerl.bench.peak import _quiet_stderr
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation")
 ATTENTION = ("attention", "flash", "sdpa", "scaled_dot_product")  # parts of the names of attention kernels

@@ -13,9 +13,18 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from treerl.bench.engines import (
+    DEFAULT_ENGINES,
+    ENGINES,
+    OPT_IN_ENGINES,
+    BenchConfig,
+    describe,
+    memory_scaling,
+    run_bench,
+    workload_names,
+)
 from treerl.bench.precision import VARIANTS as PRECISION_VARIANTS
 from treerl.bench.precision import PrecisionBenchConfig
-from treerl.bench.run import DEFAULT_ENGINES, ENGINES, OPT_IN_ENGINES, BenchConfig, describe, memory_scaling, run_bench, workload_names
 
 
 def run_precision_bench(config: PrecisionBenchConfig, out: Path) -> None:
@@ -110,8 +119,8 @@ def run_async_compare(train_config: str, override: list[str], seeds: list[int], 
 
 def run_profile(config: BenchConfig, out: Path) -> None:
     """`--profile`: where each engine's step time goes, printed and written to out/profile.{json,md}."""
+    from treerl.bench.engines import profile_engines
     from treerl.bench.profile import profile_markdown
-    from treerl.bench.run import profile_engines
 
     rows = profile_engines(config)
     out.mkdir(parents=True, exist_ok=True)

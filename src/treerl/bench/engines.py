@@ -20,7 +20,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from treerl.bench.flops import tree_flops
-from treerl.bench.memory import peak_memory
+from treerl.bench.peak import peak_memory
 from treerl.bench.profile import profile_step
 from treerl.attention import UnsupportedModel
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
