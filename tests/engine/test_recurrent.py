@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import float64_throughout, fresh_model
 from transformers import AutoModelForCausalLM
-from zoo import tiny_config
+from zoo import build_tiny, tiny_config
 from test_exactness import HAND, ORACLE, _with_data, random_batches, sequence_loss, token_loss
 
 from treerl.attention import UnsupportedModel
@@ -31,6 +31,8 @@ from treerl.tree.plan import PlanCost
 
 VOCAB = 64
 EXACT = 1e-9  # float64 throughout: measured <= 1e-11 (a near-zero dt_bias gradient), whole gradient ~1e-15
+FAMILY_TOL = 1e-8  # the zoo's builds keep some float32 norms and routers (a small router weight's own gradient
+# is off by ~1e-7 of its norm): outputs, loss and the whole gradient, measured <= 1.3e-9 (zamba2)
 KINDS = {"deltanet": "tiny-qwen3.5", "mamba2": "tiny-bamba", "short-conv": "tiny-lfm2"}
 PLANS = {
     "default": DfsEngine(),
@@ -92,6 +94,40 @@ def test_stock_hybrids_match_their_own_forward(kind):
     assert errors["gradient"] <= 1e-6 and errors["loss"] <= 1e-6
 
 
+# Every hybrid family transformers ships a CPU path for (tests/zoo.py's tiny builds), by the state it carries.
+FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "olmo_hybrid",  # Gated DeltaNet
+            "kimi_linear",  # KDA
+            "mamba2", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "zamba2",  # Mamba2
+            "lfm2",  # short convolutions
+            "minimax"]  # lightning attention
+FAMILY_PLANS = ["keep-graph", "recompute", "chunks-carry-state", "one-token-rows", "small-calls"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_every_hybrid_family_in_every_plan(model_type):
+    """Each family's own tiny build (not only the three shapes above): siblings batched on the parent's state, keep
+    and recompute, a chunk boundary carrying the state, the layers' one-token step, calls of a few rows."""
+    model = build_tiny(model_type, experts_implementation="eager")
+    seqs = _every_shape(6)
+    with float64_throughout():
+        for name in FAMILY_PLANS:
+            errors = compare_runs(run_engine(PLANS[name], model, seqs, token_loss),
+                                  run_engine(ORACLE, model, seqs, token_loss))
+            whole = {k: e for k, e in errors.items() if not k.startswith("grad.")}  # outputs, loss, whole gradient
+            worst = max(whole, key=whole.get)
+            assert whole[worst] <= FAMILY_TOL, (name, worst, whole[worst])
+
+
+def test_jamba_is_refused_for_its_zero_initialised_scan():
+    """Jamba's Mamba layers start every multi-token call from a zero SSM state (transformers' own cache path is off
+    by ~1e-4 for that reason): refused before compute, naming the scan."""
+    model = build_tiny("jamba")
+    with pytest.raises(UnsupportedModel, match="selective scan starts every multi-token call from a zero SSM state"):
+        DfsEngine().forward_backward(model, _every_shape(), token_loss)
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
@@ -115,10 +151,15 @@ def test_random_trees_and_plans(lists, kind, chunk, recompute, batch_tokens, bud
                              tol=EXACT)
 
 
-@pytest.mark.parametrize("kind", ["deltanet", "mamba2"])
+# bf16 error from float64, DfsEngine's over FlatEngine's (measured on these trees, every plan: log-probs, entropy and
+# the whole gradient 0.81-1.11x; the loss, one scalar sum whose rounding errors partly cancel, 0.75-1.49x).
+BF16_RATIO = {"logprobs": 1.25, "entropy": 1.25, "gradient": 1.25, "loss": 2.0}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_bfloat16_error_no_larger_than_the_flat_references(kind):
-    """bf16 autocast over float32 weights, as users train: DfsEngine's error from the float64 run is at most
-    1.5x FlatEngine's (plus a floor of a few bf16 ulps)."""
+    """bf16 autocast over float32 weights, as users train: DfsEngine's error from the float64 run is FlatEngine's,
+    within the scatter of rounding (BF16_RATIO), with a state handed on at every node and at chunk boundaries."""
     rng = random.Random(3)
     seqs = [_with_data(t, rng, str(i)) for i, t in enumerate(HAND["grpo group"] + HAND["fork below a chain"])]
     low = fresh_model(KINDS[kind], VOCAB, exact=False, dtype=torch.float32)
@@ -128,10 +169,10 @@ def test_bfloat16_error_no_larger_than_the_flat_references(kind):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         flat = compare_runs(run_engine(ORACLE, low, seqs, token_loss), reference)
         ours = compare_runs(run_engine(DfsEngine(chunk_tokens=4), low, seqs, token_loss), reference)
-    for part in ("logprobs", "entropy", "loss", "gradient"):
+    for part, ratio in BF16_RATIO.items():
         flat_worst = max(e for k, e in flat.items() if k.endswith(part))
         our_worst = max(e for k, e in ours.items() if k.endswith(part))
-        assert our_worst <= 1.5 * flat_worst + 2e-2, (part, our_worst, flat_worst)
+        assert our_worst <= ratio * flat_worst, (part, our_worst, flat_worst)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -220,7 +261,7 @@ def test_sparse_attention_chooses_each_querys_keys_among_its_ancestors(model_typ
                                              experts_implementation="eager").eval()
     seqs = _every_shape(5)
     with float64_throughout(), ties_to_the_earliest():
-        for name in ["default", "one-token-rows", "small-calls"]:
+        for name in ["default", "keep-graph", "recompute", "one-token-rows", "small-calls"]:
             errors = compare_runs(run_engine(PLANS[name], model, seqs, sequence_loss),
                                   run_engine(ORACLE, model, seqs, sequence_loss))
             outputs = max(e for k, e in errors.items() if k.startswith("seq"))

@@ -14,11 +14,12 @@ token_lists = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=14), min
 
 
 def _plan(lists: list[list[int]], chunk: int, capacity: int, unit_tokens: int, recompute: str,
-          cost: PlanCost | None = None, rows: bool = False) -> WalkPlan:
+          cost: PlanCost | None = None, rows: bool = False, row_tokens=None) -> WalkPlan:
     tree = PrefixTree.build([TokenSequence(torch.tensor(t)) for t in lists]).chunked(chunk)
     run = [n.length - (0 if n.children else 1) for n in tree.nodes]  # shifted: a leaf's last token predicts nothing
     run[ROOT] = 0
-    return WalkPlan(tree, run, capacity, unit_tokens, recompute, cost or PlanCost(), rows)  # type: ignore[arg-type]
+    return WalkPlan(tree, run, capacity, unit_tokens, recompute, cost or PlanCost(), rows,  # type: ignore[arg-type]
+                    row_tokens)
 
 
 def _ancestors(plan: WalkPlan, node: int) -> list[int]:
@@ -119,16 +120,19 @@ def test_unit_tokens_zero_is_one_node_per_call():
     capacity=st.integers(0, 60),
     unit_tokens=st.sampled_from([0, 1, 4, 16, 8192]),
     recompute=st.sampled_from(["auto", "always", "never"]),
+    layer_chunk=st.sampled_from([1, 4]),
 )
 def test_row_units_are_chains_from_the_parent_and_an_open_row_is_never_padded(lists, chunk, capacity, unit_tokens,
-                                                                              recompute):
+                                                                              recompute, layer_chunk):
     """Row units (a recurrent state): each row a chain hanging below the unit's parent, every row padded to the
-    longest, a row that hands its state to calls below unpadded; every node once, within the budget."""
-    plan = _plan(lists, chunk, capacity, unit_tokens, recompute, rows=True)
+    longest, a row that hands its state to calls below unpadded; every node once, within the budget, also when the
+    layers pad each row to a chunk (`layer_chunk`: half of a token's graph is in the padded part)."""
+    row_tokens = lambda w: -(-(w + -(-w // layer_chunk) * layer_chunk) // 2)  # noqa: E731
+    plan = _plan(lists, chunk, capacity, unit_tokens, recompute, rows=True, row_tokens=row_tokens)
     tree, run = plan.tree, plan.run
     seen: list[int] = []
     for unit in plan.all_units():
-        assert unit.rows is not None and unit.tokens == unit.width * len(unit.rows)
+        assert unit.rows is not None and unit.tokens == row_tokens(unit.width) * len(unit.rows)
         in_rows = {n for row in unit.rows for n in row}
         assert {n for n in unit.nodes if run[n]} == in_rows  # every node with rows is in a row; others have none
         for row in unit.rows:
@@ -138,7 +142,7 @@ def test_row_units_are_chains_from_the_parent_and_an_open_row_is_never_padded(li
             if row[-1] in unit.open:
                 assert sum(run[n] for n in row) == unit.width  # no padding after the state it hands on
         if len(unit.rows) > 1:
-            assert unit.tokens <= max(min(plan.capacity, unit_tokens), max(run[n] for n in unit.nodes))
+            assert unit.tokens <= max(min(plan.capacity, unit_tokens), max(row_tokens(run[n]) for n in unit.nodes))
         seen += unit.nodes
     assert sorted(seen) == list(range(1, len(tree.nodes)))
     if recompute != "never":

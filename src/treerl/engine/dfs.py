@@ -43,7 +43,7 @@ from transformers import PreTrainedModel
 from treerl.attention import PathKV, TreeCall, engine_attention
 from treerl.engine.base import Head, LossFn, OutputSlots, StepStats, check_batch, final_hidden, output_dtype, run_length
 from treerl.engine.head import PolicyHead
-from treerl.engine.memory import MemoryMode, check_memory_settings, graph_budget_tokens, micro_batch_tokens
+from treerl.engine.memory import MemoryMode, check_memory_settings, graph_budget_tokens, graph_bytes, micro_batch_tokens
 from treerl.engine.recurrent import (
     PathIndexKeys,
     PathStates,
@@ -111,16 +111,21 @@ class DfsEngine:
         run[ROOT] = 0
         cost = self.plan_cost or PlanCost.for_device(_device(model).type)
         rows = bool(find_mixers(model))  # a recurrent state: calls of rows that each start from the parent's state
-        return WalkPlan(tree, run, self.graph_budget_tokens(model, tree), self.batch_tokens, self.recompute, cost, rows)
+        return WalkPlan(tree, run, self.graph_budget_tokens(model, tree), self.batch_tokens, self.recompute, cost, rows,
+                        graph_bytes(model).row_tokens)
 
     def graph_budget_tokens(self, model: PreTrainedModel, tree: PrefixTree) -> int:
         """Tokens of autograd graph the walk may hold at once (`tree` is chunked: no node over `chunk_tokens`)."""
         largest = max(run_length(node, self.head.shifted) for node in tree.nodes[1:])
         shift = 1 if self.head.shifted else 0
         lengths = [len(s) - shift for s in tree.sequences]
-        # flat cannot pack a model whose layers carry a state (one sequence would run into the next): its micro-batch
-        # is then one sequence, and so is the contract's
-        micro_batch = max(lengths) if find_mixers(model) else micro_batch_tokens(lengths, self.max_tokens)
+        if find_mixers(model):
+            # flat cannot pack a model whose layers carry a state (one sequence would run into the next): its
+            # micro-batch is then one sequence, and so is the contract's; a row holds its chunk padding too
+            row_tokens = graph_bytes(model).row_tokens
+            largest, micro_batch = row_tokens(largest), row_tokens(max(lengths))
+        else:
+            micro_batch = micro_batch_tokens(lengths, self.max_tokens)
         return graph_budget_tokens(model, largest, max(len(s) for s in tree.sequences), self.memory, micro_batch,
                                    self.memory_budget_tokens, self.memory_budget_bytes)
 

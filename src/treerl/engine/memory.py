@@ -11,14 +11,18 @@ design's peak), for runs at the edge of memory. An explicit `memory_budget_bytes
 `memory_budget_tokens` counts graph tokens directly (tests, experiments).
 
 Bytes come from the model, not from a token estimate: a probe forward records what autograd saves per
-token (`graph_bytes_per_token`), and the path's K/V store with its gradients (`path_bytes_per_token`) is
-taken out of the budget before it is turned into graph tokens.
+token (`graph_bytes`), and the path's K/V store with its gradients (`path_bytes_per_token`) is taken out of
+the budget before it is turned into graph tokens. A hybrid's chunked mixers (the delta rule, the Mamba2 scan)
+pad every row of a call to a multiple of their chunk on their torch path, so a row of a few tokens saves
+nearly a whole chunk: a second probe of one token measures that share, and a row's graph tokens count it
+(`GraphBytes.row_tokens`).
 """
 
 from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -37,7 +41,29 @@ ONE_PATH_SLACK = 1.5
 graph recomputed) holds one node's graph at a time, so a budget of this factor stays within 1.5x its peak."""
 
 PROBE_TOKENS = 64
-_probed: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, int]] = weakref.WeakKeyDictionary()
+_probed: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, GraphBytes]] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class GraphBytes:
+    """What autograd saves for one row of a call: `token` bytes for each of its tokens, and `padded` bytes for
+    each token of the row rounded up to a multiple of `chunk` (a chunked recurrent mixer pads every row)."""
+
+    token: int
+    padded: int = 0
+    chunk: int = 1
+
+    @property
+    def per_token(self) -> int:
+        """Bytes of one graph token: a token of a row that needs no padding."""
+        return self.token + self.padded
+
+    def row_tokens(self, width: int) -> int:
+        """Graph tokens (of `per_token` bytes) that one row of `width` tokens holds, its padding included."""
+        if not self.padded:
+            return width
+        padded_width = -(-width // self.chunk) * self.chunk
+        return -(-(self.token * width + self.padded * padded_width) // self.per_token)
 
 
 def check_memory_settings(memory: str, max_tokens: int, budget_tokens: int | None, budget_bytes: int | None,
@@ -78,29 +104,47 @@ def graph_budget_tokens(model: PreTrainedModel, largest_node: int, longest_path:
                         micro_batch: int, budget_tokens: int | None = None, budget_bytes: int | None = None) -> int:
     """Graph tokens a walk may hold at once: the contract of `memory` (or an explicit budget) for this model.
 
-    `largest_node`: rows of the tree's largest node (the one-path walk holds one node's graph);
+    `largest_node`: graph tokens of the tree's largest node (the one-path walk holds one node's graph);
     `longest_path`: tokens of its longest sequence (what the path's K/V store may hold);
-    `micro_batch`: rows of flat's largest micro-batch on the same sequences (`micro_batch_tokens`)."""
+    `micro_batch`: graph tokens of flat's largest micro-batch on the same sequences (`micro_batch_tokens`)."""
     one_path = int(ONE_PATH_SLACK * largest_node)
     if budget_tokens is not None:
         return budget_tokens
     if budget_bytes is None and memory == "one-path":
         return one_path
-    per_token = graph_bytes_per_token(model)
+    per_token = graph_bytes(model).per_token
     budget = budget_bytes if budget_bytes is not None else micro_batch * per_token  # what flat holds
     tokens = (budget - longest_path * path_bytes_per_token(model)) // per_token
     return int(tokens) if budget_bytes is not None else max(int(tokens), one_path)
 
 
 def graph_bytes_per_token(model: PreTrainedModel) -> int:
-    """Bytes autograd saves per token in one forward of `model` as configured now (dtype, autocast,
-    checkpointing, adapters), measured once by a probe forward and cached per model and autocast state."""
+    """Bytes autograd saves per token of a row that needs no padding (`graph_bytes`)."""
+    return graph_bytes(model).per_token
+
+
+def graph_bytes(model: PreTrainedModel) -> GraphBytes:
+    """What autograd saves per token in a forward of `model` as configured now (dtype, autocast, checkpointing,
+    adapters), measured once by probe forwards and cached per model and autocast state.
+
+    A model whose mixers pad rows to a chunk of C tokens is probed with C tokens (no padding) and with one (C - 1
+    of padding): bytes(C) = C * (token + padded), bytes(1) = token + C * padded."""
     device = model.get_input_embeddings().weight.device
     autocast = torch.is_autocast_enabled(device.type)
     key = (autocast, torch.get_autocast_dtype(device.type) if autocast else None, _trainable(model))
     cache = _probed.setdefault(model, {})
     if key not in cache:
-        cache[key] = _probe(model, device) or _estimate(model)
+        chunk = find_mixers(model).chunk
+        whole = _probe(model, device, PROBE_TOKENS if chunk == 1 else chunk)
+        if not whole:
+            cache[key] = GraphBytes(_estimate(model))
+        elif chunk == 1:
+            cache[key] = GraphBytes(math.ceil(whole / PROBE_TOKENS))
+        else:
+            one = _probe(model, device, 1)
+            token = max(0.0, (whole - one) / (chunk - 1))
+            padded = max(0.0, (one - token) / chunk)
+            cache[key] = GraphBytes(math.ceil(token), math.ceil(padded), chunk)
     return cache[key]
 
 
@@ -111,8 +155,8 @@ def path_bytes_per_token(model: PreTrainedModel) -> int:
     return 2 * 2 * layers * g.kv_heads * g.head_dim * _compute_dtype(model).itemsize
 
 
-def _probe(model: PreTrainedModel, device: torch.device) -> int:
-    """Bytes per token of the tensors autograd saves in a forward of PROBE_TOKENS tokens (weights excluded)."""
+def _probe(model: PreTrainedModel, device: torch.device, tokens: int) -> int:
+    """Bytes of the tensors autograd saves in a forward of `tokens` tokens (weights excluded; 0: no graph)."""
     saved: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -122,7 +166,7 @@ def _probe(model: PreTrainedModel, device: torch.device) -> int:
         return tensor
 
     vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.arange(PROBE_TOKENS, device=device)[None] % vocab
+    ids = torch.arange(tokens, device=device)[None] % vocab
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             hidden = final_hidden(model, input_ids=ids)
@@ -130,7 +174,7 @@ def _probe(model: PreTrainedModel, device: torch.device) -> int:
         return 0
     if not hidden.requires_grad:  # nothing trainable: no graph, so no bytes to measure
         return 0
-    return math.ceil((sum(saved.values()) + hidden.nbytes) / PROBE_TOKENS)
+    return sum(saved.values()) + hidden.nbytes
 
 
 def _estimate(model: PreTrainedModel) -> int:

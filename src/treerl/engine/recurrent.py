@@ -53,18 +53,20 @@ class MixerKind:
     refused: str | None = None  # why the tree engines cannot reproduce it (None: exact)
     cache_class: str | None = None  # a cache class the model insists on (its module's attribute name)
     in_attention: bool = False  # part of an attention layer (an indexer), not a token mixer of its own
+    chunk: int | str = 1  # its torch path pads each row to a multiple of this (or of the module attribute it names)
 
 
 _CACHE = "cache `get_conv_state` / `update_conv_state` and `get_recurrent_state` / `update_recurrent_state`"
 MIXERS: tuple[MixerKind, ...] = (
     MixerKind("Gated DeltaNet", ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
                                  "Qwen4ExpTextGatedDeltaNet", "OlmoHybridGatedDeltaNet", "BailingHybridDeltaAttention"),
-              "the short-convolution window and the delta-rule state", _CACHE),
+              "the short-convolution window and the delta-rule state", _CACHE, chunk=64),
     MixerKind("KDA (Kimi delta attention)", ("KimiLinearDeltaAttention",),
-              "the short-convolution window and the delta-rule state (transformers keeps it in float32)", _CACHE),
+              "the short-convolution window and the delta-rule state (transformers keeps it in float32)", _CACHE,
+              chunk=64),
     MixerKind("Mamba2", ("Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer", "FalconH1Mixer", "Zamba2MambaMixer",
                          "GraniteMoeHybridMambaLayer"),
-              "the convolution window and the SSM state", _CACHE),
+              "the convolution window and the SSM state", _CACHE, chunk="chunk_size"),
     MixerKind("short convolution", ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv", "InklingShortConvolution",
                                     "Inkling2ShortConvolution", "Inkling2DynamicShortConvolution"),
               "the convolution window", "cache `get_conv_state` / `update_conv_state`"),
@@ -95,9 +97,10 @@ class Mixers:
 
     layers: dict[int, MixerKind]
     cache_class: type[Cache]
-    cache_kwarg: str  # "past_key_values", or "cache_params" (pure Mamba2)
+    cache_kwarg: str  # the body's name for its cache (`cache_kwarg`)
     mixer_classes: frozenset[str] = frozenset()  # the token mixers' classes (their layers run no attention)
     indexed: bool = False  # an attention layer picks its keys with an indexer (it reads a causal mask)
+    chunk: int = 1  # the largest multiple a mixer's torch path pads each row to (1: none pads)
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -110,6 +113,7 @@ def find_mixers(model: PreTrainedModel) -> Mixers:
     known: list[str] = []  # module paths of known mixers (what is inside one is part of it)
     classes: set[str] = set()
     indexed = False
+    chunk = 1
     base: type[Cache] = DynamicCache
     for path, module in body.named_modules():
         kind = _BY_CLASS.get(type(module).__name__)
@@ -128,12 +132,19 @@ def find_mixers(model: PreTrainedModel) -> Mixers:
         layers[index] = kind  # a layer's token mixer names it
         classes.add(type(module).__name__)
         known.append(path + ".")
+        chunk = max(chunk, int(getattr(module, kind.chunk, 1) if isinstance(kind.chunk, str) else kind.chunk))
         if kind.cache_class is not None:
             base = getattr(sys.modules[type(module).__module__], kind.cache_class)
     _refuse_unknown_mixers(model, body, known, set(layers), indexed)
-    kwarg = "cache_params" if "cache_params" in _parameters(body) and "past_key_values" not in _parameters(body) \
-        else "past_key_values"
-    return Mixers(layers, _cache_class(base), kwarg, frozenset(classes), indexed)
+    return Mixers(layers, _cache_class(base), cache_kwarg(body), frozenset(classes), indexed, chunk)
+
+
+def cache_kwarg(body: torch.nn.Module) -> str:
+    """The name the body takes its cache under: `cache` (transformers >= 5.24), else `past_key_values`, else
+    `cache_params` (Mamba2 before 5.24). A cache under a name the body ignores would leave every state unread."""
+    parameters = _parameters(body)
+    return next((name for name in ("cache", "past_key_values", "cache_params") if name in parameters),
+                "past_key_values")
 
 
 def _refuse_unknown_mixers(model: PreTrainedModel, body: torch.nn.Module, known: list[str], mixer_layers: set[int],

@@ -23,13 +23,15 @@ to one final state, so a unit is a batch of *rows*, each a chain of nodes hangin
 all start from its state), padded on the right to the longest. A row ends at a node whose children
 get their own units (it is open: its final state is what they start from, so it must be a row
 without padding) or at a node with nothing below it that runs. Rows are grouped into calls by
-length: a row shorter than its call's longest computes padding, which the cost model counts.
+length: a row shorter than its call's longest computes padding, which the cost model counts. A row's
+graph tokens come from `row_tokens` (the layers may pad each row further, to a chunk: treerl.engine.memory).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -86,15 +88,17 @@ class WalkPlan:
     """The units of one walk over `tree`, in order (a tree of units: `Unit.below`), and what it holds at once."""
 
     def __init__(self, tree: PrefixTree, run: list[int], capacity: int, unit_tokens: int, recompute: Recompute,
-                 cost: PlanCost, rows: bool = False):
+                 cost: PlanCost, rows: bool = False, row_tokens: Callable[[int], int] | None = None):
         """`run[n]`: rows node n needs; `capacity`: graph tokens held at once (clamped to the largest node: one
         node always runs); `unit_tokens`: most rows of one call (0: one node per call); `rows`: row units
-        (a recurrent state beside attention, see the module docstring)."""
+        (a recurrent state beside attention, see the module docstring), a row of w tokens holding
+        `row_tokens(w)` graph tokens (default: w)."""
         check_recompute(recompute)
         self.tree, self.run, self.cost = tree, run, cost
-        self.capacity = max(capacity, max(run[1:], default=0))
+        row_tokens = row_tokens if rows and row_tokens is not None else _same
+        self.capacity = max(capacity, max(map(row_tokens, run[1:]), default=0))
         if rows:
-            planner: _Planner = _RowPlanner(tree, run, self.capacity, recompute, cost)
+            planner: _Planner = _RowPlanner(tree, run, self.capacity, recompute, cost, row_tokens)
             plans = [planner.plan(unit_tokens, spines=False)]
         else:
             planner = _Planner(tree, run, self.capacity, recompute, cost)
@@ -148,6 +152,10 @@ class WalkPlan:
     def estimated_cost(self) -> float:
         """The cost model's estimate of the walk, in token-equivalents."""
         return estimate(self.units, self.cost)
+
+
+def _same(width: int) -> int:
+    return width
 
 
 def estimate(units: list[Unit], cost: PlanCost) -> float:
@@ -310,6 +318,12 @@ class _Planner:
 class _RowPlanner(_Planner):
     """Row units: sibling chains below one node, grouped by length into calls padded to their longest row."""
 
+    def __init__(self, tree: PrefixTree, run: list[int], capacity: int, recompute: Recompute, cost: PlanCost,
+                 row_tokens: Callable[[int], int]):
+        super().__init__(tree, run, capacity, recompute, cost)
+        self.row_tokens = row_tokens
+        self.largest = [row_tokens(n) for n in self.largest]  # what the largest node's row holds
+
     def _next_unit(self, parent: int, roots: list[int], room: int,
                    spines: bool) -> tuple[Unit, list[int], dict[int, list[int]]]:
         """The forest's first call: its rows and the nodes with nothing to run that hang on them (one-token
@@ -323,7 +337,7 @@ class _RowPlanner(_Planner):
         unit, outside = self._unit(parent, taken)
         unit.rows = group
         unit.width = max((self._length(chain) for chain in group), default=0)
-        unit.tokens = unit.width * len(group)
+        unit.tokens = self.row_tokens(unit.width) * len(group)
         left = [r for r in roots if r not in set(unit.nodes)]
         below = [c for o in unit.open for c in outside[o]]
         rest_tokens = sum(self.size[r] for r in left)
@@ -336,7 +350,7 @@ class _RowPlanner(_Planner):
         chain, length = [node], self.run[node]
         while True:
             kids = [c for c in self.tree.nodes[chain[-1]].children if self.run[c] > 0]
-            if len(kids) != 1 or length + self.run[kids[0]] > room:
+            if len(kids) != 1 or self.row_tokens(length + self.run[kids[0]]) > room:
                 return chain
             chain.append(kids[0])
             length += self.run[kids[0]]
@@ -351,22 +365,24 @@ class _RowPlanner(_Planner):
     def _first_group(self, chains: list[list[int]], cap: int) -> list[list[int]]:
         """The first call of the cheapest split of `chains` (longest first) into calls of consecutive rows.
 
-        A call of k rows padded to its longest, L, costs `call + k * L`; an open row must be a longest row
-        (its final state is read after its last token, padding would run past it); k * L stays within `cap`
-        unless one row alone is longer. Consecutive groups of rows sorted by length are optimal for this cost.
+        A call of k rows padded to its longest, L, costs `call + k * row_tokens(L)`; an open row must be a
+        longest row (its final state is read after its last token, padding would run past it); the call's graph
+        tokens stay within `cap` unless one row alone is more. Consecutive groups of rows sorted by length are
+        optimal for this cost.
         """
         n = len(chains)
         if n == 0:
             return []
         lengths = [self._length(c) for c in chains]
+        held = [self.row_tokens(length) for length in lengths]
         best = [0.0] * (n + 1)  # best[i]: cost of chains[i:]
         first = [n] * (n + 1)  # first[i]: end of the first group of chains[i:]
         for i in range(n - 1, -1, -1):
             best[i] = math.inf
             for j in range(i + 1, n + 1):
-                if j - i > 1 and (lengths[i] * (j - i) > cap or (self._open(chains[j - 1]) and lengths[j - 1] < lengths[i])):
+                if j - i > 1 and (held[i] * (j - i) > cap or (self._open(chains[j - 1]) and lengths[j - 1] < lengths[i])):
                     break  # sorted longest first: a larger group has the same fault
-                cost = self.cost.call + lengths[i] * (j - i) + best[j]
+                cost = self.cost.call + held[i] * (j - i) + best[j]
                 if cost < best[i]:
                     best[i], first[i] = cost, j
         return chains[: first[0]]
