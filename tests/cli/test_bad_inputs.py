@@ -101,6 +101,9 @@ CONFIG = [
          r"rollout.server_url='ftp://example.org' must be an http:// or https:// URL"),
     Case("server_url unreachable", lambda tmp, a: train(f"rollout.server_url=http://127.0.0.1:{closed_port()}")(tmp, a),
          r"rollout.server_url='http://127.0.0.1:\d+': cannot reach the inference server \(.*refused"),
+    Case("server_url unreachable, checked before the model is loaded",  # the model.path error would come later
+         lambda tmp, a: train("model.path=/no/such", f"rollout.server_url=http://127.0.0.1:{closed_port()}")(tmp, a),
+         r"rollout.server_url='http://127.0.0.1:\d+': cannot reach the inference server"),
     Case("unknown device", train("model.device=gpu0"), r"model.device='gpu0' is not a device: use cpu, cuda or cuda:N"),
     Case("device without its hardware", train("model.device=cuda:99"),
          r"model.device='cuda:99', but (torch sees no CUDA device|there are only \d+ CUDA devices)"),

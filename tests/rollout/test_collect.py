@@ -13,7 +13,15 @@ from omegaconf.errors import ConfigAttributeError, ValidationError
 
 from treerl.engine import FlatEngine, PolicyHead
 from treerl.errors import UserError
-from treerl.rollout import CompletionsClient, EmbeddedSampler, Rollout, RolloutConfig, build_sampler
+from treerl.rollout import (
+    CompletionsClient,
+    EmbeddedSampler,
+    Rollout,
+    RolloutConfig,
+    build_sampler,
+    tool_format_warning,
+)
+from treerl.rollout.tokenizer import BUILTIN_CHAT_TEMPLATE, PLAIN_CHAT_TEMPLATE
 from treerl.tree import PrefixTree, validate_sequences
 
 
@@ -123,3 +131,16 @@ def test_build_sampler_picks_the_server_client_or_needs_the_model():
         build_sampler(RolloutConfig(server_url=url))  # closed now
     with pytest.raises(ValueError, match="needs the model"):
         build_sampler(RolloutConfig())
+
+
+def test_an_agent_task_whose_template_has_no_tool_call_format_is_warned_about():
+    """rollout.tool_parser=auto on a template with no tool-call format treerl knows: the warning names the setting
+    and the parsers it can be set to; nothing is said for a known format, a parser set by hand, or a task without
+    an agent (it makes no tool calls)."""
+    agent = RolloutConfig(task="agent_tools")
+    said = tool_format_warning(agent, PLAIN_CHAT_TEMPLATE)
+    assert said is not None and said.startswith("rollout.tool_parser=auto found no tool-call format")
+    assert "set rollout.tool_parser to the model's format, one of hermes, " in said and "qwen3_coder" in said
+    assert tool_format_warning(agent, BUILTIN_CHAT_TEMPLATE) is None
+    assert tool_format_warning(RolloutConfig(task="agent_tools", tool_parser="hermes"), PLAIN_CHAT_TEMPLATE) is None
+    assert tool_format_warning(RolloutConfig(task="arithmetic"), PLAIN_CHAT_TEMPLATE) is None

@@ -404,8 +404,9 @@ TWO_CALLS = '<tool_call>{"name": "lookup", "arguments": {"id": 1}}</tool_call>\n
 
 
 def test_parallel_tool_calls_false_returns_and_records_only_the_first_call(serve, scripted, tokenizer, chat):
-    """The model writes two calls: both come back by default; with parallel_tool_calls=false only the first, and
-    the recorded completion is cut after it, so the next call's context holds exactly the call the agent ran."""
+    """The model writes two calls: both come back by default; with parallel_tool_calls=false only the first (by
+    either API), and the recorded completion is cut after it, so the next call's context holds exactly the call the
+    agent ran."""
     proxy = serve(scripted(lambda p, j: TWO_CALLS if p.endswith("ids?<eos><assistant>") else "done"))
 
     async def agent(client):
@@ -419,6 +420,9 @@ def test_parallel_tool_calls_false_returns_and_records_only_the_first_call(serve
         messages += [one.choices[0].message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": call.id, "content": "x"}]
         await client.chat.completions.create(model="p", messages=messages, tools=[LOOKUP])
+        response = await client.responses.create(model="p", input="ids?", tools=[FLAT_LOOKUP],
+                                                 parallel_tool_calls=False)
+        assert [(item.type, json.loads(item.arguments)) for item in response.output] == [("function_call", {"id": 1})]
         return messages
 
     messages, calls = play(proxy, agent)
@@ -456,3 +460,115 @@ def test_a_cut_history_starts_a_new_subtree_and_counts_the_sharing_it_lost(serve
     assert log.shared_tokens == len(full[0]) + len(full[2])
     stats = PrefixTree.build([TokenSequence(torch.tensor(f)) for f in full]).stats()
     assert stats.unique_tokens == len(full[1]) + len(full[3]) - kept  # two subtrees below the shared system prompt
+
+
+# Excerpts of real chat templates (their tool-call parts, as the files spell them: `\n` is backslash-n in Jinja).
+QWEN3_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {{- tool_call.arguments | tojson }}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}"""
+QWEN3_CODER_TEMPLATE = r"""{%- if tools is iterable and tools | length > 0 %}
+    {{- "\n\n# Tools\n\nYou have access to the following functions:\n\n" }}
+    {{- "<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n<function>\n<name>" ~ tool.name ~ "</name>" }}
+    {%- endfor %}
+    {{- "\n</tools>" }}
+    {{- '\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call>' }}
+{%- endif %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if loop.first %}
+                    {{- '<tool_call>\n<function=' + tool_call.name + '>\n' }}
+                {%- else %}
+                    {{- '\n<tool_call>\n<function=' + tool_call.name + '>\n' }}
+                {%- endif %}
+                {%- for args_name, args_value in tool_call.arguments|items %}
+                    {{- '<parameter=' + args_name + '>\n' }}
+                    {{- args_value }}
+                    {{- '\n</parameter>\n' }}
+                {%- endfor %}
+                {{- '</function>\n</tool_call>' }}
+            {%- endfor %}"""
+LLAMA31_TEMPLATE = r"""{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{%- if builtin_tools is defined or tools is not none %}
+    {{- "Environment: ipython\n" }}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+{%- endif %}
+    {%- elif 'tool_calls' in message %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {%- if builtin_tools is defined and tool_call.name in builtin_tools %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+            {{- "<|python_tag|>" + tool_call.name + ".call(" }}
+        {%- else  %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+            {{- '{"name": "' + tool_call.name + '", ' }}
+            {{- '"parameters": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- "}" }}
+        {%- endif %}"""
+GEMMA2_TEMPLATE = (
+    r"""{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"""
+    r"""{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] """
+    r"""| trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}""")
+
+
+def test_auto_reads_the_tool_call_format_off_real_chat_templates():
+    """Excerpts of Qwen3 (hermes), Qwen3-Coder / Qwen3.5 (XML, which also holds `<tool_call>`), Llama-3.1 (JSON with
+    "parameters", `<|python_tag|>`; the Llama part alone, and only its builtin-tool part) and Gemma 2 (no tool
+    format: none)."""
+    builtin_only = LLAMA31_TEMPLATE.split("{%- else  %}")[0].replace('"parameters": dictionary', "")
+    assert "Environment: ipython" in builtin_only and '"parameters": ' not in builtin_only
+    found = [detect_tool_parser(t) for t in (QWEN3_TEMPLATE, QWEN3_CODER_TEMPLATE, LLAMA31_TEMPLATE, builtin_only,
+                                             GEMMA2_TEMPLATE)]
+    assert found == ["hermes", "qwen3_coder", "llama3_json", "llama3_json", "none"]
+
+
+def test_a_tool_call_no_parser_can_read_is_refused_naming_rollout_tool_parser(serve, scripted, tokenizer):
+    """A parser of `none` (auto on a template with no known format, or none itself): a request that needs a tool
+    call is refused with HTTP 400 naming rollout.tool_parser and its values, before sampling (it was sampled and
+    always failed with a generic 422); tool_choice=auto is answered, the call left as text."""
+    written = '<tool_call>{"name": "lookup", "arguments": {"id": 1}}</tool_call>'
+    plain = builtin_tokenizer()
+    plain.chat_template = PLAIN_CHAT_TEMPLATE
+    auto = ChatProxy(scripted(lambda p, j: written), ChatFormat(plain))
+    auto.start()
+    none = serve(scripted(lambda p, j: written), tool_parser="none")
+    user = [{"role": "user", "content": "look"}]
+
+    async def agent(client):
+        for choice in ("required", NAMED):
+            with pytest.raises(openai.BadRequestError, match="rollout.tool_parser.*one of hermes, .*llama3_json") as e:
+                await client.chat.completions.create(model="p", messages=user, tools=[LOOKUP], tool_choice=choice)
+            assert e.value.code == "no_tool_parser"
+        with pytest.raises(openai.BadRequestError, match="needs a tool call, but rollout.tool_parser"):
+            await client.responses.create(model="p", input="look", tools=[FLAT_LOOKUP], tool_choice="required")
+        reply = await client.chat.completions.create(model="p", messages=user, tools=[LOOKUP])
+        assert reply.choices[0].message.content == written and not reply.choices[0].message.tool_calls
+        return str(e.value)
+
+    try:
+        (said, calls), (said_none, calls_none) = play(auto, agent), play(none, agent)
+    finally:
+        auto.stop()
+    assert "rollout.tool_parser=auto found no tool-call format" in said and "rollout.tool_parser=none" in said_none
+    assert len(calls) == len(calls_none) == 1  # only the tool_choice=auto request was sampled
+    assert auto.sampler.calls == none.sampler.calls == [(1, 1)]

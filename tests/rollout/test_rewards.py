@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -28,6 +29,25 @@ def test_load_from_the_current_directory_and_from_a_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert load_reward_fn("my_rewards_for_test:exact")(prompt="", completion="a", answer="a") == 1.0
     assert load_reward_fn(f"{tmp_path / 'my_rewards_for_test.py'}:exact")(prompt="", completion="a", answer="b") == 0.0
+
+
+def test_a_files_directory_goes_first_on_the_import_path_unless_it_is_already_on_it(tmp_path, monkeypatch):
+    """As docs/agents.md says: the directory of `file.py:function` is put first, so a module beside the file wins
+    over one of the same name further down the path; a directory already on the path keeps its place."""
+    beside, elsewhere = tmp_path / "beside", tmp_path / "elsewhere"
+    for directory, value in ((beside, 1.0), (elsewhere, 2.0)):
+        directory.mkdir()
+        (directory / "helper_for_path_test.py").write_text(f"VALUE = {value}\n")
+    (beside / "reward_for_path_test.py").write_text(
+        "import helper_for_path_test\n\ndef r(prompt, completion, answer):\n    return helper_for_path_test.VALUE\n")
+    spec = f"{beside / 'reward_for_path_test.py'}:r"
+    found, rest = [], list(sys.path)
+    for path in ([str(elsewhere)], [str(elsewhere), str(beside)]):
+        monkeypatch.setattr(sys, "path", [*path, *rest])
+        sys.modules.pop("helper_for_path_test", None)
+        found.append((load_reward_fn(spec)(prompt="", completion="", answer=None), sys.path[:3]))
+    sys.modules.pop("helper_for_path_test", None)
+    assert found == [(1.0, [str(beside), str(elsewhere), rest[0]]), (2.0, [str(elsewhere), str(beside), rest[0]])]
 
 
 @pytest.mark.parametrize(
@@ -77,6 +97,8 @@ def _raise():
         (_raise, RewardFailure("raised", "raised KeyError: 'missing'")),
         (lambda: float("nan"), RewardFailure("not_finite", "returned nan")),
         (lambda: -math.inf, RewardFailure("not_finite", "returned -inf")),
+        (lambda: 1e308, RewardFailure("too_large", "returned 1e+308; rewards must be within +-1e+09 (rescale them: "
+                                                   "larger ones overflow the advantages and the loss)")),
         (lambda: "1.0", RewardFailure("not_a_number", "returned '1.0', not a number")),
         (lambda: None, RewardFailure("not_a_number", "returned None, not a number")),
         (lambda: torch.ones(2), RewardFailure("not_a_number", "returned tensor([1., 1.]), not a number")),

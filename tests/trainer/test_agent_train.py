@@ -4,10 +4,13 @@ workers of trainer.mode=async."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
+from treerl.rollout import builtin_tokenizer
+from treerl.rollout.tokenizer import PLAIN_CHAT_TEMPLATE
 from treerl.trainer import train
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agent_tools_agent.py"
@@ -70,6 +73,32 @@ def test_async_agent_training_drops_and_shares_as_the_synchronous_loop_does(tiny
     assert "compression=" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_async_agent_training_with_staleness_trains_or_counts_every_episode(tiny_config, tmp_path):
+    """trainer.mode=async with max_staleness=1 (the worker samples a step ahead): no trained group is more than one
+    version old, and every episode is accounted for: in a trained group, dropped with its reason (task 4's group:
+    agent_raised) or in a group counted as dropped or pending; the pool's counters add up."""
+    agent = tmp_path / "flaky_agent.py"
+    agent.write_text(FLAKY_AGENT)
+    config = tiny_config(f"rollout.agent={agent}:episode", "trainer.steps=3", "trainer.mode=async",
+                         "trainer.max_staleness=1", config="agent_tools")
+    counters = train(config).counters
+    rows = [json.loads(line) for line in (Path(config.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "async/lag_max" in row]
+    assert len(rows) == 3 and all(row["async/lag_max"] <= 1 for row in rows)
+    assert counters["produced"] == (counters["trained"] + counters["dropped_stale"] + counters["dropped_failed"]
+                                    + counters["pending"])
+    assert counters["admitted"] == counters["produced"] + counters["lost_to_crash"] + counters["in_flight"]
+    assert counters["trained"] + counters["dropped_failed"] == 3 * 2 and counters["dropped_failed"] >= 1
+    group = config.rollout.group_size  # every episode of a produced group is kept or dropped with a reason
+    assert sum(row["rollout/kept"] + row["rollout/dropped"] for row in rows) == group * counters["produced"]
+    dropped = sum(row["rollout/dropped"] for row in rows)
+    assert dropped == sum(row.get("rollout/dropped_agent_raised", 0) for row in rows)
+    assert dropped >= group * counters["dropped_failed"]
+    assert sum(row.get("batch/sequences", 0) for row in rows) == 2 * group * counters["trained"]  # 2 calls an episode
+    assert "the tool server is down" in (Path(config.trainer.output_dir) / "dropped.jsonl").read_text()
+
+
 SLOW_TOOL_AGENT = """
 import asyncio
 
@@ -91,3 +120,21 @@ def test_an_async_worker_waiting_on_a_slow_agent_tool_is_not_taken_for_hung(tiny
                                "trainer.worker_timeout=1.5", "rollout.reward_timeout=1", "trainer.max_worker_restarts=0",
                                config="agent_tools"))
     assert result.counters["restarts"] == 0 and result.counters["trained"] == 2 and result.dropped_samples == 0
+
+
+@pytest.mark.slow  # ~8 s on 2 cores
+def test_an_agent_run_whose_template_writes_no_known_tool_format_says_so(tiny_config, tmp_path, caplog):
+    """rollout.tool_parser=auto and a chat template with no tool-call format treerl knows: one warning at the start
+    naming the setting (not one per rollout: here the evaluation has its own), and the built-in agent's named tool
+    choice is refused with the same advice, which dropped.jsonl shows."""
+    tokenizer = builtin_tokenizer()
+    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    config = tiny_config(f"model.tokenizer_path={tmp_path / 'tokenizer'}", "trainer.steps=1", "trainer.eval_prompts=2",
+                         "rollout.prompts_per_step=1", "rollout.group_size=2", config="agent_tools")
+    with caplog.at_level(logging.WARNING, logger="treerl"):
+        train(config)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rollout.tool_parser=auto found no")]
+    assert len(said) == 1 and "set rollout.tool_parser to the model's format, one of hermes" in said[0]
+    dropped = (Path(config.trainer.output_dir) / "dropped.jsonl").read_text()
+    assert "needs a tool call, but rollout.tool_parser=auto" in dropped

@@ -11,7 +11,7 @@ the chat proxy) and the `Rollout` the trainer calls once per step.
 from treerl.rollout.agent import AgentWorkflow, load_agent
 from treerl.rollout.chat import ChatFormat
 from treerl.rollout.client import CompletionsClient, ServerError
-from treerl.rollout.collect import Rollout, RolloutBatch, build_sampler
+from treerl.rollout.collect import Rollout, RolloutBatch, build_sampler, tool_format_warning
 from treerl.rollout.config import RolloutConfig
 from treerl.rollout.embedded import EmbeddedSampler
 from treerl.rollout.multi_turn import MultiTurnWorkflow
@@ -26,5 +26,5 @@ __all__ = [
     "AgentWorkflow", "ChatFormat", "ChatProxy", "Completion", "CompletionsClient", "DroppedSample", "EmbeddedSampler",
     "MultiTurnWorkflow", "Rollout", "RolloutBatch", "RolloutConfig", "RolloutStats", "Sampler", "SamplingParams",
     "ServerError", "SingleTurnWorkflow", "build_sampler", "builtin_tokenizer", "load_agent", "load_reward_fn",
-    "load_tokenizer",
+    "load_tokenizer", "tool_format_warning",
 ]

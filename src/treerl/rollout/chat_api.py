@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import HTTPException
-from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ConfigDict, Field
 
 from treerl.rollout.chat import Message, Tool
@@ -223,7 +222,7 @@ def chat_chunks(response: dict[str, Any], request: ChatRequest) -> Iterator[byte
     head = {key: response[key] for key in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return format_sse_event(data_str=json.dumps(head | {"choices": choices} | extra))
+        return sse_event(json.dumps(head | {"choices": choices} | extra))
 
     for choice in response["choices"]:
         i, message = choice["index"], choice["message"]
@@ -239,7 +238,12 @@ def chat_chunks(response: dict[str, Any], request: ChatRequest) -> Iterator[byte
         yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}])
     if (request.stream_options or {}).get("include_usage"):
         yield chunk([], usage=response["usage"])
-    yield format_sse_event(data_str="[DONE]")
+    yield sse_event("[DONE]")
+
+
+def sse_event(data: str, event: str | None = None) -> bytes:
+    """One server-sent event (`data` is one line of JSON): written here, so no fastapi release is needed for it."""
+    return (f"event: {event}\n" if event else "").encode() + f"data: {data}\n\n".encode()
 
 
 def _logprobs(request: ChatRequest, answer: Answer, tokens: Any) -> dict[str, Any] | None:

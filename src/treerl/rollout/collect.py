@@ -37,6 +37,7 @@ from treerl.rollout.single_turn import SingleTurnWorkflow
 from treerl.rollout.stats import RolloutStats
 from treerl.rollout.tasks import AgentTask, SingleTurnTask, build_task
 from treerl.rollout.tasks.base import rng_for
+from treerl.rollout.tool_parsers import detect_tool_parser, no_parser_hint
 from treerl.tree import TokenSequence
 
 
@@ -61,6 +62,14 @@ def build_sampler(config: RolloutConfig, model: PreTrainedModel | None = None,
     if model is None:
         raise ValueError("rollout: no rollout.server_url, so the embedded sampler needs the model")
     return EmbeddedSampler(model, autocast=autocast)
+
+
+def tool_format_warning(config: RolloutConfig, chat_template: str | None) -> str | None:
+    """What an agent run says at its start when rollout.tool_parser=auto finds no tool-call format in the chat
+    template (its agents' tool calls would come back as plain text); None when all is well."""
+    if config.task not in AGENT_TASKS or config.tool_parser != "auto" or detect_tool_parser(chat_template) != "none":
+        return None
+    return f"{no_parser_hint('auto')} (a request with tool_choice='required' or a named function is refused)"
 
 
 class Rollout:

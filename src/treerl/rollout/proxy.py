@@ -50,6 +50,9 @@ the policy the trainer trains), so tool choices are enforced on what the model w
   returned nor trained; the turn is closed with a stop token that is not trained), so the next
   call's context holds exactly the call the agent ran.
 - `tool_choice="none"`: the reply is all content.
+- no parser (`rollout.tool_parser` resolves to `none`): no reply can hold a tool call, so a request
+  with `tools` and a required or named tool choice is refused with HTTP 400 (`no_tool_parser`),
+  naming `rollout.tool_parser` and its values, before anything is sampled.
 Penalties, `logit_bias`, constrained output formats and `top_logprobs` are refused with HTTP 400.
 
 Requests are answered concurrently; the `RequestBatcher` gathers the requests in flight into one
@@ -83,7 +86,7 @@ from treerl.rollout.chat_api import (
 )
 from treerl.rollout.responses_api import ResponsesRequest, continued, response_events, response_object
 from treerl.rollout.sampler import Completion, Sampler, SamplingParams
-from treerl.rollout.tool_parsers import ToolCall, get_tool_parser
+from treerl.rollout.tool_parsers import TOOL_PARSERS, ToolCall, no_parser_hint, resolve_tool_parser
 
 ENDPOINTS = "POST /v1/chat/completions (stream or not), POST /v1/responses (stream or not), GET /v1/models"
 
@@ -251,6 +254,12 @@ class ToolCallRequired(HTTPException):
     code = "tool_call_required"
 
 
+class NoToolParser(HTTPException):
+    """HTTP 400: the request needs a tool call, and the parser is `none`: no reply could ever hold one."""
+
+    code = "no_tool_parser"
+
+
 @dataclass
 class ChatProxy:
     """The proxy: sampling settings of the rollout, its sampler, and the recorder of open episodes."""
@@ -265,7 +274,8 @@ class ChatProxy:
     model_name: str = "policy"
 
     def __post_init__(self) -> None:
-        self.parse = get_tool_parser(self.tool_parser, self.chat.tokenizer.chat_template)
+        self.parser_name = resolve_tool_parser(self.tool_parser, self.chat.tokenizer.chat_template)
+        self.parse = TOOL_PARSERS[self.parser_name]
         self.recorder = CallRecorder()
         self.batcher = RequestBatcher(self.sampler, expected=lambda: self.recorder.open_count)
         self.app = build_proxy_app(self)
@@ -366,6 +376,9 @@ class ChatProxy:
         if request.temperature is not None and abs(request.temperature - self.temperature) > 1e-9:
             raise HTTPException(400, f"temperature {request.temperature} differs from the trainer's "
                                      f"{self.temperature} (rollout.temperature); leave it unset")
+        if request.tools and request.tool_choice in ("required", "function") and self.parser_name == "none":
+            raise NoToolParser(400, f"tool_choice {request.tool_choice!r} needs a tool call, but "
+                                    f"{no_parser_hint(self.tool_parser)}")
         if log is not None and log.max_calls is not None and len(log.calls) >= log.max_calls:
             raise HTTPException(400, f"episode {log.id!r} made {len(log.calls)} model calls, the limit "
                                      "(rollout.max_turns)")

@@ -27,11 +27,18 @@ from collections.abc import Iterator
 from typing import Any
 
 from fastapi import HTTPException
-from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ConfigDict
 
 from treerl.rollout.chat import Message, Tool
-from treerl.rollout.chat_api import Answer, ModelRequest, json_string, read_tool_choice, text_content, tool_call
+from treerl.rollout.chat_api import (
+    Answer,
+    ModelRequest,
+    json_string,
+    read_tool_choice,
+    sse_event,
+    text_content,
+    tool_call,
+)
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for the sampled tokens' log-probs
@@ -180,7 +187,7 @@ def response_events(response: dict[str, Any]) -> Iterator[bytes]:
 
     def event(kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": next(counter)} | fields
-        return format_sse_event(event=kind, data_str=json.dumps(body))
+        return sse_event(json.dumps(body), event=kind)
 
     started = response | {"status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
     yield event("response.created", response=started)

@@ -180,6 +180,7 @@ def _import(module_name: str) -> Any:
 
 
 def _importable(directory: str) -> None:
-    """Put `directory` first on the import path (once), so the user's modules in it can be imported."""
+    """Put `directory` first on the import path, so the user's modules in it can be imported; one already on the
+    path keeps its place (the order the user set up is not changed)."""
     if directory not in sys.path:
         sys.path.insert(0, directory)

@@ -17,7 +17,9 @@ as vLLM's and SGLang's `--tool-call-parser` do. Registered by name in `TOOL_PARS
   by `;`). A reply that is not wholly such calls is content.
 - `none`: no tool calls; the whole reply is content.
 - `auto` (`rollout.tool_parser`'s default): the parser whose format the chat template writes
-  (`detect_tool_parser`), `none` for a template that writes no tool calls.
+  (`detect_tool_parser`), `none` for a template that writes no format treerl knows. That is not
+  silent: an agent run warns at its start, and the proxy refuses a request that needs a tool call
+  (`tool_choice` "required" or a named function) with HTTP 400 naming `rollout.tool_parser` (`no_parser_hint`).
 
 A call that does not parse is not dropped: it stays in the content, as the model wrote it, so the
 agent sees what went wrong (as vLLM does). Each parsed call records where it ends in the text
@@ -170,6 +172,7 @@ TOOL_PARSERS: dict[str, ToolParser] = {
     "llama3_json": parse_llama3_json, "llama3": parse_llama3_json, "none": parse_none,
 }
 PARSER_NAMES = ("auto", *TOOL_PARSERS)
+FORMATS = ", ".join(name for name in TOOL_PARSERS if name != "none")  # what rollout.tool_parser can be set to
 
 
 def detect_tool_parser(chat_template: str | None) -> str:
@@ -184,10 +187,24 @@ def detect_tool_parser(chat_template: str | None) -> str:
     return "none"
 
 
-def get_tool_parser(name: str, chat_template: str | None = None) -> ToolParser:
-    """The parser registered as `name` (`auto`: the one the chat template's format needs)."""
+def resolve_tool_parser(name: str, chat_template: str | None = None) -> str:
+    """The registered parser `name` stands for (`auto`: the one the chat template's format needs)."""
     if name == "auto":
         name = detect_tool_parser(chat_template)
     if name not in TOOL_PARSERS:
         raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(PARSER_NAMES)}")
-    return TOOL_PARSERS[name]
+    return name
+
+
+def get_tool_parser(name: str, chat_template: str | None = None) -> ToolParser:
+    """The parser registered as `name` (`auto`: the one the chat template's format needs)."""
+    return TOOL_PARSERS[resolve_tool_parser(name, chat_template)]
+
+
+def no_parser_hint(name: str) -> str:
+    """Why a model's tool calls come back as plain text under rollout.tool_parser=`name` (auto finding no format,
+    or none), and the setting that fixes it: said instead of failing silently."""
+    why = ("rollout.tool_parser=auto found no tool-call format treerl knows in the chat template" if name == "auto"
+           else "rollout.tool_parser=none")
+    return (f"{why}, so tool calls come back as plain text: set rollout.tool_parser to the model's format, one of "
+            f"{FORMATS}")

@@ -11,6 +11,8 @@ output_dir as it was, so the fixed command runs in it as it is.
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ class Reporter:
         self._bar: Any = None
         self._logger: MetricsLogger | None = None
         self._held: list[Callable[[MetricsLogger], None]] = []  # writes before `open`
+        self._compression: list[float] = []  # each trained step's token compression T/U (the bar's `compression`)
         if config.trainer.wandb and env.is_main:
             import_wandb()  # not installed: an error now, not at the first metric
 
@@ -86,21 +89,32 @@ class Reporter:
         self._bar.close()
 
     def step(self, step: int, metrics: dict[str, float], postfix: dict[str, float] | None = None) -> None:
-        """A step's metrics, logged every `trainer.log_every` steps and at the last; `postfix` on the progress bar."""
+        """A step's metrics, logged every `trainer.log_every` steps and at the last; `postfix` on the progress bar
+        (its `compression` kept for the last line)."""
         trainer = self.config.trainer
         if step % trainer.log_every == 0 or step + 1 == trainer.steps:
             self.log(step, metrics)
         if postfix and self._bar is not None:
             self._bar.set_postfix({k: f"{v:.3f}" for k, v in postfix.items()}, refresh=False)
+        if not math.isnan(compression := (postfix or {}).get("compression", math.nan)):
+            self._compression.append(compression)
 
     def summarise(self, summary: dict[str, Any], line: str) -> None:
         """The run's last line on the console, and output_dir/summary.json (rank 0; NaN written as null)."""
         output = Path(self.config.trainer.output_dir)
-        self.print(f"{line}; {summary['seconds']:.0f} s; metrics in {output / 'metrics.jsonl'}")
+        compression = self._compression_item()
+        self.print(f"{line}{compression}; {summary['seconds']:.0f} s; metrics in {output / 'metrics.jsonl'}")
         if self.env.is_main:
             summary = {key: json_number(value) for key, value in summary.items()}
             output.mkdir(parents=True, exist_ok=True)
             (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    def _compression_item(self) -> str:
+        """The steps' token compression on the last line, so a run without the progress bar shows it too."""
+        if not self._compression:
+            return ""
+        low, high = min(self._compression), max(self._compression)
+        return f"; token compression T/U {statistics.fmean(self._compression):.2f}x a step ({low:.2f}-{high:.2f})"
 
     def close(self) -> None:
         """Close metrics.jsonl, TensorBoard and W&B, if they were opened."""

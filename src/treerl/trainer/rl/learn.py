@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 import statistics
 import time
@@ -41,7 +42,7 @@ from treerl.distributed import Assignment
 from treerl.engine import LossFn, SequenceView
 from treerl.errors import TrainingStopped
 from treerl.models import is_lora
-from treerl.rollout import CompletionsClient, Rollout, RolloutBatch, RolloutStats, Sampler
+from treerl.rollout import CompletionsClient, Rollout, RolloutBatch, RolloutStats, Sampler, tool_format_warning
 from treerl.trainer.core.build import load_policy
 from treerl.trainer.core.config import Config
 from treerl.trainer.core.learner import Learner
@@ -50,6 +51,7 @@ from treerl.trainer.core.run import Run
 from treerl.trainer.core.update import update
 from treerl.tree import TokenSequence
 
+log = logging.getLogger("treerl.trainer")
 EVAL_STEP = 10**9  # the "step" whose prompts and sampling seed form the fixed evaluation set
 REWARD_WINDOW = 20  # training steps averaged for the first / last training reward
 
@@ -74,8 +76,11 @@ class TrainResult:
 def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int], dict[str, float]], started: float,
                summary: Callable[[], dict[str, Any]] = dict) -> TrainResult:
     """Evaluate, run `train_step(step)` for every step (logging, evaluating, checkpointing), evaluate again,
-    write summary.json (with the keys `summary()` adds)."""
+    write summary.json (with the keys `summary()` adds). An agent task whose tool calls no parser reads is warned
+    about first."""
     config = run.config
+    if warning := tool_format_warning(config.rollout, run.tokenizer.chat_template):
+        log.warning(warning)  # once a run, before its first episode
     reward_start = evaluate(run, evaluation, run.start_step, "start")
     rewards: deque[float] = deque(maxlen=REWARD_WINDOW)
     first: list[float] = []

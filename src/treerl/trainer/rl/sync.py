@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from treerl.rollout import CompletionsClient, Rollout, build_sampler
+from treerl.rollout import CompletionsClient, Rollout, Sampler, build_sampler
 from treerl.trainer.core.checkpoint import full_weights, write_pretrained_atomically
 from treerl.trainer.core.config import Config
 from treerl.trainer.core.precision import autocast_dtype
@@ -40,11 +40,13 @@ from treerl.trainer.rl.learn import (
 def train_sync(config: Config) -> TrainResult:
     """Synchronous RL as configured; returns the start/end rewards."""
     started = time.perf_counter()
+    client = server_client(config)  # before the model is built: an unreachable server is an error at once
     run = Run.start(config, temperature=config.rollout.temperature)
     rollouts: list[Rollout] = []
     try:
         run.check_model(config.rollout.max_context_tokens)
-        sampler = build_sampler(config.rollout, run.policy, autocast=autocast_dtype(config.trainer.precision))
+        sampler = client if client is not None else build_sampler(
+            config.rollout, run.policy, autocast=autocast_dtype(config.trainer.precision))
         sampler.version = run.start_step
         rollout = Rollout(config.rollout, run.tokenizer, sampler)
         rollouts.append(rollout)
@@ -57,6 +59,15 @@ def train_sync(config: Config) -> TrainResult:
         for each in rollouts:
             each.close()
         run.finish()
+
+
+def server_client(config: Config) -> Sampler | None:
+    """The client of `rollout.server_url`, checked reachable before any compute (None: no server, sample in
+    process)."""
+    if not config.rollout.server_url:
+        return None
+    config.check()  # a bad URL is named as such, not as a server that cannot be reached
+    return build_sampler(config.rollout)
 
 
 def train_step(run: Run, rollout: Rollout, reference: Reference | None, step: int) -> dict[str, float]:
