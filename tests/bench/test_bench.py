@@ -7,10 +7,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from treerl.bench.engines import ENGINES, BenchConfig, contract_bytes, make_workload, profile_engines, run_bench
-from treerl.bench.flops import flop_rates, tree_flops
+from treerl.bench.flops import flop_rates, state_flops, tree_flops
 from treerl.bench.peak import peak_memory
 from treerl.bench.profile import bucket, profile_markdown
 from treerl.bench.report import markdown
@@ -37,6 +38,16 @@ def test_a_hybrids_recurrent_layers_attend_to_no_keys():
     hybrid, dense = flop_rates(model_config("small-qwen3.5")), flop_rates(model_config("small-qwen3"))
     assert hybrid[1] == dense[1] // 4 == 4 * 8 * 32
     assert hybrid[0] > 0.9 * dense[0]
+
+
+def test_a_hybrids_mixers_count_their_state_work_per_token():
+    """Three Gated DeltaNet layers, each carrying 8 heads x 32 x 32 delta-rule states (6 FLOPs an element a token)
+    and a 512-channel window of 4 (2 an element): counted per token on top of the projections."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config("small-qwen3.5"))
+    assert state_flops(model) == 3 * (6 * 8 * 32 * 32 + 2 * 512 * 4)
+    with torch.device("meta"):
+        assert state_flops(AutoModelForCausalLM.from_config(model_config("small-qwen3"))) == 0
 
 
 def test_no_sharing_means_no_ideal_speedup():

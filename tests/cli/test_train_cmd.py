@@ -50,6 +50,21 @@ def test_a_short_run_raises_the_reward(tmp_path):
     assert len(rewards) == 30 and sum(rewards[-10:]) > 1.2 * sum(rewards[:10]), rewards
 
 
+@pytest.mark.slow  # ~100 s on 2 cores
+def test_a_hybrid_learns_the_demo_task(tmp_path):
+    """The same short run on tiny-qwen3.5 (Gated DeltaNet beside attention; DfsEngine hands each node's recurrent
+    state to its children): the reward rises too (measured: evaluation 0.0065 -> 0.0115, training reward of the
+    last 10 steps 1.48x the first 10's)."""
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", *LEARNS, "model.shape=tiny-qwen3.5", f"trainer.output_dir={out}"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["reward_end"] > 1.3 * summary["reward_start"] > 0, summary
+    rewards = [json.loads(line).get("rollout/reward_mean") for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r for r in rewards if r is not None]
+    assert len(rewards) == 30 and sum(rewards[-10:]) > 1.2 * sum(rewards[:10]), rewards
+
+
 def test_print_config_shows_the_resolved_tree():
     result = CliRunner().invoke(app, ["train", "guess_number", "trainer.steps=3", "--print-config"])
     assert result.exit_code == 0, result.output

@@ -4,10 +4,11 @@ Beside the steps (docs/architecture.md): the FLOP ideal step 5 is measured again
 
 Forward FLOPs of one token = 2 x (weights it multiplies: every linear layer of the body and the LM head,
 counted on a meta-device build of the config, so recurrent mixers' projections count too)
++ a hybrid's token mixers' own work on their state (`state_flops`: the least any algorithm does per token)
 + 4 x heads x head_dim x (keys it attends to) per softmax-attention layer (a hybrid's recurrent layers
-attend to no keys: their cost per token is their projections'). Backward costs a fixed multiple of
-forward for both, so the ratio flat/tree is the FLOP-ideal speedup of prefix sharing. Mixture-of-experts
-models count every expert's weights: an over-estimate of the per-token share.
+attend to no keys). Backward costs a fixed multiple of forward for all three, so the ratio flat/tree is the
+FLOP-ideal speedup of prefix sharing. Mixture-of-experts models count every expert's weights: an
+over-estimate of the per-token share.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from treerl.engine.base import final_hidden
 from treerl.engine.recurrent import find_mixers
 from treerl.engine.support import attention_layers
 from treerl.models import model_geometry
@@ -32,7 +34,27 @@ def flop_rates(config: PretrainedConfig) -> tuple[int, int]:
         linear += head.weight.numel()
     g = model_geometry(config)
     layers = len(attention_layers(model, find_mixers(model).mixer_classes))
-    return 2 * linear, 4 * g.heads * g.head_dim * layers
+    return 2 * linear + state_flops(model), 4 * g.heads * g.head_dim * layers
+
+
+# Forward FLOPs per token for each element of a state a token mixer carries: a recurrent state (the delta rule's,
+# Mamba2's SSM, lightning attention's K^T V) is decayed, given a rank-1 update and read out (three multiply-adds
+# an element); a convolution window is read once (one multiply-add an element).
+STATE_FLOPS = {"recurrent": 6, "linear": 6, "conv": 2}
+
+
+def state_flops(model: torch.nn.Module) -> int:
+    """Forward FLOPs per token of a hybrid's token mixers on their states (0 for attention-only models), from the
+    states' sizes: the ones a two-token call hands on, read off a meta-device model (no memory, no compute)."""
+    mixers = find_mixers(model)
+    if not mixers:
+        return 0
+    cache = mixers.cache_class(None, 1, 0)
+    ids = torch.zeros(1, 2, dtype=torch.long, device="meta")
+    with torch.no_grad():
+        final_hidden(model, input_ids=ids, **{mixers.cache_kwarg: cache, "use_cache": True})
+    cache.finish()
+    return sum(STATE_FLOPS[kind] * state.numel() for (_, kind, _), state in cache.final.items())
 
 
 def tree_flops(tree: PrefixTree, config: PretrainedConfig) -> tuple[int, int]:
