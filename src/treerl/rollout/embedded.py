@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from treerl.engine import autocast
+from treerl.engine.recurrent import cache_kwarg
 from treerl.errors import TrainingStopped
 from treerl.rollout.sampler import Completion, SamplingParams, check_prompts
 
@@ -73,8 +74,8 @@ class EmbeddedSampler:
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                         **{cache_kwarg(self.model): cache})
         return out.logits[:, -1], cache, mask, positions[:, -1] + 1
 
     @torch.inference_mode()
@@ -115,7 +116,7 @@ class EmbeddedSampler:
                 active, token, mask, next_position = active[keep], token[keep], mask[keep], next_position[keep]
             mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
             out = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                        past_key_values=cache, use_cache=True)
+                        use_cache=True, **{cache_kwarg(model): cache})
             logits = out.logits[:, -1]
             next_position = next_position + 1
 
