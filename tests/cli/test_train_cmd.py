@@ -35,31 +35,18 @@ LEARNS = ["trainer.steps=30", "trainer.lr=3e-3", "trainer.warmup_steps=0", "roll
           "trainer.eval_prompts=16", "trainer.progress=false", "trainer.tensorboard=false"]
 
 
-@pytest.mark.slow
-def test_a_short_run_raises_the_reward(tmp_path):
-    """The demo on its fixed seed learns: the evaluation reward on the fixed prompt set more than doubles
-    (measured: 0.006 -> 0.014, the policy learns to answer with digits and stop) and the training reward
-    of the last 10 steps is above that of the first 10."""
+@pytest.mark.slow  # ~40 s and ~100 s on 2 cores
+@pytest.mark.parametrize("shape, gain", [("tiny-qwen3", 2.0), ("tiny-qwen3.5", 1.3)])
+def test_a_short_run_raises_the_reward(tmp_path, shape, gain):
+    """The demo on its fixed seed learns: the evaluation reward on the fixed prompt set rises by `gain` (measured:
+    0.006 -> 0.014 on tiny-qwen3, the policy learns to answer with digits and stop; 0.0065 -> 0.0115 on the
+    hybrid tiny-qwen3.5, whose recurrent state DfsEngine hands from each node to its children) and the training
+    reward of the last 10 steps is above that of the first 10."""
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["train", *LEARNS, f"trainer.output_dir={out}"])
+    result = CliRunner().invoke(app, ["train", *LEARNS, f"model.shape={shape}", f"trainer.output_dir={out}"])
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["reward_end"] > 2 * summary["reward_start"] > 0, summary
-    rewards = [json.loads(line).get("rollout/reward_mean") for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rewards = [r for r in rewards if r is not None]
-    assert len(rewards) == 30 and sum(rewards[-10:]) > 1.2 * sum(rewards[:10]), rewards
-
-
-@pytest.mark.slow  # ~100 s on 2 cores
-def test_a_hybrid_learns_the_demo_task(tmp_path):
-    """The same short run on tiny-qwen3.5 (Gated DeltaNet beside attention; DfsEngine hands each node's recurrent
-    state to its children): the reward rises too (measured: evaluation 0.0065 -> 0.0115, training reward of the
-    last 10 steps 1.48x the first 10's)."""
-    out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["train", *LEARNS, "model.shape=tiny-qwen3.5", f"trainer.output_dir={out}"])
-    assert result.exit_code == 0, result.output
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["reward_end"] > 1.3 * summary["reward_start"] > 0, summary
+    assert summary["reward_end"] > gain * summary["reward_start"] > 0, summary
     rewards = [json.loads(line).get("rollout/reward_mean") for line in (out / "metrics.jsonl").read_text().splitlines()]
     rewards = [r for r in rewards if r is not None]
     assert len(rewards) == 30 and sum(rewards[-10:]) > 1.2 * sum(rewards[:10]), rewards

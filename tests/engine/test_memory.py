@@ -16,7 +16,6 @@ from treerl.engine.base import run_length
 from treerl.engine.memory import (
     ONE_PATH_SLACK,
     graph_bytes,
-    graph_bytes_per_token,
     micro_batch_tokens,
     path_bytes_per_token,
 )
@@ -73,9 +72,9 @@ def test_the_plan_holds_at_most_the_contract(seed, workload, max_tokens, memory,
     if memory == "one-path":
         assert budget == floor
     else:
-        held = budget * graph_bytes_per_token(model) + max(map(len, batch)) * path_bytes_per_token(model)
+        held = budget * graph_bytes(model).per_token + max(map(len, batch)) * path_bytes_per_token(model)
         flat = micro_batch_tokens([len(s) - 1 for s in batch], max_tokens)  # rows of flat's largest micro-batch
-        assert held <= flat * graph_bytes_per_token(model) or budget == floor
+        assert held <= flat * graph_bytes(model).per_token or budget == floor
 
 
 @pytest.mark.slow  # ~15 s on 2 cores: twelve measured steps
@@ -140,15 +139,15 @@ def test_the_probe_finds_the_padding_of_a_hybrids_chunked_mixers():
 def test_the_probe_counts_what_autograd_saves_per_token():
     """The probe's bytes per token follow what the model saves: the same for a second model of the shape, more
     for a wider and deeper one, about half in bfloat16; a frozen model gets the geometric estimate (still > 0)."""
-    tiny = graph_bytes_per_token(_model())
+    tiny = graph_bytes(_model()).per_token
     again = build_model(shape="tiny-qwen3", vocab_size=512, dtype=torch.float32, seed=1)
-    assert graph_bytes_per_token(again) == tiny
+    assert graph_bytes(again).per_token == tiny
     small = build_model(shape="small-qwen3", vocab_size=512, dtype=torch.float32, seed=0)
-    assert graph_bytes_per_token(small) > 4 * tiny  # 4x the width, 2x the layers
+    assert graph_bytes(small).per_token > 4 * tiny  # 4x the width, 2x the layers
     half = build_model(shape="tiny-qwen3", vocab_size=512, dtype=torch.bfloat16, seed=0)
-    assert 0.4 < graph_bytes_per_token(half) / tiny < 0.6
+    assert 0.4 < graph_bytes(half).per_token / tiny < 0.6
     half.requires_grad_(False)
-    assert graph_bytes_per_token(half) > 0
+    assert graph_bytes(half).per_token > 0
 
 
 def test_bad_settings_are_named_before_any_compute():

@@ -112,7 +112,7 @@ class DfsEngine:
         cost = self.plan_cost or PlanCost.for_device(_device(model).type)
         rows = bool(find_mixers(model))  # a recurrent state: calls of rows that each start from the parent's state
         return WalkPlan(tree, run, self.graph_budget_tokens(model, tree), self.batch_tokens, self.recompute, cost, rows,
-                        graph_bytes(model).row_tokens)
+                        graph_bytes(model).row_tokens if rows else None)
 
     def graph_budget_tokens(self, model: PreTrainedModel, tree: PrefixTree) -> int:
         """Tokens of autograd graph the walk may hold at once (`tree` is chunked: no node over `chunk_tokens`)."""

@@ -118,11 +118,6 @@ def graph_budget_tokens(model: PreTrainedModel, largest_node: int, longest_path:
     return int(tokens) if budget_bytes is not None else max(int(tokens), one_path)
 
 
-def graph_bytes_per_token(model: PreTrainedModel) -> int:
-    """Bytes autograd saves per token of a row that needs no padding (`graph_bytes`)."""
-    return graph_bytes(model).per_token
-
-
 def graph_bytes(model: PreTrainedModel) -> GraphBytes:
     """What autograd saves per token in a forward of `model` as configured now (dtype, autocast, checkpointing,
     adapters), measured once by probe forwards and cached per model and autocast state.
