@@ -139,10 +139,12 @@ def find_mixers(model: PreTrainedModel) -> Mixers:
     return Mixers(layers, _cache_class(base), cache_kwarg(body), frozenset(classes), indexed, chunk)
 
 
-def cache_kwarg(body: torch.nn.Module) -> str:
-    """The name the body takes its cache under: `cache` (transformers >= 5.24), else `past_key_values`, else
-    `cache_params` (Mamba2 before 5.24). A cache under a name the body ignores would leave every state unread."""
-    parameters = _parameters(body)
+def cache_kwarg(module: torch.nn.Module) -> str:
+    """The name a model takes its cache under: `cache` (transformers >= 5.24), else `past_key_values`, else
+    `cache_params` (Mamba2 before 5.24). A cache under a name the model ignores would leave every state unread.
+    A wrapper that passes its kwargs on (peft) is read through to the model it wraps."""
+    base = getattr(module, "get_base_model", None)
+    parameters = _parameters(base() if callable(base) else module)
     return next((name for name in ("cache", "past_key_values", "cache_params") if name in parameters),
                 "past_key_values")
 
