@@ -7,9 +7,9 @@ import torch
 from support import tiny_model
 
 from treerl.bench.peak import peak_memory
+from treerl.bench.workloads import grpo_groups
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
 from treerl.tree import BatchError, TokenSequence
-from treerl.bench.workloads import grpo_groups
 
 ENGINES = [FlatEngine(), DfsEngine(), DfsEngine(recompute="always", chunk_tokens=4), PackedEngine()]
 

@@ -123,7 +123,8 @@ def test_a_hybrids_peak_within_flats_one_sequence_micro_batch(workload):
     contract = max(flat, one_path)
     assert dfs <= contract, f"{workload}: DfsEngine held {dfs / 2**20:.2f} MiB, the contract {contract / 2**20:.2f} MiB"
     strict = peak(DfsEngine(memory="one-path"))
-    assert strict <= one_path, f"{workload}: one-path mode held {strict / 2**20:.2f} MiB, 1.5x the walk {one_path / 2**20:.2f}"
+    assert strict <= one_path, f"{workload}: one-path mode held {strict / 2**20:.2f} MiB, 1.5x the walk " \
+                               f"{one_path / 2**20:.2f}"
 
 
 def test_the_probe_finds_the_padding_of_a_hybrids_chunked_mixers():

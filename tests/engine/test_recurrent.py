@@ -19,9 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import float64_throughout, fresh_model
+from test_exactness import HAND, ORACLE, _with_data, random_batches, sequence_loss, token_loss
 from transformers import AutoModelForCausalLM
 from zoo import build_tiny, tiny_config
-from test_exactness import HAND, ORACLE, _with_data, random_batches, sequence_loss, token_loss
 
 from treerl.attention import UnsupportedModel
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine

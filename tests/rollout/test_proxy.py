@@ -19,12 +19,13 @@ from treerl.rollout.stats import RolloutStats
 from treerl.rollout.tasks.base import Prompt
 from treerl.rollout.tokenizer import BUILTIN_CHAT_TEMPLATE, PLAIN_CHAT_TEMPLATE, builtin_tokenizer
 from treerl.rollout.tool_parsers import (
+    TOOL_PARSERS,
     ToolCall,
     detect_tool_parser,
-    get_tool_parser,
     parse_hermes,
     parse_llama3_json,
     parse_qwen3_coder,
+    resolve_tool_parser,
 )
 from treerl.testing import assert_engines_agree
 from treerl.tree import PrefixTree, TokenSequence
@@ -75,14 +76,19 @@ def play_log(proxy: ChatProxy, agent, episode_id: str = "e0"):
     return result, log
 
 
+def parser(name: str, chat_template: str | None = None):
+    """The parser `rollout.tool_parser=name` gets, as the proxy looks it up."""
+    return TOOL_PARSERS[resolve_tool_parser(name, chat_template)]
+
+
 def test_hermes_parser_reads_calls_and_keeps_malformed_ones_as_content():
     text = 'ok <tool_call>{"name": "lookup", "arguments": {"id": 3}}</tool_call><tool_call>{bad}</tool_call> end'
     content, calls = parse_hermes(text)
     assert calls == [ToolCall("lookup", '{"id": 3}')]
     assert content == "ok <tool_call>{bad}</tool_call> end"
-    assert get_tool_parser("qwen3") is parse_hermes and get_tool_parser("none")(text) == (text, [])
+    assert parser("qwen3") is parse_hermes and parser("none")(text) == (text, [])
     with pytest.raises(ValueError, match="unknown tool-call parser"):
-        get_tool_parser("mistral-ish")
+        parser("mistral-ish")
 
 
 def _tool_script(prompt: str, sample: int) -> str:
@@ -264,7 +270,7 @@ def test_qwen3_coder_and_llama3_parsers_and_the_template_choosing_them():
     llama = "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}<|eot_id|>"
     assert [detect_tool_parser(t) for t in (BUILTIN_CHAT_TEMPLATE, XML_TEMPLATE, llama, PLAIN_CHAT_TEMPLATE)] == [
         "hermes", "qwen3_coder", "llama3_json", "none"]
-    assert get_tool_parser("auto", XML_TEMPLATE) is get_tool_parser("qwen3.5") is parse_qwen3_coder
+    assert parser("auto", XML_TEMPLATE) is parser("qwen3.5") is parse_qwen3_coder
 
 
 XML_TEMPLATE = BUILTIN_CHAT_TEMPLATE.split("{% for call in")[0] + (  # the built-in template, tool calls as Qwen3-Coder

@@ -19,16 +19,16 @@ from dataclasses import asdict, dataclass, field
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from treerl.attention import UnsupportedModel
 from treerl.bench.flops import tree_flops
 from treerl.bench.peak import peak_memory
 from treerl.bench.profile import profile_step
-from treerl.attention import UnsupportedModel
+from treerl.bench.workloads import AgentShape, agent_trees, grpo_groups, random_trees
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
 from treerl.engine.base import Engine, SequenceView
 from treerl.engine.memory import ONE_PATH_SLACK
 from treerl.models import build_model
 from treerl.tree import PrefixTree, TokenSequence
-from treerl.bench.workloads import AgentShape, agent_trees, grpo_groups, random_trees
 
 ENGINES: dict[str, Callable[[], Engine]] = {
     "flat": FlatEngine,  # the dense baseline every engine is compared with: the faster layout on the device

@@ -22,13 +22,13 @@ import torch
 
 from treerl.bench.engines import _loss
 from treerl.bench.peak import peak_memory
+from treerl.bench.workloads import grpo_groups
 from treerl.engine import AutocastEngine, DfsEngine, Engine, FlatEngine
 from treerl.models import add_lora, build_model
 from treerl.trainer.core.build import enable_gradient_checkpointing
 from treerl.trainer.core.config import TrainerConfig
 from treerl.trainer.core.optim import build_optimizer
 from treerl.trainer.core.precision import autocast_dtype, parameter_dtype
-from treerl.bench.workloads import grpo_groups
 
 # name -> (trainer.precision, LoRA on, gradient checkpointing on)
 VARIANTS: dict[str, tuple[str, bool, bool]] = {

@@ -57,6 +57,7 @@ from treerl.engine.walk_outputs import WalkOutputs
 from treerl.tree import ROOT, PrefixTree, TokenSequence
 from treerl.tree.plan import PlanCost, Unit, WalkPlan, check_recompute
 
+
 @dataclass
 class DfsEngine:
     """Depth-first dynamic tree attention with exact per-sequence gradients.

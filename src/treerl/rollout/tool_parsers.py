@@ -196,11 +196,6 @@ def resolve_tool_parser(name: str, chat_template: str | None = None) -> str:
     return name
 
 
-def get_tool_parser(name: str, chat_template: str | None = None) -> ToolParser:
-    """The parser registered as `name` (`auto`: the one the chat template's format needs)."""
-    return TOOL_PARSERS[resolve_tool_parser(name, chat_template)]
-
-
 def no_parser_hint(name: str) -> str:
     """Why a model's tool calls come back as plain text under rollout.tool_parser=`name` (auto finding no format,
     or none), and the setting that fixes it: said instead of failing silently."""

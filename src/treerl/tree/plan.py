@@ -380,7 +380,8 @@ class _RowPlanner(_Planner):
         for i in range(n - 1, -1, -1):
             best[i] = math.inf
             for j in range(i + 1, n + 1):
-                if j - i > 1 and (held[i] * (j - i) > cap or (self._open(chains[j - 1]) and lengths[j - 1] < lengths[i])):
+                too_big = held[i] * (j - i) > cap
+                if j - i > 1 and (too_big or (self._open(chains[j - 1]) and lengths[j - 1] < lengths[i])):
                     break  # sorted longest first: a larger group has the same fault
                 cost = self.cost.call + held[i] * (j - i) + best[j]
                 if cost < best[i]:
