@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from support import free_port
 
 from treerl.distributed import balance
 from treerl.engine import DfsEngine, FlatEngine
@@ -51,7 +53,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, micro_batch_tokens: 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from treerl.distributed import DistributedModel, global_sum, init_distributed
+    from treerl.distributed import DistributedModel, close_distributed, exit_process, global_sum, init_distributed
 
     env = init_distributed()
     assert global_sum(env.rank + 1) == 3.0
@@ -76,7 +78,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, micro_batch_tokens: 
         if env.is_main:
             result = {"state": state, "ranks": assignment.ranks, "calls": step_calls, "logprobs": logprobs}
             torch.save(result, os.path.join(out_dir, f"{strategy}.pt"))
-    torch.distributed.destroy_process_group()
+    assert close_distributed() == "gloo"
+    exit_process(0)  # a spawned rank's end, as the CLI's
 
 
 def _count_collectives() -> dict[str, int]:
@@ -93,16 +96,10 @@ def _count_collectives() -> dict[str, int]:
     return calls
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory) -> dict[str, dict]:
     out_dir = str(tmp_path_factory.mktemp("dp"))
-    mp.spawn(_worker, args=(2, _free_port(), out_dir, 45), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), out_dir, 45), nprocs=2, join=True)
     return {s: torch.load(os.path.join(out_dir, f"{s}.pt")) for s in STRATEGIES}
 
 
@@ -175,3 +172,19 @@ def test_single_process_without_torchrun(monkeypatch):
         assert same is model
         DfsEngine().forward_backward(same, sequences, token_mean_loss(1.0))
     assert model.lm_head.weight.grad is not None and set(dp.full_state_dict()) == set(model.state_dict())
+
+
+def test_closing_without_a_process_group_is_a_no_op():
+    """A single process (no torchrun) has no group to close: the CLI's ending then raises or returns as usual."""
+    from treerl.distributed import close_distributed
+
+    assert close_distributed() is None and close_distributed(wait_for_all=False) is None
+
+
+def test_a_rank_exits_with_its_code_and_its_output_flushed():
+    """exit_process skips the interpreter's shutdown (gloo's abort at exit) but loses no output and keeps the code."""
+    script = "from treerl.distributed import exit_process\nprint('saved', end='')\nexit_process(3)\nprint('never')"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout to a pipe: block-buffered
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
+                          check=False)
+    assert (done.returncode, done.stdout) == (3, "saved"), done.stderr

@@ -10,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 from support import free_port
 
+from treerl.distributed import close_distributed, exit_process
 from treerl.errors import TrainingStopped
 from treerl.trainer import SFT_DEFAULTS, load_config, sft, train
 from treerl.trainer.core.checkpoint import checkpoint_dir, read_weights
@@ -59,7 +60,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                                    f"trainer.data_parallel={strategy}",
                                    f"trainer.output_dir={os.path.join(out_dir, f'nan-{strategy}')}"],
                             base=("sft.data_path=" + str(example_path()), *SFT_DEFAULTS)))
-    torch.distributed.destroy_process_group()
+    assert close_distributed() == "gloo"
+    exit_process(0)  # a spawned rank's end, as the CLI's
 
 
 @pytest.fixture(scope="module")

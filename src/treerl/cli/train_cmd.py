@@ -39,15 +39,18 @@ def _run(config, print_config: bool, loop: Callable) -> None:
         typer.echo(to_yaml(config), nl=False)
         return
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from treerl.distributed import close_distributed, exit_process
+
     try:
         result = loop(config)
-        if result.stopped_by:
-            raise typer.Exit(128 + signal.Signals[result.stopped_by].value)
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():  # under torchrun
-            dist.destroy_process_group()
+    except BaseException:
+        close_distributed(wait_for_all=False)  # under torchrun: the other ranks may never reach a barrier
+        raise
+    code = 128 + signal.Signals[result.stopped_by].value if result.stopped_by else 0
+    if close_distributed() == "gloo":  # under torchrun on CPU: the end of a gloo rank, see exit_process
+        exit_process(code)
+    if code:
+        raise typer.Exit(code)
 
 
 def train(

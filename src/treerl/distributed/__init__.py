@@ -14,6 +14,8 @@ A training step under `torchrun --nproc-per-node K` (every rank holds the same g
             engine.forward_backward(policy, [batch[i] for i in micro_batch], loss_fn_dividing_by(denominator))
     optimizer.step(); optimizer.zero_grad()                   # .grad held the SUM over ranks
     state = dp.full_state_dict()                              # every rank calls it; rank 0 (env.is_main) saves
+    if close_distributed() == "gloo":                         # at the end of the run, on every rank
+        exit_process(0)                                       # (why: its docstring)
 
 Forward-only engine calls (old log-probs) go inside `with dp.gathered() as policy:`.
 """
@@ -21,7 +23,14 @@ Forward-only engine calls (old log-probs) go inside `with dp.gathered() as polic
 from treerl.distributed.assign import Assignment, BalanceStats, balance, evaluate, first_fit, lpt
 from treerl.distributed.cost import CostModel, tree_features
 from treerl.distributed.order import FEATURES, TrieOrder
-from treerl.distributed.parallel import DistEnv, DistributedModel, global_sum, init_distributed
+from treerl.distributed.parallel import (
+    DistEnv,
+    DistributedModel,
+    close_distributed,
+    exit_process,
+    global_sum,
+    init_distributed,
+)
 
 __all__ = [
     "FEATURES",
@@ -32,7 +41,9 @@ __all__ = [
     "DistributedModel",
     "TrieOrder",
     "balance",
+    "close_distributed",
     "evaluate",
+    "exit_process",
     "first_fit",
     "global_sum",
     "init_distributed",
