@@ -207,6 +207,14 @@ MUTATIONS = [
              "if max(priced[names[0]]) <= max(priced[best]) * (1 + keep_together):",
              "if max(priced[names[0]]) >= max(priced[best]) * (1 + keep_together):",
              ("tests/distributed/test_assign.py",), "keep_together splits trees it should keep whole"),
+    # ---- the end of a rank (gloo's abort at interpreter shutdown)
+    Mutation("rank-exit-output-lost", "src/treerl/distributed/parallel.py",
+             "    sys.stdout.flush()\n    sys.stderr.flush()\n", "    sys.stderr.flush()\n",
+             ("tests/distributed/test_data_parallel.py::test_a_rank_exits_with_its_code_and_its_output_flushed",),
+             "a rank's last printed lines (its final metrics) vanish when it ends without the interpreter's shutdown"),
+    Mutation("rank-exit-code-lost", "src/treerl/distributed/parallel.py", "    os._exit(code)", "    os._exit(0)",
+             ("tests/distributed/test_data_parallel.py::test_a_rank_exits_with_its_code_and_its_output_flushed",),
+             "a rank stopped by a signal under torchrun exits 0, so torchrun reports a finished run"),
     # ---- agents and nothing silent (issue 25)
     Mutation("agent-system-exit-escapes", "src/treerl/rollout/agent.py",
              "    except (SystemExit, KeyboardInterrupt) as e:\n        raise AgentExited(e) from None",

@@ -30,7 +30,8 @@ from treerl.testing import assert_engines_agree, assert_matches_model, compare_r
 from treerl.tree.plan import PlanCost
 
 VOCAB = 64
-EXACT = 1e-9  # float64 throughout: measured <= 1e-11 (a near-zero dt_bias gradient), whole gradient ~1e-15
+EXACT = 1e-8  # float64 throughout, as tests/engine/test_exactness.py: whole gradient ~1e-15; worst seen 4.8e-10, a
+# k_proj gradient zero up to rounding (2e-16 off) on a tree of one repeated token, against compare_runs' floor
 FAMILY_TOL = 1e-8  # the zoo's builds keep some float32 norms and routers (a small router weight's own gradient
 # is off by ~1e-7 of its norm): outputs, loss and the whole gradient, measured <= 1.3e-9 (zamba2)
 KINDS = {"deltanet": "tiny-qwen3.5", "mamba2": "tiny-bamba", "short-conv": "tiny-lfm2"}
