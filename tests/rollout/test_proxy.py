@@ -548,6 +548,20 @@ def test_auto_reads_the_tool_call_format_off_real_chat_templates():
     assert found == ["hermes", "qwen3_coder", "llama3_json", "llama3_json", "none"]
 
 
+def test_a_tokenizer_with_named_templates_is_read_through_its_tool_use_template():
+    """Several named templates (a dict, as Hermes 2 Pro ships `default` and `tool_use`): the one transformers
+    renders a request with tools by, `tool_use`, else `default`; read as `none` before (the dict's keys searched)."""
+    assert detect_tool_parser({"default": GEMMA2_TEMPLATE, "tool_use": QWEN3_TEMPLATE}) == "hermes"
+    assert detect_tool_parser({"tool_use": GEMMA2_TEMPLATE, "default": QWEN3_TEMPLATE}) == "none"  # tools: tool_use
+    assert detect_tool_parser({"default": LLAMA31_TEMPLATE, "rag": GEMMA2_TEMPLATE}) == "llama3_json"
+    assert detect_tool_parser({"chat": GEMMA2_TEMPLATE, "agent": QWEN3_CODER_TEMPLATE}) == "qwen3_coder"
+    tokenizer = builtin_tokenizer()
+    tokenizer.chat_template = {"default": PLAIN_CHAT_TEMPLATE, "tool_use": BUILTIN_CHAT_TEMPLATE}
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+    assert tokenizer.get_chat_template(tools=tools) == BUILTIN_CHAT_TEMPLATE  # transformers' own choice, the same
+    assert resolve_tool_parser("auto", tokenizer.chat_template) == "hermes"
+
+
 def test_a_tool_call_no_parser_can_read_is_refused_naming_rollout_tool_parser(serve, scripted, tokenizer):
     """A parser of `none` (auto on a template with no known format, or none itself): a request that needs a tool
     call is refused with HTTP 400 naming rollout.tool_parser and its values, before sampling (it was sampled and

@@ -64,7 +64,7 @@ def build_sampler(config: RolloutConfig, model: PreTrainedModel | None = None,
     return EmbeddedSampler(model, autocast=autocast)
 
 
-def tool_format_warning(config: RolloutConfig, chat_template: str | None) -> str | None:
+def tool_format_warning(config: RolloutConfig, chat_template: str | dict[str, str] | None) -> str | None:
     """What an agent run says at its start when rollout.tool_parser=auto finds no tool-call format in the chat
     template (its agents' tool calls would come back as plain text); None when all is well."""
     if config.task not in AGENT_TASKS or config.tool_parser != "auto" or detect_tool_parser(chat_template) != "none":

@@ -17,7 +17,8 @@ as vLLM's and SGLang's `--tool-call-parser` do. Registered by name in `TOOL_PARS
   by `;`). A reply that is not wholly such calls is content.
 - `none`: no tool calls; the whole reply is content.
 - `auto` (`rollout.tool_parser`'s default): the parser whose format the chat template writes
-  (`detect_tool_parser`), `none` for a template that writes no format treerl knows. That is not
+  (`detect_tool_parser`; of several named templates, `tool_use`, the one a request with tools gets),
+  `none` for a template that writes no format treerl knows. That is not
   silent: an agent run warns at its start, and the proxy refuses a request that needs a tool call
   (`tool_choice` "required" or a named function) with HTTP 400 naming `rollout.tool_parser` (`no_parser_hint`).
 
@@ -175,9 +176,12 @@ PARSER_NAMES = ("auto", *TOOL_PARSERS)
 FORMATS = ", ".join(name for name in TOOL_PARSERS if name != "none")  # what rollout.tool_parser can be set to
 
 
-def detect_tool_parser(chat_template: str | None) -> str:
-    """The parser of the tool-call format a chat template writes: `none` when it writes none treerl knows."""
-    template = chat_template or ""
+def detect_tool_parser(chat_template: str | dict[str, str] | None) -> str:
+    """The parser of the tool-call format a chat template writes: `none` when it writes none treerl knows.
+
+    A tokenizer with several named templates (a dict, e.g. Hermes 2 Pro's `default` and `tool_use`) is read
+    through the one transformers applies to a request with tools: `tool_use`, else `default`, else all of them."""
+    template = _tool_template(chat_template)
     if "<function=" in template and "<parameter=" in template:
         return "qwen3_coder"
     if "<tool_call>" in template:
@@ -187,7 +191,17 @@ def detect_tool_parser(chat_template: str | None) -> str:
     return "none"
 
 
-def resolve_tool_parser(name: str, chat_template: str | None = None) -> str:
+def _tool_template(chat_template: str | dict[str, str] | None) -> str:
+    """The template text a request with tools is rendered by (`get_chat_template(tools=...)`'s choice)."""
+    if not isinstance(chat_template, dict):
+        return chat_template or ""
+    for name in ("tool_use", "default"):
+        if name in chat_template:
+            return chat_template[name]
+    return "\n".join(chat_template.values())
+
+
+def resolve_tool_parser(name: str, chat_template: str | dict[str, str] | None = None) -> str:
     """The registered parser `name` stands for (`auto`: the one the chat template's format needs)."""
     if name == "auto":
         name = detect_tool_parser(chat_template)
