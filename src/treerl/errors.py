@@ -35,6 +35,18 @@ class TrainingStopped(RuntimeError):
     exit_code = 3
 
 
+class ServerError(RuntimeError):
+    """An inference server could not be reached, refused a request, or answered in a shape treerl cannot read; the
+    message names the server, the endpoint, its answer and `rollout.server_type`. A training run stops on it with
+    its last checkpoint whole, and says how to continue."""
+
+    exit_code = 4
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status  # the HTTP status of the answer, if there was one
+
+
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM sent to the run (a real Ctrl-C, never one an agent or reward raised); the CLI exits with
     128 + the signal's number and this one line."""

@@ -127,7 +127,7 @@ def build_model(
         return auto_class.from_config(config, dtype=dtype).to(device)
     try:
         model = auto_class.from_pretrained(path, config=config, dtype=dtype, local_files_only=True,
-                                           trust_remote_code=trust_remote_code)
+                                           trust_remote_code=trust_remote_code, use_safetensors=True)
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # missing, truncated or mismatched weights
         raise ModelPathError(f"model path {str(path)!r}: cannot load its weights ({_first_line(e)})") from None
     if bad := first_nonfinite(model.state_dict()):
@@ -197,6 +197,21 @@ def check_model_dir(path: str | Path, key: str = "model path") -> None:
         raise ModelPathError(f"{key}={str(path)!r} is not a transformers checkpoint directory: it has no config.json "
                              "(expected config.json, *.safetensors weights and tokenizer files, as save_pretrained "
                              "writes them)")
+    check_no_pickled_weights(Path(path), key)
+
+
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")  # what from_pretrained would unpickle
+
+
+def check_no_pickled_weights(path: Path, key: str) -> None:
+    """Weights in pickle files only (pytorch_model.bin) are refused, never unpickled: nothing from a file runs as
+    code. With safetensors beside them, transformers reads those."""
+    pickled = [name for name in PICKLED_WEIGHTS if (path / name).is_file()]
+    if pickled and not any(path.glob("*.safetensors")):
+        raise ModelPathError(f"{key}={str(path)!r}: its weights are {pickled[0]}, a pickle, which treerl does not "
+                             "load (unpickling can run code); it needs safetensors weights: save them with "
+                             "model.save_pretrained(dir, safe_serialization=True), or `treerl export` a treerl "
+                             "checkpoint")
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:

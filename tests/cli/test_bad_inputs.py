@@ -112,6 +112,9 @@ CONFIG = [
          r"trainer.output_dir='.*out' is a file: it must be a directory"),
     Case("output_dir under a file", lambda tmp, a: ["train", *TRAIN, f"trainer.output_dir={write(tmp, 'f', '') / 'run'}"],
          r"trainer.output_dir='.*f/run' is under '.*f', a file"),
+    Case("resume=auto with overwrite=true", train("trainer.resume=auto", "trainer.overwrite=true"),
+         r"trainer.resume=auto continues the run in output_dir, trainer.overwrite=true deletes it .*set one of the "
+         r"two"),
 ]
 if not torch.cuda.is_available():
     CONFIG.append(Case("cuda without CUDA", train("model.device=cuda"), r"model.device='cuda', but torch sees no CUDA"))
@@ -171,7 +174,20 @@ MODEL = [
     Case("contexts longer than the model's positions", lambda tmp, a: train(f"model.path={short_model(tmp)}")(tmp, a),
          r"rollout.max_context_tokens=4096 is more than the model's maximum of 64 positions .*set "
          r"rollout.max_context_tokens=64 or lower"),
+    Case("pickled weights", model_dir(lambda m, t: pickle_weights(m, t)),
+         r"model.path='.*model': its weights are pytorch_model.bin, a pickle, which treerl does not load .*it needs "
+         r"safetensors weights: save them with model.save_pretrained\(dir, safe_serialization=True\), or "
+         r"`treerl export`"),
 ]
+
+
+def pickle_weights(model: Path, tmp: Path) -> None:
+    """The weights as pytorch_model.bin only (torch.save's pickle), with an object whose unpickling creates tmp/RAN."""
+    from safetensors.torch import load_file
+
+    weights = load_file(model / "model.safetensors")
+    torch.save({**weights, "payload": RunsCode(tmp / "RAN")}, model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
 
 
 def short_model(tmp: Path) -> Path:
@@ -236,6 +252,8 @@ DATA = [
          r"data.jsonl:1: line longer than 100 bytes \(raise rollout.max_line_bytes"),
     Case("no prompt field", dataset(jsonl(GOOD_ROW, {"question": "2+2="})), r"data.jsonl:2: no field 'prompt'"),
     Case("prompt of wrong type", dataset(jsonl({"prompt": 42})), r"data.jsonl:1: field 'prompt' must be a string or a list"),
+    Case("unknown chat role", dataset(jsonl(GOOD_ROW, {"prompt": [{"role": "robot", "content": "1+1="}]})),
+         r"data.jsonl:2: field 'prompt' message 0 has role 'robot'; a role is one of system, user, assistant, tool"),
     Case("empty data file", dataset(""), r"data.jsonl: no rows"),
     Case("unknown format", dataset("prompt\n", "data.txt"), r"data.txt: unknown data format"),
     Case("corrupt parquet", dataset(b"PAR1 not really", "data.parquet"), r"data.parquet: cannot read it as a dataset"),
@@ -295,6 +313,13 @@ SFT = [
          r"conversations.jsonl:1: not UTF-8 text"),
     Case("SFT line too long", sft(jsonl({"messages": [USER, ASSISTANT]}), "sft.max_line_bytes=20"),
          r"conversations.jsonl:1: line longer than 20 bytes \(raise sft.max_line_bytes"),
+    Case("tool_calls of the wrong type",
+         sft(jsonl({"messages": [USER, {**ASSISTANT, "tool_calls": "weather(Paris)"}]})),
+         r"conversations.jsonl:1 messages\[1\]: 'tool_calls' is not read by SFT \(got str\): a reply is trained as the "
+         r"text of its 'content', so write each call there"),
+    Case("structured tool_calls", sft(jsonl({"messages": [USER, {**ASSISTANT, "tool_calls": [
+        {"type": "function", "function": {"name": "weather", "arguments": "{}"}}]}]})),
+         r"conversations.jsonl:1 messages\[1\]: 'tool_calls' is not read by SFT \(got list\)"),
 ]
 
 
@@ -317,6 +342,13 @@ INSPECT = [
     Case("field of wrong length", inspect(jsonl({"tokens": [1, 2, 3], "loss_mask": [1, 0]})),
          r"field 'loss_mask' has shape \(2,\), but the sequence has 3 tokens"),
     Case("zero chunk tokens", inspect(jsonl({"tokens": [1, 2]}), "--chunk-tokens", "0"), r"--chunk-tokens=0 must be > 0"),
+    Case("token id past int64", inspect(jsonl({"tokens": [1, 2**64]})),
+         r"batch.jsonl:1: field 'tokens' holds 18446744073709551616 at position 1; token ids are integers >= 0 and "
+         r"< 2\*\*63"),
+    Case("per-token field not a list", inspect(jsonl({"tokens": [1, 2], "loss_mask": "0 1"})),
+         r"batch.jsonl:1: field 'loss_mask' must be a list of numbers, one a token, not \"0 1\""),
+    Case("per-token field of text", inspect(jsonl({"tokens": [1, 2], "advantages": ["low", "high"]})),
+         r"batch.jsonl:1: field 'advantages' holds \"low\" at position 0; a per-token field holds one number a token"),
 ]
 
 
@@ -380,6 +412,21 @@ def other_run_dir(tmp: Path, a: Assets) -> list[str]:
             f"trainer.resume={tmp / 'other' / 'checkpoints' / 'step_000002'}"]
 
 
+def python_tag(step: Path, tmp: Path) -> None:
+    """A YAML tag that an unsafe loader would construct by calling open(tmp/RAN, "w")."""
+    with open(step / "config.yaml", "a") as f:
+        f.write(f"payload: !!python/object/apply:builtins.open [{str(tmp / 'RAN')!r}, w]\n")
+    reseal(step, "config.yaml")
+
+
+def exported(tmp: Path, a: Assets, change: Callable[[Path, Path], None]) -> list[str]:
+    """`treerl export` of a copy of the asset run's step-2 checkpoint, changed by `change(checkpoint, tmp)`."""
+    step = tmp / "step_000002"
+    shutil.copytree(a.run / "checkpoints" / step.name, step)
+    change(step, tmp)
+    return ["export", str(step), str(tmp / "exported")]
+
+
 CHECKPOINTS = [
     Case("resume path missing", train("trainer.resume=/no/such/step"),
          r"trainer.resume='/no/such/step': checkpoint /no/such/step: does not exist"),
@@ -407,6 +454,12 @@ CHECKPOINTS = [
         lambda s, t: [shutil.rmtree(s.with_name("step_000001")), truncate(s / "model.safetensors")], resume="auto"),
         r"trainer.resume=auto: no complete checkpoint in .*checkpoints \(broken: step_000002"),
     Case("resume into another run's directory", other_run_dir, r"already holds another run"),
+    Case("python tag in a checkpoint's config.yaml", checkpoint(python_tag),
+         r"step_000002/config.yaml: not a readable config \(could not determine a constructor for the tag "
+         r"'tag:yaml.org,2002:python/object/apply:builtins.open', line \d+\); a checkpoint's config.yaml holds plain"),
+    Case("export a checkpoint whose config.yaml has a python tag", lambda tmp, a: exported(tmp, a, python_tag),
+         r"step_000002/config.yaml: not a valid YAML file \(could not determine a constructor for the tag "
+         r"'tag:yaml.org,2002:python/object/apply:builtins.open', line \d+\)$"),
 ]
 
 
@@ -419,17 +472,20 @@ SERVE = [
     Case("serve a non-model dir", lambda tmp, a: ["serve", "--model-path", str(tmp)],
          r"--model-path='.*' is not a transformers checkpoint directory"),
     Case("serve with no room for n", lambda tmp, a: ["serve", "--max-n", "0"], r"--max-n=0 must be > 0"),
-    Case("serve remote code", lambda tmp, a: ["serve", "--model-path", str(model_with_remote_code(tmp, a))],
+    Case("serve remote code", lambda tmp, a: ["serve", "--model-path", str(model_with(tmp, a, remote_code))],
          r"needs its own Python code"),
     Case("serve on a port that is not one", lambda tmp, a: ["serve", "--port", "70000"],
          r"--port=70000 must be a TCP port, 1 to 65535"),
     Case("serve on an unknown device", lambda tmp, a: ["serve", "--device", "gpu0"], r"--device='gpu0' is not a device"),
+    Case("serve pickled weights", lambda tmp, a: ["serve", "--model-path", str(model_with(tmp, a, pickle_weights))],
+         r"--model-path='.*model': its weights are pytorch_model.bin, a pickle, which treerl does not load"),
 ]
 
 
-def model_with_remote_code(tmp: Path, a: Assets) -> Path:
+def model_with(tmp: Path, a: Assets, change: Callable[[Path, Path], None]) -> Path:
+    """A copy of the asset model, changed by `change(copy, tmp)`."""
     shutil.copytree(a.model, tmp / "model")
-    remote_code(tmp / "model", tmp)
+    change(tmp / "model", tmp)
     return tmp / "model"
 
 CASES = CONFIG + MODEL + DATA + REWARDS + SFT + INSPECT + CHECKPOINTS + SERVE

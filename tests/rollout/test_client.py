@@ -1,64 +1,143 @@
-"""The completions client reads vLLM's and SGLang's response shapes, and fails clearly on others."""
+"""The server client: it reads vLLM's and SGLang's answer shapes, tells the servers apart by what they answer, refuses
+one that cannot serve RL naming the flag it lacks, and fails clearly on anything else."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
 import socket
+import threading
+from collections.abc import Iterator
 
 import pytest
 
-from treerl.rollout import CompletionsClient, SamplingParams, ServerError
-from treerl.rollout.client import _weight_version, parse_choice
-
-
-def _choice(**overrides):
-    choice = {"index": 0, "text": "7", "finish_reason": "stop", "token_ids": [17, 2],
-              "logprobs": {"tokens": ["7", ""], "token_logprobs": [-0.25, -1.5], "top_logprobs": [], "text_offset": []}}
-    choice.update(overrides)
-    return choice
-
-
-def test_vllm_and_sglang_choice_with_token_ids():
-    completion = parse_choice(_choice(), version=4)
-    assert completion.tokens == [17, 2] and completion.logprobs == [-0.25, -1.5]
-    assert completion.finish_reason == "stop" and completion.versions == [4, 4]
-
-
-def test_token_ids_from_return_tokens_as_token_ids_strings():
-    choice = _choice(token_ids=None, logprobs={"tokens": ["token_id:17", "token_id:2"], "token_logprobs": [-1.0, -2.0]})
-    assert parse_choice(choice, 0).tokens == [17, 2]
-
-
-def test_a_trimmed_stop_token_is_restored():
-    """A server that trims the matched stop token from token_ids but kept its log-prob (SGLang's default)."""
-    choice = _choice(token_ids=[17], matched_stop=2)
-    assert parse_choice(choice, 0).tokens == [17, 2]
-
-
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        ({"logprobs": None}, "no per-token log-probs"),
-        ({"logprobs": {"token_logprobs": [None, -1.0]}, "token_ids": [1, 2]}, "no per-token log-probs"),
-        ({"token_ids": None, "logprobs": {"tokens": ["7", "x"], "token_logprobs": [-1.0, -1.0]}}, "no token ids"),
-        ({"token_ids": [1, 2, 3]}, "3 token ids but 2 log-probs"),
-        ({"finish_reason": "abort"}, "finish_reason 'abort'"),
-    ],
+from treerl.errors import ServerError, UserError
+from treerl.rollout import CompletionsClient, SamplingParams
+from treerl.rollout.client import (
+    VLLM_RL_ROUTES,
+    completions_choice,
+    sglang_completion,
+    span_versions,
+    vllm_generate_completion,
 )
-def test_unusable_choices_are_clear_errors(overrides, message):
+
+
+def vllm_choice(**overrides):
+    """A choice of vLLM 0.32's /inference/v1/generate (the shape seen from the real server)."""
+    choice = {"index": 0, "finish_reason": "stop", "stop_reason": 2, "token_ids": [17, 5, 2],
+              "weight_versions": [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 3}],
+              "logprobs": {"content": [{"token_id": t, "logprob": lp, "rank": 1, "top_logprobs": []}
+                                       for t, lp in ((17, -0.25), (5, -1.0), (2, -1.5))]}}
+    return choice | overrides
+
+
+def sglang_item(**meta):
+    """One item of SGLang 0.5.23's /generate answer (the shape of its source)."""
+    info = {"id": "a1", "finish_reason": {"type": "stop", "matched": 2}, "weight_version": "4",
+            "weight_versions": [{"version": "4", "start": 0, "end": 3}],
+            "output_token_logprobs": [[-0.25, 17, None], [-1.0, 5, None], [-1.5, 2, None]]}
+    return {"text": "7x", "output_ids": [17, 5, 2], "meta_info": info | meta}
+
+
+def test_vllm_generate_choice_with_versions_per_token():
+    completion = vllm_generate_completion(vllm_choice(), version=9)
+    assert completion.tokens == [17, 5, 2] and completion.logprobs == [-0.25, -1.0, -1.5]
+    assert completion.finish_reason == "stop" and completion.versions == [3, 3, 4]
+
+
+def test_vllm_completions_choice_takes_the_version_the_client_pushed():
+    choice = {"index": 0, "finish_reason": "length", "token_ids": [17, 5],
+              "logprobs": {"tokens": ["7", "x"], "token_logprobs": [-0.25, -1.0]}}
+    completion = completions_choice(choice, version=6)
+    assert completion.tokens == [17, 5] and completion.versions == [6, 6] and completion.finish_reason == "length"
+
+
+def test_sglang_item_with_versions_per_token():
+    completion = sglang_completion(sglang_item(), version=0)
+    assert completion.tokens == [17, 5, 2] and completion.logprobs == [-0.25, -1.0, -1.5]
+    assert completion.versions == [4, 4, 4] and completion.finish_reason == "stop"
+    assert sglang_completion(sglang_item(finish_reason={"type": "length", "length": 3}), 0).finish_reason == "length"
+
+
+def test_version_spans():
+    assert span_versions(None, 3, 7) == [7, 7, 7]
+    assert span_versions([{"version": "default", "start": 0, "end": 2}, {"version": "8", "start": 2, "end": 3}], 3,
+                         7) == [7, 7, 8]  # "default": the weights the server started with, not yet pushed to
+    with pytest.raises(ServerError, match="weight version 'v-other'"):
+        span_versions([{"version": "v-other", "start": 0, "end": 3}], 3, 7)
+
+
+@pytest.mark.parametrize("parse, answer, message", [
+    (vllm_generate_completion, vllm_choice(logprobs=None), "no token ids or log-probs"),
+    (vllm_generate_completion, vllm_choice(token_ids=[17, 5]), "2 token ids but 3 log-probs"),
+    (vllm_generate_completion, vllm_choice(finish_reason="abort"), "aborted the generation"),
+    (vllm_generate_completion, vllm_choice(finish_reason="error"), "finish_reason 'error'"),
+    (completions_choice, {"index": 0, "finish_reason": "stop", "token_ids": [1], "logprobs": None},
+     "no token ids or per-token log-probs"),
+    (sglang_completion, sglang_item(output_token_logprobs=[[-0.25, 17, None]]), "not those of its output_ids"),
+    (sglang_completion, sglang_item(finish_reason={"type": "abort", "message": "Aborted"}), "aborted"),
+])
+def test_unusable_answers_are_clear_errors(parse, answer, message):
     with pytest.raises(ServerError, match=message):
-        parse_choice(_choice(**overrides), 0)
+        parse(answer, 0)
 
 
-def test_weight_version_from_metadata_or_default():
-    assert _weight_version({"metadata": {"weight_version": "12"}}, 3) == 12
-    assert _weight_version({"metadata": {"weight_version": "default"}}, 3) == 3
-    assert _weight_version({}, 3) == 3
+# ---------------------------------------------------------------------------------------------- telling servers apart
+@contextlib.contextmanager
+def stub_server(answers: dict[str, object]) -> Iterator[str]:
+    """An HTTP server answering GET/POST `path` with the JSON `answers[path]` (404 otherwise); yields its URL."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _answer(self):
+            path = self.path.split("?")[0]
+            body = json.dumps(answers.get(path, {"detail": "Not Found"})).encode()
+            self.send_response(200 if path in answers else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
-def test_unreachable_server_is_a_clear_error():
+def test_vllm_without_dev_mode_is_refused_naming_the_flag():
+    """A vLLM started without VLLM_SERVER_DEV_MODE=1 answers /version but serves none of the RL routes."""
+    answers = {"/health": {}, "/version": {"version": "0.32.0"}, "/openapi.json": {"paths": {"/v1/completions": {}}}}
+    with stub_server(answers) as url, pytest.raises(UserError, match="start it with VLLM_SERVER_DEV_MODE=1"):
+        CompletionsClient(url).connect()
+
+
+def test_vllm_with_raw_logprobs_is_refused_naming_the_flag():
+    """vLLM's default --logprobs-mode returns the same log-prob at every temperature: refused when connecting."""
+    paths = {route: {} for route in (*VLLM_RL_ROUTES, "/v1/completions")}
+    raw = {"choices": [{"index": 0, "logprobs": {"top_logprobs": [{"a": -0.5, "b": -2.0}]}}]}
+    answers = {"/health": {}, "/version": {"version": "0.32.0"}, "/openapi.json": {"paths": paths},
+               "/v1/completions": raw, "/weight_info": {"weight_version": "default"}}
+    with stub_server(answers) as url, pytest.raises(UserError, match="--logprobs-mode processed_logprobs"):
+        CompletionsClient(url).connect()
+
+
+def test_a_server_that_is_neither_is_named_as_such():
+    with stub_server({"/health": {}}) as url, pytest.raises(UserError, match="is neither vLLM .* nor SGLang"):
+        CompletionsClient(url, setting="rollout.server_url").connect()
+
+
+def test_an_unreachable_server_is_a_user_error_naming_the_setting():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     client = CompletionsClient(f"http://127.0.0.1:{port}", timeout=5)
-    with pytest.raises(ServerError, match="cannot reach the inference server"):
+    with pytest.raises(UserError, match=r"rollout.server_url='http://127.0.0.1:\d+': cannot reach the inference server"):
         client.generate([[1, 2]], SamplingParams())

@@ -21,6 +21,7 @@ from treerl.rollout import (
     build_sampler,
     tool_format_warning,
 )
+from treerl.rollout.collect import server_client
 from treerl.rollout.tokenizer import BUILTIN_CHAT_TEMPLATE, PLAIN_CHAT_TEMPLATE
 from treerl.tree import PrefixTree, validate_sequences
 
@@ -116,17 +117,21 @@ def test_config_works_as_an_omegaconf_structured_config():
 
 
 def test_build_sampler_picks_the_server_client_or_needs_the_model():
-    """A server that answers anything (here 501 to GET /health) is reachable; one nobody listens on is a UserError
-    naming rollout.server_url before anything is sampled (it was a traceback at the first sample)."""
+    """A server that answers (here 501 to everything) is reached, then asked what it is: neither vLLM nor SGLang is a
+    UserError naming rollout.server_url; one nobody listens on is a UserError too, before anything is sampled (it was
+    a traceback at the first sample)."""
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        client = build_sampler(RolloutConfig(server_url=url, server_model="m", request_timeout=3))
+        with pytest.raises(UserError, match=rf"rollout.server_url: {url} is neither vLLM"):
+            build_sampler(RolloutConfig(server_url=url, server_model="m", request_timeout=3))
     finally:
         server.shutdown()
         server.server_close()
+    client = server_client(RolloutConfig(server_url=[url, url + "0"], server_model="m", request_timeout=3))
     assert isinstance(client, CompletionsClient) and client.model == "m" and client.timeout == 3
+    assert [s.url for s in client.servers] == [url, url + "0"]
     with pytest.raises(UserError, match=rf"rollout.server_url='{url}': cannot reach the inference server"):
         build_sampler(RolloutConfig(server_url=url))  # closed now
     with pytest.raises(ValueError, match="needs the model"):

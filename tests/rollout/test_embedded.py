@@ -8,6 +8,7 @@ import torch
 from treerl.engine import FlatEngine, PolicyHead
 from treerl.rollout import EmbeddedSampler, SamplingParams
 from treerl.rollout.embedded import sample
+from treerl.rollout.sampler import truncate_logits
 from treerl.tree import TokenSequence
 
 PROMPTS = ["3+4=", "12+7=", "a longer prompt, to pad the others"]
@@ -18,11 +19,11 @@ def _prompts(tokenizer):
                                           return_dict=False) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8)])
-def test_logprobs_equal_flat_engine_recomputation(policy, tokenizer, temperature, top_p):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_flat_engine_recomputation(policy, tokenizer, temperature):
     """log softmax(logits / T) of each sampled token == FlatEngine(PolicyHead(T)) on prompt + completion."""
     prompts = _prompts(tokenizer)
-    params = SamplingParams(n=3, max_new_tokens=10, temperature=temperature, top_p=top_p,
+    params = SamplingParams(n=3, max_new_tokens=10, temperature=temperature,
                             stop_token_ids=(tokenizer.eos_token_id,), seed=0)
     groups = EmbeddedSampler(policy).generate(prompts, params)
     sequences, behaviour = [], []
@@ -34,6 +35,44 @@ def test_logprobs_equal_flat_engine_recomputation(policy, tokenizer, temperature
     recomputed = FlatEngine(head=PolicyHead(temperature=temperature)).forward(policy, sequences)
     for (start, logprobs), out in zip(behaviour, recomputed):
         torch.testing.assert_close(logprobs, out["logprobs"][start:], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("cut", [dict(top_p=0.8), dict(top_k=5), dict(min_p=0.5), dict(top_p=0.9, top_k=20, min_p=0.1)])
+def test_truncated_logprobs_are_those_of_the_distribution_sampled_from(policy, tokenizer, cut):
+    """With top_p / top_k / min_p each token's behaviour log-prob is its log-prob under the cut, renormalised
+    distribution (the model's own forward, cut by `truncate_logits`), and every token lies inside the cut."""
+    prompts = _prompts(tokenizer)
+    params = SamplingParams(n=3, max_new_tokens=8, temperature=1.3, seed=4, **cut)
+    groups = EmbeddedSampler(policy).generate(prompts, params)
+    truncated = 0
+    for prompt, group in zip(prompts, groups):
+        for completion in group:
+            ids = torch.tensor([prompt + completion.tokens])
+            with torch.no_grad():
+                logits = policy(ids).logits[0, len(prompt) - 1 : -1].double() / 1.3
+            cut_logits = truncate_logits(logits, **cut)
+            expected = torch.log_softmax(cut_logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+            assert torch.isfinite(expected).all(), "a sampled token lies outside the cut"
+            torch.testing.assert_close(torch.tensor(completion.logprobs, dtype=torch.float64), expected,
+                                       rtol=1e-9, atol=1e-9)
+            truncated += int((torch.isinf(cut_logits).any(-1)).sum())
+    assert truncated > 0, "the cut never removed a token: the test would not see a renormalisation"
+
+
+def test_truncate_logits_known_answers():
+    """min_p, top_k and top_p cut as vLLM does, worked out by hand on five tokens."""
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0], dtype=torch.float64)
+    probs = logits.softmax(-1)  # 0.609, 0.224, 0.136, 0.030, 0.004
+    kept = lambda **cut: torch.isfinite(truncate_logits(logits, **cut)).nonzero().flatten().tolist()  # noqa: E731
+    assert kept() == [0, 1, 2, 3, 4]
+    assert kept(top_p=0.9) == [0, 1, 2]  # the least likely tokens holding <= 0.1 of the mass go: 0.004 + 0.030
+    assert probs[:2].sum() < 0.9 <= probs[:3].sum()
+    assert kept(top_p=0.5) == [0]  # the most likely token always stays
+    assert kept(top_k=2) == [0, 1]
+    assert kept(min_p=0.2) == [0, 1, 2]  # p >= 0.2 x 0.609
+    assert kept(top_k=4, top_p=0.8) == [0, 1]  # top_p over the renormalised top 4: 0.609 / 0.9996 < 0.8
+    ties = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    assert torch.isfinite(truncate_logits(ties, top_k=2)).sum() == 3  # ties at the k-th value are kept (vLLM)
 
 
 def test_each_prompt_is_prefilled_once(policy, tokenizer):
@@ -111,17 +150,21 @@ def test_bad_input_is_refused_before_compute(policy):
         SamplingParams(temperature=0.0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-1)
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.0)
 
 
 def test_sampler_frequencies_and_nucleus():
-    """Sampling frequencies follow softmax(logits / T) restricted to the nucleus; log-probs stay untruncated."""
+    """Sampling frequencies follow softmax(logits / T) restricted to the nucleus, and so do the log-probs."""
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]], dtype=torch.float64).expand(40000, -1)
     generator = torch.Generator().manual_seed(0)
-    token, logprob = sample(logits, 0.8, 0.9, generator)
+    token, logprob = sample(logits, SamplingParams(temperature=0.8, top_p=0.9), generator)
     full = torch.softmax(logits[0] / 0.8, -1)
     nucleus = 3  # cumulative mass before token 2 is < 0.9, before token 3 it is >= 0.9
     assert full[:2].sum() < 0.9 <= full[:3].sum()
     counts = torch.bincount(token, minlength=5).double() / len(token)
     torch.testing.assert_close(counts[:nucleus], full[:nucleus] / full[:nucleus].sum(), atol=0.01, rtol=0)
     assert counts[nucleus:].sum() == 0
-    torch.testing.assert_close(logprob, full.log()[token])
+    torch.testing.assert_close(logprob, (full[:nucleus] / full[:nucleus].sum()).log()[token])

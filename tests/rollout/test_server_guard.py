@@ -49,7 +49,7 @@ def test_every_endpoint_but_health_needs_the_key(served):
         answer = ask(client, key)
         assert answer.status_code == 401
         assert "Authorization: Bearer <key>" in answer.json()["error"]["message"]
-        assert ask(client, key, "/update_weights_from_disk", model_path="/tmp").status_code == 401
+        assert ask(client, key, "/collective_rpc", method="reload_weights").status_code == 401
     assert client.get("/v1/models").status_code == 401
     assert client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
     assert ask(client).status_code == 200
@@ -114,8 +114,11 @@ def save_model(path, tokenizer, **kwargs):
     return model
 
 
-def test_a_weight_update_succeeds_whole_or_changes_nothing(served, tokenizer, tmp_path):
-    client, sampler = served
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_weight_update_succeeds_whole_or_changes_nothing(tokenizer, tmp_path, protocol):
+    """Every refused checkpoint leaves the weights and the version as they were (vLLM answers HTTP 500 through
+    collective_rpc, SGLang 400 with success false); a good one changes both."""
+    sampler = EmbeddedSampler(build_model(shape="tiny-qwen3", vocab_size=len(tokenizer), seed=0))
     before = snapshot(sampler.model)
     other = save_model(tmp_path / "other", tokenizer, seed=1)
     save_model(tmp_path / "llama", tokenizer, shape="tiny-llama")
@@ -125,20 +128,30 @@ def test_a_weight_update_succeeds_whole_or_changes_nothing(served, tokenizer, tm
     nan.save_pretrained(tmp_path / "nan")
     (tmp_path / "empty").mkdir()
     bad = [
-        ({"model_path": str(tmp_path / "missing")}, "is not a directory"),
-        ({"model_path": str(tmp_path / "empty")}, "no model.safetensors"),
-        ({"model_path": str(tmp_path / "llama")}, "do not fit the served model"),
-        ({"model_path": str(tmp_path / "nan")}, "model.norm.weight holds NaN or inf"),
-        ({"model_path": str(tmp_path / "other"), "weight_version": "seven"}, "invalid literal for int"),
+        (str(tmp_path / "missing"), "is not a directory"),
+        (str(tmp_path / "empty"), "no model.safetensors"),
+        (str(tmp_path / "llama"), "do not fit the served model"),
+        (str(tmp_path / "nan"), "model.norm.weight holds NaN or inf"),
     ]
-    for body, message in bad:
-        answer = ask(client, path="/update_weights_from_disk", **body).json()
-        assert answer["success"] is False and message in answer["message"], answer
-        assert all(torch.equal(before[k], v) for k, v in sampler.model.state_dict().items())  # nothing changed
-        assert sampler.version == 0
-    answer = ask(client, path="/update_weights_from_disk", model_path=str(tmp_path / "other"), weight_version="3")
-    assert answer.json()["success"] is True and sampler.version == 3
-    assert all(torch.equal(other.state_dict()[k], v) for k, v in sampler.model.state_dict().items())
+    with TestClient(build_app(sampler, tokenizer, "tiny", protocol=protocol)) as client:
+        def load(path: str):
+            if protocol == "vllm":
+                return client.post("/collective_rpc", json={"method": "reload_weights",
+                                                            "kwargs": {"weights_path": path}})
+            return client.post("/update_weights_from_disk", json={"model_path": path, "weight_version": "3"})
+
+        def version() -> str:
+            return client.get("/weight_info" if protocol == "vllm" else "/model_info").json()["weight_version"]
+
+        for path, message in bad:
+            answer = load(path)
+            assert answer.status_code == (500 if protocol == "vllm" else 400), answer.text
+            assert message in answer.text
+            assert all(torch.equal(before[k], v) for k, v in sampler.model.state_dict().items())  # nothing changed
+            assert version() == "default"
+        assert load(str(tmp_path / "other")).status_code == 200
+        assert all(torch.equal(other.state_dict()[k], v) for k, v in sampler.model.state_dict().items())
+        assert version() == ("default" if protocol == "vllm" else "3")  # vLLM sets it with /update_weight_version
 
 
 def post_and_leave(url: str, body: dict, key: str | None = None) -> None:

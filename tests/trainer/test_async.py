@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from treerl.engine import FlatEngine, PolicyHead
+from treerl.errors import TrainingStopped
 from treerl.models import build_model
 from treerl.rollout import EmbeddedSampler, RolloutStats, SamplingParams
 from treerl.rollout.tasks import build_task
@@ -21,7 +22,7 @@ from treerl.trainer import ConfigError, train
 from treerl.trainer.asynchronous import pool as pool_module
 from treerl.trainer.asynchronous import worker_set
 from treerl.trainer.asynchronous.interruptible import InterruptibleSampler
-from treerl.trainer.asynchronous.loop import decoupled
+from treerl.algo.config import decoupled
 from treerl.trainer.asynchronous.pool import RolloutPool
 from treerl.trainer.asynchronous.weights import SharedWeights
 from treerl.trainer.asynchronous.workers import GroupResult
@@ -291,7 +292,6 @@ def test_async_trains_the_configured_loss_as_decoupled_ppo(tiny_config):
     (["trainer.on_update=never"], r"trainer.on_update='never' is not one of: finish, interrupt"),
     (["trainer.max_staleness=-1"], r"trainer.max_staleness=-1 must be >= 0"),
     (["trainer.rollout_workers=0"], r"trainer.rollout_workers=0 must be > 0"),
-    (["trainer.mode=async", "rollout.server_url=http://127.0.0.1:1"], r"rollout.server_url needs trainer.mode=sync"),
 ])
 def test_bad_async_settings_are_clear_errors(tiny_config, overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -328,10 +328,16 @@ def rewards(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow  # ~9 s on 2 cores
-def test_groups_whose_samples_all_failed_are_counted_and_their_steps_skipped(tiny_config, rewards):
-    result = train(tiny_config(*rewards("broken"), "trainer.steps=2", "trainer.save_final=false"))
-    assert result.skipped_steps == 2 and result.dropped_samples == 2 * 2 * 2
-    assert result.counters["dropped_failed"] == 2 * 2 and result.counters["trained"] == 0
+def test_groups_whose_samples_all_failed_are_counted_and_their_steps_skipped(tiny_config, rewards, tmp_path):
+    """Groups whose every sample failed are counted and their steps skipped; then the run, none of whose steps
+    trained, stops naming why (exit code 3 from the CLI)."""
+    with pytest.raises(TrainingStopped, match=r"no step of this run trained: every sample of steps 0-1 was dropped "
+                                              r"\(reward_raised: 8\): fix the reward"):
+        train(tiny_config(*rewards("broken"), "trainer.steps=2", "trainer.save_final=false"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = [row for row in rows if "async/trained" in row][-1]
+    assert last["trainer/skipped_steps"] == 2 and sum(row.get("rollout/dropped", 0) for row in rows) == 2 * 2 * 2
+    assert last["async/dropped_failed"] == 2 * 2 and last["async/trained"] == 0
 
 
 @pytest.mark.slow
@@ -345,13 +351,15 @@ def test_a_worker_that_keeps_dying_stops_the_run_with_the_reason(tiny_config, re
 
 @pytest.mark.slow
 def test_rewards_that_exit_or_hang_are_dropped_samples_in_async_mode(tiny_config, rewards, tmp_path):
-    """sys.exit() in a reward, or a reward past rollout.reward_timeout: the sample is dropped with its reason."""
+    """sys.exit() in a reward, or a reward past rollout.reward_timeout: the sample is dropped with its reason (and a
+    run none of whose steps trained stops saying why, with no worker restarted on the way)."""
     for name, reason in (("interrupts", "reward_raised"), ("hangs", "reward_timeout")):
-        result = train(tiny_config(*rewards(name), "trainer.steps=2", "trainer.save_final=false",
-                                   "rollout.reward_timeout=0.2", name=name))
-        assert result.dropped_samples == 2 * 2 * 2 and result.counters["restarts"] == 0
+        with pytest.raises(TrainingStopped, match=rf"no step of this run trained: .*\({reason}: 8\)"):
+            train(tiny_config(*rewards(name), "trainer.steps=2", "trainer.save_final=false",
+                              "rollout.reward_timeout=0.2", name=name))
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert sum(r.get(f"rollout/dropped_{reason}", 0) for r in rows) == 8
+        assert rows[-1]["async/restarts"] == 0
         dropped = (tmp_path / name / "dropped.jsonl").read_text()
         assert ("SystemExit: the reward function called exit()" if name == "interrupts" else "did not return") in dropped
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 import textwrap
 from pathlib import Path
@@ -192,6 +191,16 @@ def flaky(prompt, completion, answer):
 def broken(prompt, completion, answer):
     raise RuntimeError("reward server down")
 
+def down_at_first(prompt, completion, answer):
+    """Raises on its first 8 calls (step 0's samples) in the current directory, then returns 1."""
+    from pathlib import Path
+    calls = Path("reward_calls")
+    done = int(calls.read_text()) if calls.exists() else 0
+    calls.write_text(str(done + 1))
+    if done < 8:
+        raise RuntimeError("reward server down")
+    return 1.0
+
 def exits(prompt, completion, answer):
     raise SystemExit(f"exit called on {completion!r}")
 
@@ -229,48 +238,56 @@ def test_failing_rewards_are_dropped_reported_and_counted(tiny_config, tmp_path,
 
 
 def test_a_step_whose_samples_all_fail_is_skipped_not_fatal(tiny_config, tmp_path, user_task):
-    config = tiny_config(*user_task, "rollout.reward_fn=my_rewards_for_trainer_test:broken", "trainer.steps=2",
+    """Step 0's every sample fails: it is skipped and counted; step 1 trains, and the run ends as usual."""
+    config = tiny_config(*user_task, "rollout.reward_fn=my_rewards_for_trainer_test:down_at_first", "trainer.steps=2",
                          "trainer.save_final=false")
     result = train(config)
-    assert result.skipped_steps == 2 and math.isnan(result.train_reward_last)
+    assert result.skipped_steps == 1 and result.train_reward_first == result.train_reward_last == 1.0
     rows = [r for r in metrics_rows(tmp_path / "run") if "trainer/skipped_steps" in r]
-    assert [r["trainer/skipped_steps"] for r in rows] == [1, 2]
+    assert [r["trainer/skipped_steps"] for r in rows] == [1, 1] and "train/loss" in rows[1]
 
 
 def test_the_skipped_step_count_goes_on_after_a_resume(tiny_config, tmp_path, user_task):
     """The loop state (here: skipped steps) is saved with the checkpoint and restored from it."""
     broken = (*user_task, "rollout.reward_fn=my_rewards_for_trainer_test:broken")
-    train(tiny_config(*broken, "trainer.steps=1"))
-    result = train(tiny_config(*broken, "trainer.steps=2", "trainer.resume=auto"))
-    assert result.steps == 2 and result.skipped_steps == 2
+    with pytest.raises(TrainingStopped, match="no step of this run trained: every sample of step 0 was dropped"):
+        train(tiny_config(*broken, "trainer.steps=1"))
+    with pytest.raises(TrainingStopped, match="no step of this run trained: every sample of step 1 was dropped"):
+        train(tiny_config(*broken, "trainer.steps=2", "trainer.resume=auto"))
+    (row,) = [r for r in metrics_rows(tmp_path / "run") if r["step"] == 1 and "trainer/skipped_steps" in r]
+    assert row["trainer/skipped_steps"] == 2
 
 
 @pytest.mark.parametrize("reward, reason, text", [("exits", "reward_raised", "raised SystemExit: exit called on"),
                                                   ("hangs", "reward_timeout", "did not return within 0.2 s")])
 def test_a_reward_that_exits_or_hangs_drops_its_sample_and_the_run_goes_on(tiny_config, tmp_path, user_task, reward,
                                                                            reason, text):
-    """Synchronous training: sys.exit() in a reward, or a reward past rollout.reward_timeout, is a dropped sample."""
-    result = train(tiny_config(*user_task, f"rollout.reward_fn=my_rewards_for_trainer_test:{reward}", "trainer.steps=1",
-                               "rollout.reward_timeout=0.2", "trainer.save_final=false"))
-    assert result.steps == 1 and result.skipped_steps == 1 and result.dropped_samples == 2 * 4
+    """Synchronous training: sys.exit() in a reward, or a reward past rollout.reward_timeout, is a dropped sample (and
+    a run whose every sample is dropped stops, naming the reason and what to change)."""
+    remedy = "raise rollout.reward_timeout" if reason == "reward_timeout" else "fix the reward (rollout.reward_fn"
+    expected = rf"every sample of step 0 was dropped \({reason}: 8\): {re.escape(remedy)}"
+    with pytest.raises(TrainingStopped, match=expected):
+        train(tiny_config(*user_task, f"rollout.reward_fn=my_rewards_for_trainer_test:{reward}", "trainer.steps=1",
+                          "rollout.reward_timeout=0.2", "trainer.save_final=false"))
     (row,) = [r for r in metrics_rows(tmp_path / "run") if "rollout/dropped" in r]
-    assert row[f"rollout/dropped_{reason}"] == 8
+    assert row[f"rollout/dropped_{reason}"] == row["rollout/dropped"] == 8 and row["trainer/skipped_steps"] == 1
     assert text in (tmp_path / "run" / "dropped.jsonl").read_text()
 
 
 def test_a_reward_too_large_to_train_on_drops_its_sample(tiny_config, tmp_path, user_task):
     """1e308 (it made the reward statistics raise OverflowError) is a dropped sample, reason reward_too_large."""
-    result = train(tiny_config(*user_task, "rollout.reward_fn=my_rewards_for_trainer_test:huge", "trainer.steps=1",
-                               "trainer.save_final=false"))
-    assert result.steps == 1 and result.skipped_steps == 1 and result.dropped_samples == 2 * 4
+    with pytest.raises(TrainingStopped, match=r"every sample of step 0 was dropped \(reward_too_large: 8\)"):
+        train(tiny_config(*user_task, "rollout.reward_fn=my_rewards_for_trainer_test:huge", "trainer.steps=1",
+                          "trainer.save_final=false"))
     (row,) = [r for r in metrics_rows(tmp_path / "run") if "rollout/dropped" in r]
-    assert row["rollout/dropped_reward_too_large"] == 8
+    assert row["rollout/dropped_reward_too_large"] == row["rollout/dropped"] == 8 and row["trainer/skipped_steps"] == 1
     assert "returned 1e+308; rewards must be within +-1e+09" in (tmp_path / "run" / "dropped.jsonl").read_text()
 
 
 def test_a_run_whose_every_sample_keeps_failing_stops_naming_the_first_failure(tmp_path, user_task):
-    """trainer.max_failed_steps steps in a row with every sample dropped: exit code 3 and one line naming the first
-    failure (not exit 0 with a NaN reward); the failed steps are logged, no checkpoint is written."""
+    """trainer.max_failed_steps steps in a row with every sample dropped: exit code 3 and one line naming the reasons,
+    what to change and the first failure (not exit 0 with a NaN reward); the failed steps are logged, no checkpoint is
+    written."""
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["train", *user_task, "rollout.reward_fn=my_rewards_for_trainer_test:broken",
                                       "trainer.steps=10", "trainer.max_failed_steps=2", "trainer.eval_prompts=0",
@@ -278,11 +295,34 @@ def test_a_run_whose_every_sample_keeps_failing_stops_naming_the_first_failure(t
                                       "rollout.prompts_per_step=2", "rollout.group_size=2", f"trainer.output_dir={out}"])
     errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
     assert result.exit_code == TrainingStopped.exit_code and len(errors) == 1, result.output
-    assert re.fullmatch(r"error: every sample of 2 steps in a row \(steps 0-1\) was dropped \(trainer.max_failed_steps=2\); "
-                        r"the first failure: \[s0/p0\S*\] reward function raised RuntimeError: reward server down; all of "
-                        r"them in .*dropped.jsonl", errors[0]), errors[0]
+    assert re.fullmatch(r"error: every sample of 2 steps in a row \(steps 0-1\) was dropped \(reward_raised: 8; "
+                        r"trainer.max_failed_steps=2\): fix the reward \(rollout.reward_fn, or what the agent or "
+                        r"environment returns\); the first failure: \[s0/p0\S*\] reward function raised RuntimeError: "
+                        r"reward server down; all of them in .*dropped.jsonl", errors[0]), errors[0]
     assert [r["step"] for r in metrics_rows(out) if "rollout/dropped" in r] == [0, 1]
     assert not (out / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("settings", [["trainer.steps=2"], ["trainer.steps=3", "trainer.max_failed_steps=0"]],
+                         ids=["fewer steps than max_failed_steps", "max_failed_steps=0"])
+def test_a_run_none_of_whose_steps_trained_exits_3_naming_why(tmp_path, settings):
+    """Every prompt (8 tokens) with its reply budget (3) is over rollout.max_context_tokens=8, so every sample of
+    every step is dropped, in fewer steps than trainer.max_failed_steps or with it 0: exit code 3 and one line with
+    the counts by reason and the setting to change (it was exit 0, a NaN reward and a summary.json)."""
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", *settings, "rollout.max_context_tokens=8", "trainer.eval_prompts=0",
+                                      "trainer.progress=false", "trainer.tensorboard=false",
+                                      "rollout.prompts_per_step=2", "rollout.group_size=2",
+                                      f"trainer.output_dir={out}"])
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == TrainingStopped.exit_code and len(errors) == 1, result.output
+    steps = int(settings[0].split("=")[1])
+    assert re.fullmatch(rf"error: no step of this run trained: every sample of steps 0-{steps - 1} was dropped "
+                        rf"\(context_limit: {4 * steps}\): raise rollout.max_context_tokens \(a prompt and its reply "
+                        r"budget, rollout.max_new_tokens, must fit in it\); the first failure: \[s0/p0/0\] the prompt "
+                        r"has 8 tokens; with max_new_tokens 3 it exceeds rollout.max_context_tokens=8; all of them in "
+                        r".*dropped.jsonl", errors[0]), errors[0]
+    assert not (out / "summary.json").exists()
 
 
 def test_bad_setups_are_clear_errors(tiny_config, tmp_path):
@@ -309,15 +349,19 @@ def test_a_checkpoint_is_a_local_model_path_for_a_users_data(tiny_config, tmp_pa
 
 
 @pytest.mark.slow
-def test_training_with_an_inference_server_pushes_the_new_weights(tiny_config, tmp_path):
-    """rollout.server_url: samples come from `treerl serve`; after each update the server loads the new weights."""
-    with treerl_serve("--seed", "0") as url:  # the trainer's own initial model: tiny-qwen3, seed 0, float32
-        result = train(tiny_config(f"rollout.server_url={url}", "trainer.steps=2"))
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_training_with_an_inference_server_pushes_the_new_weights(tiny_config, tmp_path, protocol, mode):
+    """rollout.server_url: samples come from `treerl serve` (either protocol, either training mode); each new version
+    is pushed before it samples, through rollout.weights_dir, and the last one when the run ends."""
+    with treerl_serve("--seed", "0", "--protocol", protocol) as url:  # the trainer's initial model: tiny-qwen3, seed 0
+        result = train(tiny_config(f"rollout.server_url={url}", "trainer.steps=2", f"trainer.mode={mode}",
+                                   f"rollout.weights_dir={tmp_path / 'pushed'}"))
         assert result.steps == 2
-        rows = [r for r in metrics_rows(tmp_path / "run") if "rollout/model_calls" in r]
-        assert all(r["rollout/model_calls"] == 8 for r in rows)
+        rows = [r for r in metrics_rows(tmp_path / "run") if "rollout/model_calls" in r or "async/trained" in r]
+        assert len(rows) == 2 and all("time/weight_push" in r for r in rows)
         (group,) = CompletionsClient(url).generate([[1, 2, 3]], SamplingParams(n=1, max_new_tokens=2, seed=0))
         assert group[0].versions == [2] * len(group[0].tokens)  # the server runs the weights of step 2
-    served = read_weights(tmp_path / "run" / "server_weights")
+    served = read_weights(tmp_path / "pushed" / "weights")
     final = read_weights(checkpoint_dir(tmp_path / "run", 2))
     assert all(torch.equal(served[k], final[k]) for k in final)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from treerl.trainer import ConfigError, load_config, to_yaml
-from treerl.trainer.core.config import all_keys, packaged_configs
+from treerl.trainer.core.config import all_keys, packaged_configs, trained_algo
 from treerl.trainer.core.config_docs import render
 from treerl.trainer.core.optim import lr_factor
 from treerl.trainer.core.update import minibatch_indices
@@ -56,6 +56,14 @@ def test_yaml_then_overrides_win(tmp_path):
     (["algo.loss=ppo", "trainer.mode=async"], r"trains a critic, which trainer.mode=async does not run"),
     (["algo.loss=ppo", "critic.path=/no/such/critic"], r"critic.path='/no/such/critic' does not exist"),
     (["critic.lr=0"], r"critic.lr=0.0 must be > 0"),
+    (["rollout.top_k=-1"], r"rollout.top_k must be >= 0"),
+    (["rollout.min_p=1"], r"rollout.min_p must be in \[0, 1\)"),
+    (["rollout.server_url=[]"], r"rollout.server_url is an empty list"),
+    (["rollout.server_url=[http://127.0.0.1:8000,ftp://x]"], r"rollout.server_url='ftp://x' must be an http"),
+    (["rollout.top_p=0.9", "algo.loss=gspo"], r"rollout.top_p=0.9 samples from a truncated distribution.*"
+                                              r"algo.loss=gspo has no form of"),
+    (["rollout.top_k=5", "trainer.decoupled_loss=false"], r"rollout.top_k=5 .*set trainer.decoupled_loss=true"),
+    (["rollout.min_p=0.1", "trainer.recompute_logprobs=true"], r"trainer.recompute_logprobs=true would overwrite"),
 ])
 def test_bad_values_are_clear_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -78,6 +86,16 @@ def test_every_key_is_documented_and_the_reference_is_up_to_date():
     for key in all_keys():
         row = next(line for line in text.splitlines() if line.startswith(f"| `{key}` |"))
         assert not row.endswith("|  |"), f"{key} has no comment in its dataclass"
+
+
+def test_truncated_sampling_trains_decoupled_ppo_and_untruncated_the_configured_loss():
+    """top_p / top_k / min_p make the samples off-policy by design: the run trains the loss as decoupled PPO (same
+    advantages and aggregation), as asynchronous training does; untruncated synchronous training keeps the loss."""
+    assert trained_algo(load_config(None, ["algo.loss=grpo"])).loss == "grpo"
+    for cut in ("rollout.top_p=0.9", "rollout.top_k=20", "rollout.min_p=0.05"):
+        algo = trained_algo(load_config(None, ["algo.loss=grpo", cut]))
+        assert algo.loss == "decoupled_ppo" and algo.aggregation == "seq_mean_token_mean" and algo.advantage == "group"
+    assert trained_algo(load_config(None, ["algo.loss=grpo", "trainer.mode=async"])).loss == "decoupled_ppo"
 
 
 def test_lr_schedule():

@@ -16,6 +16,7 @@ LOSSES = ("ppo", "decoupled_ppo", "grpo", "dr_grpo", "gspo", "rloo", "reinforce_
 ADVANTAGES = ("group", "group_mean", "rloo", "gae", "returns", "none")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+DECOUPLABLE = ("ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp")  # losses with a per-token ratio to the old policy
 
 # The usual settings of each loss (AReaL, verl, TRL, OpenRLHF); a key set in the config wins.
 LOSS_DEFAULTS: dict[str, dict[str, object]] = {
@@ -102,3 +103,11 @@ class AlgoConfig:
                 f"algo.kl_in_reward=True needs per-token rewards (algo.advantage=gae or returns), not {out.advantage}"
             )
         return out
+
+
+def decoupled(algo: AlgoConfig) -> AlgoConfig:
+    """The same objective with decoupled PPO's ratio: advantages, aggregation and clipping as the loss had them (a
+    loss without a per-token ratio, GSPO or SFT, is returned as it is)."""
+    if algo.loss not in DECOUPLABLE:
+        return algo
+    return replace(algo.resolved(), loss="decoupled_ppo")

@@ -9,15 +9,25 @@ from pathlib import Path
 
 import typer
 
-from treerl.trainer.core.export import export_checkpoint
+from treerl.errors import UserError
+from treerl.models import SHAPES
+from treerl.trainer.core.export import export_checkpoint, export_shape
 
 
 def export(
-    checkpoint: Path = typer.Argument(..., help="a checkpoint directory (output_dir/checkpoints/step_N)"),
-    out: Path = typer.Argument(..., help="the model directory to write (must not exist, or be empty)"),
+    paths: list[Path] = typer.Argument(..., help="CHECKPOINT OUT: a checkpoint directory (output_dir/checkpoints/"
+                                       "step_N), then the model directory to write (new, or empty); with --shape, OUT "
+                                       "alone", show_default=False),
+    shape: str = typer.Option(None, help=f"write this random-init shape instead of a checkpoint ({', '.join(SHAPES)})"),
+    seed: int = typer.Option(0, help="with --shape: the seed of its random weights"),
     dtype: str = typer.Option(None, help="cast the weights: float32, bfloat16, float16, float64 (default: as trained)"),
 ) -> None:
-    """Write a checkpoint's policy as a plain transformers model: LoRA adapters are merged into the base."""
-    path = export_checkpoint(checkpoint, out, dtype)
+    """Write a checkpoint's policy as a plain transformers model: LoRA adapters are merged into the base. With
+    --shape, a named random-init shape and the built-in tokenizer (a model to try a server setup with)."""
+    if len(paths) != (1 if shape else 2):
+        raise UserError("treerl export CHECKPOINT OUT, or treerl export --shape SHAPE OUT")
+    if shape is not None and shape not in SHAPES:
+        raise UserError(f"--shape {shape!r}: not one of {', '.join(SHAPES)}")
+    path = export_shape(shape, paths[0], dtype, seed) if shape else export_checkpoint(paths[0], paths[1], dtype)
     typer.echo(f"wrote {path}: AutoModelForCausalLM.from_pretrained({str(path)!r}) loads it, as does any server that "
                "reads transformers checkpoints (vLLM, SGLang, treerl serve)")

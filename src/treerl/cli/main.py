@@ -4,7 +4,8 @@ Beside the steps (docs/architecture.md): the command line.
 
 Every command runs through `reported`: a user's mistake (`treerl.errors.UserError`: a config key, a
 data row, a reward import, a model or checkpoint path) is one line, `error: ...`, and exit code 2; a
-run that stopped itself (a NaN/inf, `TrainingStopped`) is one line and exit code 3; a SIGINT / SIGTERM
+run that stopped itself (a NaN/inf, `TrainingStopped`) is one line and exit code 3; an inference server
+that failed (`ServerError`, after the last complete step is checkpointed) is one line and exit code 4; a SIGINT / SIGTERM
 outside the training steps (`treerl.cli.signals`) is one line and exit code 130 / 143; anything else is
 a bug and keeps its traceback.
 """
@@ -22,7 +23,7 @@ from typing import Any
 import typer
 
 from treerl.cli import bench_cmd, export_cmd, inspect_cmd, serve_cmd, train_cmd
-from treerl.errors import Interrupted, TrainingStopped, UserError
+from treerl.errors import Interrupted, ServerError, TrainingStopped, UserError
 
 app = typer.Typer(
     help="treerl: RL post-training that never computes a shared prefix twice.",
@@ -33,8 +34,8 @@ app = typer.Typer(
 
 
 def reported(command: Callable[..., Any]) -> Callable[..., Any]:
-    """`command` with user errors as one line and exit code 2 (TrainingStopped: exit code 3; a signal: 128 + its
-    number)."""
+    """`command` with user errors as one line and exit code 2 (TrainingStopped: exit code 3; ServerError: exit code
+    4; a signal: 128 + its number)."""
 
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -50,6 +51,9 @@ def reported(command: Callable[..., Any]) -> Callable[..., Any]:
         except TrainingStopped as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(TrainingStopped.exit_code) from None
+        except ServerError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(ServerError.exit_code) from None
         except EOFError as e:  # click would print only "Aborted."
             raise RuntimeError(f"unexpected end of input: {e}") from e
 

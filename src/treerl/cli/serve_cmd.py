@@ -13,6 +13,7 @@ from treerl.cli.options import check_positive
 from treerl.errors import UserError
 from treerl.models import DTYPES
 from treerl.rollout.client import API_KEY_ENV
+from treerl.rollout.server import PROTOCOLS
 
 
 def serve(
@@ -37,8 +38,10 @@ def serve(
     seed: int = typer.Option(0, help="seed of the random-init weights"),
     served_model_name: str = typer.Option("default", help="the model name clients send"),
     trust_remote_code: bool = typer.Option(False, help="run Python code shipped with --model-path (auto_map)"),
+    protocol: str = typer.Option("vllm", help="the server it imitates: vllm (0.32: /v1/completions, "
+                                 "/inference/v1/generate, its RL routes) or sglang (0.5.23: /generate and its routes)"),
 ) -> None:
-    """Serve the embedded sampler with vLLM's /v1/completions API (tokens + behaviour log-probs).
+    """Serve the embedded sampler with the HTTP protocol of vLLM or SGLang (tokens + behaviour log-probs).
 
     On loopback (the default host) no API key is needed unless --api-key / TREERL_API_KEY sets one; on any
     other address one is required. SIGTERM or Ctrl-C stops generations in progress and exits.
@@ -50,6 +53,8 @@ def serve(
     from treerl.rollout.server import Guard, run_server
     from treerl.rollout.tokenizer import load_tokenizer
 
+    if protocol not in PROTOCOLS:
+        raise UserError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     if dtype not in DTYPES:
         raise typer.BadParameter(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if not api_key and not is_loopback(host):
@@ -70,8 +75,10 @@ def serve(
     guard = Guard(api_key=api_key or None, max_n=max_n, max_tokens=max_tokens, max_prompts=max_prompts,
                   request_timeout=request_timeout)
     access = "API key required" if guard.api_key else "no API key (loopback only)"
-    typer.echo(f"treerl serve: {model_path or shape} on http://{host}:{port}/v1 as {served_model_name!r}; {access}")
-    run_server(EmbeddedSampler(model), tokenizer, host=host, port=port, model_name=served_model_name, guard=guard)
+    typer.echo(f"treerl serve: {model_path or shape} on http://{host}:{port} as {served_model_name!r}, {protocol} "
+               f"protocol; {access}")
+    run_server(EmbeddedSampler(model), tokenizer, host=host, port=port, model_name=served_model_name, guard=guard,
+               protocol=protocol)
 
 
 def is_loopback(host: str) -> bool:

@@ -197,8 +197,11 @@ class AgentWorkflow:
             raise ValueError("the agent workflow samples with its proxy's sampler")
         self.proxy.start()
         self.proxy.batcher.seed = seed
+        self.proxy.batcher.server_error = None
         stats.prompts += len(prompts)
         episodes = run_coroutine(self._play_all(prompts))
+        if self.proxy.batcher.server_error is not None:  # the episodes failed because a server did: say so, once
+            raise self.proxy.batcher.server_error
         per_turn = {e.prompt.id for e in episodes if isinstance(e.reward, EpisodeReward) and e.reward.turns}
         sequences: list[TokenSequence] = []
         for episode in episodes:

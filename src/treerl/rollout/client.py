@@ -1,79 +1,184 @@
-"""A client for an OpenAI-compatible completions server: vLLM, SGLang, or `treerl serve`.
+"""The client of one or several inference servers: vLLM, SGLang, or `treerl serve` (which imitates either).
 
-Step 1 (docs/architecture.md): sampling on a server; after step 6, the new weights pushed to it.
+Step 1 (docs/architecture.md): sampling on servers; after step 6, the new weights pushed to them.
 
-Prompts go out as token ids (`prompt: [[ids], ...]`, `n` samples each) and completions come back
-as token ids with one log-prob per generated token. The request asks for
-`logprobs=1` and `return_token_ids=true` (vLLM >= 0.10.2 and SGLang put `token_ids` in each
-choice), and for the stop token to be kept (`include_stop_str_in_output` for vLLM,
-`no_stop_trim` for SGLang); `return_tokens_as_token_ids` ("token_id:123" strings, vLLM) is read
-as a fallback. Choices come back prompt-major: choice `i` is sample `i % n` of prompt `i // n`.
+    client = CompletionsClient(["http://127.0.0.1:8000"], model="policy")
+    client.connect()                                  # reachable? which server, which routes? (before any compute)
+    client.push_weights("/dev/shm/treerl-run/weights", version=0)   # every server loads them, tagged 0
+    groups = client.generate(prompts, SamplingParams(n=8, seed=1))  # token ids in, Completions out
 
-Which log-prob the server returns matters: the trainer recomputes `log_softmax(logits / T)`.
-- `treerl serve`: exactly that.
-- vLLM: start it with `--logprobs-mode processed_logprobs` (the default, `raw_logprobs`, ignores the
-  temperature) and sample with `top_p = 1` (processed log-probs are renormalised over the nucleus).
-- SGLang: its default (temperature applied) is right; do not set `SGLANG_RETURN_ORIGINAL_LOGPROB`.
+What each server is, and so how to talk to it, is read from the server itself (`connect`): a
+vLLM server answers `GET /version` and serves its RL routes (`VLLM_SERVER_DEV_MODE=1`); an
+SGLang server answers `GET /model_info`. `rollout.server_type` may name the kind instead of
+`auto`; a server that lacks the routes its kind needs is refused at once, naming the flag that
+adds them.
 
-The policy version of each token is the server's `metadata.weight_version` (SGLang, `treerl serve`)
-when it reports one, else the client's own `version`, which the trainer sets after pushing weights.
+Sampling, one request per prompt, sent concurrently (requests to several servers balanced: each
+goes to the server with the fewest requests in flight):
+- vLLM with `--enable-scale-out`: `POST /inference/v1/generate` (token ids in and out, each token's
+  log-prob, and the weight version that sampled each token); otherwise `POST /v1/completions`
+  (synchronous training only: it does not say which weights sampled a token).
+- SGLang: `POST /generate` with the prompt repeated once per sample, each with its own
+  `sampling_seed` (SGLang seeds only with `--enable-deterministic-inference`, and then gives the n
+  copies of one request the same seed); per-token versions from `meta_info.weight_versions`.
+Seeds: a call's seed gives every prompt (SGLang: every sample) a seed of its own, derived from it,
+so no two prompts share a random stream (one seed for a whole multi-prompt request makes vLLM
+sample j of every prompt from the same stream) and a seeded call is reproducible.
 
-Weight sync (`update_weights_from_disk`), each server's documented endpoints, then a version check:
-- `server_type="sglang"` (and `treerl serve`): `POST /update_weights_from_disk` with `model_path` and
-  `weight_version`; then `GET /get_weight_version` must report that version.
-- `server_type="vllm"` (start it with `VLLM_SERVER_DEV_MODE=1`; these are its RL/dev routes):
-  `POST /pause?mode=wait`, `POST /collective_rpc` `update_config` (the model path), `POST /collective_rpc`
-  `reload_weights` (in place, from that path), `POST /update_weight_version`, `POST /resume`; then
-  `GET /weight_info` must report the version. The checkpoint must have the served model's architecture.
+Behaviour log-probs (see `treerl.rollout.sampler`): those of the distribution the tokens were drawn
+from. vLLM returns them with `--logprobs-mode processed_logprobs` (top_p / top_k / min_p included);
+SGLang 0.5.23 returns the untruncated log-prob on these routes, so truncated sampling is refused
+for it (`connect` checks nothing about sampling; `check_sampling` does).
+
+Weight sync (`push_weights`): the trainer writes a transformers checkpoint (safetensors; on one
+machine under /dev/shm, so nothing touches a disk) and each server loads it in place:
+- vLLM 0.32: `POST /pause?mode=wait|keep`, `POST /collective_rpc` `reload_weights` with
+  `kwargs.weights_path`, `POST /update_weight_version`, `POST /resume`; `GET /weight_info` must
+  then report the version. (`collective_rpc update_config` answers HTTP 500 on 0.32, and a failed
+  `reload_weights` leaves vLLM's model half loaded: the server must be restarted.)
+- SGLang: `POST /update_weights_from_disk` with `model_path` and `weight_version` (it waits for the
+  requests in flight), or between `POST /pause_generation {"mode": "retract"}` and
+  `POST /continue_generation` to move them onto the new weights; `GET /model_info` must then
+  report the version.
+`pause="wait"` lets generations in flight finish on the old weights; `pause="keep"` freezes them
+and resumes them on the new weights (the per-token versions say which tokens came from which).
+
+Every failure is a `ServerError`: one line naming the server, the endpoint, the server's answer and
+`rollout.server_type`.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
-from treerl.errors import UserError
+from treerl.errors import ServerError, UserError
 from treerl.rollout.sampler import Completion, SamplingParams, check_prompts
+from treerl.rollout.tasks.base import rng_for
 
-REACH_TIMEOUT = 30.0  # seconds `check_reachable` waits for the server's first answer
+REACH_TIMEOUT = 30.0  # seconds `connect` waits for a server's first answer
 API_KEY_ENV = "TREERL_API_KEY"  # the server's key, for `treerl serve --api-key` and the trainer's client alike
+SERVER_TYPES = ("auto", "vllm", "sglang")
+PAUSE_MODES = ("wait", "keep")  # generations in flight during a push: finish on the old weights | resume on the new
+VLLM_RL_ROUTES = ("/pause", "/resume", "/collective_rpc", "/update_weight_version", "/weight_info")
+VLLM_GENERATE = "/inference/v1/generate"
+SGLANG_ROUTES = ("/generate", "/update_weights_from_disk", "/model_info", "/pause_generation", "/continue_generation")
 
 
-class ServerError(RuntimeError):
-    """The server could not be reached, refused the request, or answered in an unexpected shape."""
+@dataclass(frozen=True)
+class ServerInfo:
+    """What one server is and how it is spoken to, as read from it by `connect`."""
+
+    kind: str  # "vllm" | "sglang"
+    release: str  # the server's version string (vLLM's /version, SGLang's /server_info)
+    generate_route: str  # where samples come from
+    versions_per_token: bool  # its answers say which weight version sampled each token
+
+
+@dataclass
+class Server:
+    """One server: its URL, what `connect` found, and its requests in flight (for balancing)."""
+
+    url: str
+    info: ServerInfo | None = None
+    in_flight: int = 0
 
 
 @dataclass
 class CompletionsClient:
-    """Sends token-id prompts to `{base_url}/v1/completions` and returns `Completion`s."""
+    """Samples token ids from inference servers and pushes new weights to all of them."""
 
-    base_url: str
+    base_url: str | list[str]  # one server or several (requests balanced, weights pushed to every one)
     model: str = "default"  # the served model name (vLLM: --served-model-name)
-    version: int = 0  # policy version of the server's weights, when the server does not report one
+    version: int = 0  # the weight version the servers hold (set by push_weights; the trainer's step)
     timeout: float = 600.0  # seconds per HTTP request
-    prompts_per_request: int = 64  # larger batches are split into several requests, sent concurrently
-    max_concurrency: int = 4
+    max_concurrency: int = 64  # requests in flight at once, over all servers
     api_key: str | None = None
-    server_type: str = "sglang"  # which weight-reload endpoints it has: "sglang" (also treerl serve) or "vllm"
+    server_type: str = "auto"  # auto (read from each server) | vllm | sglang
+    setting: str = "rollout.server_url"  # the config key named in errors
+    on_wait: Callable[[], None] | None = None  # called about once a second while requests are in flight
+    servers: list[Server] = field(init=False)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """`params.n` completions per prompt, in prompt order."""
-        check_prompts(prompts)
-        size = self.prompts_per_request
-        chunks = [prompts[lo : lo + size] for lo in range(0, len(prompts), size)]
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(chunks))) as pool:
-            answers = list(pool.map(lambda chunk: self._complete(chunk, params), chunks))
-        return [group for answer in answers for group in answer]
+    def __post_init__(self) -> None:
+        urls = [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
+        if not urls:
+            raise ValueError(f"{self.setting}: no server URL")
+        self.servers = [Server(url.rstrip("/")) for url in urls]
+        self._lock = threading.Lock()
 
-    def check_reachable(self, key: str = "rollout.server_url") -> None:
-        """A server that cannot be reached at all (refused, unknown host, no answer) is a UserError naming `key`,
-        before the run computes anything. Any HTTP answer to `GET /health`, an error status too, counts: the
-        server is there, and its first real request checks the rest."""
-        request = urllib.request.Request(self.base_url.rstrip("/") + "/health", method="GET")
+    # ------------------------------------------------------------------ connecting
+    def connect(self) -> list[ServerInfo]:
+        """Reach every server and read what it is; a UserError naming the setting (and the server flag that is
+        missing) for one that cannot be reached or cannot serve RL. Before any compute."""
+        for server in self.servers:
+            server.info = self._detect(server)
+        return [s.info for s in self.servers if s.info is not None]
+
+    def _detect(self, server: Server) -> ServerInfo:
+        """The kind of `server` (from its answers, or `server_type`) and the routes it serves."""
+        self._reach(server)
+        routes = self._routes(server)
+        kind = self.server_type
+        if kind == "auto":
+            if "/update_weights_from_disk" in routes or self._answers(server, "/model_info"):
+                kind = "sglang"
+            elif "/collective_rpc" in routes or self._answers(server, "/version"):
+                kind = "vllm"
+            else:
+                raise UserError(f"{self.setting}: {server.url} is neither vLLM (no GET /version) nor SGLang (no GET "
+                                "/model_info); set rollout.server_type=vllm or sglang if it is one of them")
+        if kind == "vllm":
+            return self._vllm_info(server, routes)
+        if kind == "sglang":
+            return self._sglang_info(server, routes)
+        raise UserError(f"rollout.server_type={kind!r} is not one of {', '.join(SERVER_TYPES)}")
+
+    def _vllm_info(self, server: Server, routes: set[str]) -> ServerInfo:
+        """vLLM must serve its RL routes (dev mode); per-token versions come with its scale-out generate route."""
+        missing = [r for r in VLLM_RL_ROUTES if r not in routes] if routes else []
+        if missing:
+            raise UserError(f"{self.setting}: the vLLM server at {server.url} does not serve {', '.join(missing)} "
+                            "(rollout.server_type=vllm pushes weights through them): start it with "
+                            "VLLM_SERVER_DEV_MODE=1")
+        release = str(self._get(server, "/version").get("version", "unknown"))
+        scale_out = self._generate_enabled(server) if (not routes or VLLM_GENERATE in routes) else False
+        route = VLLM_GENERATE if scale_out else "/v1/completions"
+        self._check_processed_logprobs(server)
+        return ServerInfo("vllm", release, route, versions_per_token=scale_out)
+
+    def _check_processed_logprobs(self, server: Server) -> None:
+        """vLLM's default `--logprobs-mode raw_logprobs` returns log-probs before the temperature (and the top_p /
+        top_k / min_p cut): not those of the distribution a token was drawn from. Two one-token requests tell: at
+        temperatures 1 and 0.5 the best token's log-prob differs only when the temperature is applied."""
+        best = []
+        for temperature in (1.0, 0.5):
+            answer = self._post(server, "/v1/completions", {"model": self.model, "prompt": [0], "max_tokens": 1,
+                                                             "temperature": temperature, "logprobs": 5, "seed": 0})
+            top = ((answer.get("choices") or [{}])[0].get("logprobs") or {}).get("top_logprobs") or [{}]
+            best.append(max(top[0].values(), default=None))
+        if None not in best and abs(best[0] - best[1]) < 1e-6:
+            raise UserError(f"{self.setting}: the vLLM server at {server.url} returns raw log-probs (before the "
+                            "temperature and the top_p / top_k cut), not those of the distribution it samples from: "
+                            "start it with --logprobs-mode processed_logprobs")
+
+    def _sglang_info(self, server: Server, routes: set[str]) -> ServerInfo:
+        """SGLang must serve its native generate route and the weight-update routes."""
+        missing = [r for r in SGLANG_ROUTES if r not in routes] if routes else []
+        if missing:
+            raise UserError(f"{self.setting}: the SGLang server at {server.url} does not serve {', '.join(missing)} "
+                            "(rollout.server_type=sglang samples and pushes weights through them)")
+        release = str(self._get(server, "/server_info").get("version", "unknown")) if (
+            not routes or "/server_info" in routes) else "unknown"
+        return ServerInfo("sglang", release, "/generate", versions_per_token=True)
+
+    def _reach(self, server: Server) -> None:
+        """Any HTTP answer to `GET /health` (an error status too) means the server is there."""
+        request = urllib.request.Request(server.url + "/health", method="GET", headers=self._headers())
         try:
             with urllib.request.urlopen(request, timeout=min(self.timeout, REACH_TIMEOUT)):
                 return
@@ -81,130 +186,301 @@ class CompletionsClient:
             return
         except OSError as e:  # URLError (refused, unknown host), a timeout, a reset connection
             reason = getattr(e, "reason", None) or e
-            raise UserError(f"{key}={self.base_url!r}: cannot reach the inference server ({reason}); start it "
-                            f"first, or leave {key} unset to sample in process") from None
+            raise UserError(f"{self.setting}={server.url!r}: cannot reach the inference server ({reason}); start it "
+                            f"first, or leave {self.setting} unset to sample in process") from None
 
-    def update_weights_from_disk(self, model_path: str, version: int) -> None:
-        """Have the server load the checkpoint at `model_path` (a path on the server's machine) as `version`."""
-        if self.server_type == "vllm":
-            self._reload_vllm(model_path, version)
-            reported = self._get("/weight_info").get("weight_version")
-        elif self.server_type == "sglang":
-            answer = self._post("/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version)})
-            if not answer.get("success", False):
-                raise ServerError(f"{self.base_url}: could not load weights from {model_path!r}: {answer.get('message')}")
-            reported = self._get("/get_weight_version").get("weight_version")
-        else:
-            raise ValueError(f"server_type must be 'sglang' or 'vllm', got {self.server_type!r}")
-        if str(reported) != str(version):
-            raise ServerError(f"{self.base_url}: after loading {model_path!r} as version {version} the server reports "
-                              f"weight version {reported!r}")
+    def _routes(self, server: Server) -> set[str]:
+        """The paths of the server's OpenAPI schema (vLLM, SGLang and treerl serve are FastAPI apps); empty when
+        it publishes none (then each route is tried when used)."""
+        try:
+            return set(self._get(server, "/openapi.json").get("paths", {}))
+        except ServerError:
+            return set()
+
+    def _answers(self, server: Server, path: str) -> bool:
+        """`GET path` answers 200."""
+        try:
+            self._get(server, path)
+            return True
+        except ServerError:
+            return False
+
+    def _generate_enabled(self, server: Server) -> bool:
+        """vLLM's token-in/token-out route is mounted always but answers only with --enable-scale-out: an empty
+        request is refused as invalid (400/422) where it is enabled, forbidden (403) where not."""
+        try:
+            self._post(server, VLLM_GENERATE, {})
+        except ServerError as e:
+            return e.status in (400, 422)
+        return True
+
+    # ------------------------------------------------------------------ sampling
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """`params.n` completions per prompt, in prompt order, each token tagged with the weights that sampled it."""
+        check_prompts(prompts)
+        if any(s.info is None for s in self.servers):
+            self.connect()
+        seeds = [None if params.seed is None else prompt_seed(params.seed, p) for p in range(len(prompts))]
+        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(prompts))) as pool:
+            futures = [pool.submit(self._sample, prompt, params, seed) for prompt, seed in zip(prompts, seeds)]
+            self._wait(futures)
+            return [f.result() for f in futures]
+
+    def _wait(self, futures: list[Future]) -> None:
+        """Until every request is answered or one failed; `on_wait` about once a second meanwhile."""
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=1.0, return_when=FIRST_EXCEPTION)
+            if any(f.exception() is not None for f in done):
+                for f in pending:
+                    f.cancel()
+                next(f for f in done if f.exception() is not None).result()  # raises it
+            if self.on_wait is not None:
+                self.on_wait()
+
+    def _sample(self, prompt: list[int], params: SamplingParams, seed: int | None) -> list[Completion]:
+        """One prompt's samples from the least busy server."""
+        with self._lock:
+            server = min(self.servers, key=lambda s: s.in_flight)
+            server.in_flight += 1
+        try:
+            info = server.info
+            assert info is not None
+            if info.kind == "sglang":
+                return self._sample_sglang(server, prompt, params, seed)
+            if info.generate_route == VLLM_GENERATE:
+                return self._sample_vllm_generate(server, prompt, params, seed)
+            return self._sample_vllm_completions(server, prompt, params, seed)
+        finally:
+            with self._lock:
+                server.in_flight -= 1
+
+    def _sample_vllm_generate(self, server: Server, prompt: list[int], params: SamplingParams,
+                              seed: int | None) -> list[Completion]:
+        """vLLM's token-in/token-out route: sample j gets seed + j (vLLM's own rule), versions per token."""
+        answer = self._post(server, VLLM_GENERATE, {
+            "model": self.model, "token_ids": prompt, "sampling_params": vllm_sampling(params, seed) | {
+                "logprobs": 0, "detokenize": False}})
+        choices = self._choices(server, answer, params.n)
+        return [vllm_generate_completion(c, self.version) for c in choices]
+
+    def _sample_vllm_completions(self, server: Server, prompt: list[int], params: SamplingParams,
+                                 seed: int | None) -> list[Completion]:
+        """vLLM's OpenAI route: the same samples, every token tagged with the version the client pushed last."""
+        answer = self._post(server, "/v1/completions", {
+            "model": self.model, "prompt": prompt, **vllm_sampling(params, seed), "logprobs": 0,
+            "return_token_ids": True, "include_stop_str_in_output": True})
+        return [completions_choice(c, self.version) for c in self._choices(server, answer, params.n)]
+
+    def _sample_sglang(self, server: Server, prompt: list[int], params: SamplingParams,
+                       seed: int | None) -> list[Completion]:
+        """SGLang's native route: the prompt once per sample, each with its own seed."""
+        samples = []
+        for j in range(params.n):
+            sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
+                        "top_p": params.top_p, "top_k": params.top_k or -1, "min_p": params.min_p,
+                        "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False,
+                        "no_stop_trim": True}
+            if seed is not None:
+                sampling["sampling_seed"] = sample_seed(seed, j)
+            samples.append(sampling)
+        answer = self._post(server, "/generate", {"input_ids": [prompt] * params.n, "sampling_params": samples,
+                                                  "return_logprob": True, "logprob_start_len": -1})
+        items = answer if isinstance(answer, list) else [answer]
+        if len(items) != params.n:
+            raise ServerError(f"{server.url}/generate: asked for {params.n} samples, got {len(items)} "
+                              f"(rollout.server_type={self._kind(server)})")
+        return [sglang_completion(item, self.version) for item in items]
+
+    def _choices(self, server: Server, answer: dict[str, Any], n: int) -> list[dict[str, Any]]:
+        """The n choices of an OpenAI-shaped answer, in sample order."""
+        choices = answer.get("choices")
+        if not isinstance(choices, list) or len(choices) != n:
+            got = len(choices) if isinstance(choices, list) else "no"
+            raise ServerError(f"{server.url}: asked for {n} samples, got {got} choices "
+                              f"(rollout.server_type={self._kind(server)})")
+        return sorted(choices, key=lambda c: c.get("index", 0))
+
+    # ------------------------------------------------------------------ weights
+    def push_weights(self, path: str, version: int, pause: str = "wait") -> None:
+        """Have every server load the checkpoint at `path` (a path on the servers' machine) as `version`, then
+        check that each reports it. `pause`: what happens to generations in flight (see the module docstring)."""
+        if pause not in PAUSE_MODES:
+            raise ValueError(f"pause must be one of {PAUSE_MODES}, got {pause!r}")
+        if any(s.info is None for s in self.servers):
+            self.connect()
+        for server in self.servers:
+            if server.info.kind == "vllm":  # type: ignore[union-attr]
+                reported = self._push_vllm(server, path, version, pause)
+            else:
+                reported = self._push_sglang(server, path, version, pause)
+            if str(reported) != str(version):
+                raise ServerError(f"{server.url}: after loading {path!r} as weight version {version} the server "
+                                  f"reports version {reported!r} (rollout.server_type={self._kind(server)})")
         self.version = version
 
-    def _reload_vllm(self, model_path: str, version: int) -> None:
-        """vLLM's dev-mode routes: pause, point the model config at the checkpoint, reload in place, version, resume."""
-        self._post("/pause?mode=wait", {})
+    def _push_vllm(self, server: Server, path: str, version: int, pause: str) -> str:
+        """Pause, reload in place, tag, resume; the version the server then reports."""
+        self._post(server, f"/pause?mode={pause}", {})
         try:
-            self._post("/collective_rpc", {"method": "update_config", "args": [{"model_config": {"model": model_path}}]})
-            self._post("/collective_rpc", {"method": "reload_weights"})
-            self._post("/update_weight_version", {"new_version": str(version)})
+            try:
+                self._post(server, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+            except ServerError as e:
+                raise ServerError(f"{e}; a failed reload leaves vLLM's weights half loaded: restart the server") from None
+            self._post(server, "/update_weight_version", {"new_version": str(version)})
         finally:
-            self._post("/resume", {})
+            self._post(server, "/resume", {})
+        return str(self._get(server, "/weight_info").get("weight_version"))
 
-    def _complete(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """One request for a chunk of prompts."""
-        body = {
-            "model": self.model,
-            "prompt": prompts,
-            "n": params.n,
-            "max_tokens": params.max_new_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "logprobs": 1,
-            "stop_token_ids": list(params.stop_token_ids),
-            "return_token_ids": True,
-            "include_stop_str_in_output": True,  # vLLM
-            "no_stop_trim": True,  # SGLang
-            "skip_special_tokens": False,
-        }
-        if params.seed is not None:
-            body["seed"] = params.seed
-        answer = self._post("/v1/completions", body)
-        choices = answer.get("choices")
-        if not isinstance(choices, list) or len(choices) != len(prompts) * params.n:
-            got = len(choices) if isinstance(choices, list) else "no"
-            raise ServerError(
-                f"{self.base_url}: asked for {len(prompts)} prompts x {params.n} samples, got {got} choices"
-            )
-        version = _weight_version(answer, self.version)
-        choices = sorted(choices, key=lambda c: c.get("index", 0))
-        completions = [parse_choice(c, version) for c in choices]
-        return [completions[p * params.n : (p + 1) * params.n] for p in range(len(prompts))]
+    def _push_sglang(self, server: Server, path: str, version: int, pause: str) -> str:
+        """Load from disk (its requests in flight finish first, or are retracted and resumed on the new weights);
+        the version the server then reports."""
+        if pause == "keep":
+            self._post(server, "/pause_generation", {"mode": "retract"})
+        try:
+            self._post(server, "/update_weights_from_disk", {"model_path": path, "weight_version": str(version)})
+        finally:
+            if pause == "keep":
+                self._post(server, "/continue_generation", {})
+        return str(self._get(server, "/model_info").get("weight_version"))
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self._request(path, json.dumps(body).encode())
+    # ------------------------------------------------------------------ HTTP
+    def _kind(self, server: Server) -> str:
+        return server.info.kind if server.info is not None else self.server_type
 
-    def _get(self, path: str) -> dict[str, Any]:
-        return self._request(path, None)
-
-    def _request(self, path: str, data: bytes | None) -> dict[str, Any]:
-        """POST `data` (GET when None) and the JSON answer ({} for an empty body)."""
-        url = self.base_url.rstrip("/") + path
+    def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(url, data=data, headers=headers, method="GET" if data is None else "POST")
+        return headers
+
+    def _post(self, server: Server, path: str, body: dict[str, Any]) -> Any:
+        return self._request(server, path, json.dumps(body).encode())
+
+    def _get(self, server: Server, path: str) -> Any:
+        return self._request(server, path, None)
+
+    def _request(self, server: Server, path: str, data: bytes | None) -> Any:
+        """POST `data` (GET when None) and the JSON answer ({} for an empty body); a ServerError in one line."""
+        url = server.url + path
+        method = "GET" if data is None else "POST"
+        request = urllib.request.Request(url, data=data, headers=self._headers(), method=method)
+        where = f"{method} {url} (rollout.server_type={self._kind(server)})"
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 raw = response.read()
-                return json.loads(raw) if raw.strip() else {}
         except urllib.error.HTTPError as e:
-            raise ServerError(f"{url}: HTTP {e.code}: {_error_message(e.read())}") from None
-        except urllib.error.URLError as e:
-            raise ServerError(f"cannot reach the inference server at {url}: {e.reason}") from None
+            raise ServerError(f"{where}: HTTP {e.code}: {error_message(e.read())}", status=e.code) from None
+        except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out: the server died or hangs
+            reason = getattr(e, "reason", None) or e
+            raise ServerError(f"{where}: no answer ({reason})") from None
+        try:
+            return json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            raise ServerError(f"{where}: the answer is not JSON: {raw[:200]!r}") from None
 
 
-def parse_choice(choice: dict[str, Any], version: int) -> Completion:
-    """One choice of a completions response -> a `Completion` (token ids, log-probs, finish reason)."""
-    index = choice.get("index")
-    logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-    if logprobs is None or any(lp is None for lp in logprobs):
-        raise ServerError(f"choice {index}: no per-token log-probs in the response (the server must honour 'logprobs')")
+# ---------------------------------------------------------------------------------------------- request fields
+def prompt_seed(seed: int, index: int) -> int:
+    """The seed of prompt `index` of a call seeded `seed`: no two prompts share a random stream."""
+    return rng_for("prompt", seed, index).getrandbits(62)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a prompt seeded `seed`, for SGLang (which gives a request's n samples one seed;
+    vLLM gives sample j the seed + j itself)."""
+    return rng_for("sample", seed, index).getrandbits(62)
+
+
+def vllm_sampling(params: SamplingParams, seed: int | None) -> dict[str, Any]:
+    """vLLM's sampling fields (the same names on both of its routes)."""
+    fields: dict[str, Any] = {"n": params.n, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
+                              "top_p": params.top_p, "min_p": params.min_p, "stop_token_ids": list(params.stop_token_ids),
+                              "skip_special_tokens": False}
+    if params.top_k:
+        fields["top_k"] = params.top_k
+    if seed is not None:
+        fields["seed"] = seed
+    return fields
+
+
+# ---------------------------------------------------------------------------------------------- answers
+def vllm_generate_completion(choice: dict[str, Any], version: int) -> Completion:
+    """A choice of vLLM's /inference/v1/generate: token ids, `logprobs.content[i].logprob`, weight version spans."""
     tokens = choice.get("token_ids")
-    if tokens is None:
-        names = (choice.get("logprobs") or {}).get("tokens") or []
-        if not names or not all(isinstance(t, str) and t.startswith("token_id:") for t in names):
-            raise ServerError(
-                f"choice {index}: no token ids in the response; the server must support 'return_token_ids' "
-                "(vLLM >= 0.10.2, SGLang) or 'return_tokens_as_token_ids' (vLLM)"
-            )
-        tokens = [int(t.split(":", 1)[1]) for t in names]
-    stop = choice.get("matched_stop", choice.get("stop_reason"))
-    if len(logprobs) == len(tokens) + 1 and isinstance(stop, int):  # a server that trimmed the stop token
-        tokens = [*tokens, stop]
+    content = (choice.get("logprobs") or {}).get("content")
+    if not isinstance(tokens, list) or not isinstance(content, list):
+        raise ServerError(f"choice {choice.get('index')}: no token ids or log-probs in vLLM's answer")
+    logprobs = [float(entry["logprob"]) for entry in content]
+    versions = span_versions(choice.get("weight_versions"), len(tokens), version)
+    return checked_completion(choice.get("index"), tokens, logprobs, choice.get("finish_reason"), versions)
+
+
+def completions_choice(choice: dict[str, Any], version: int) -> Completion:
+    """A choice of an OpenAI /v1/completions answer (vLLM's shape: `token_ids`, `logprobs.token_logprobs`)."""
+    logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+    tokens = choice.get("token_ids")
+    if tokens is None or logprobs is None or any(lp is None for lp in logprobs):
+        raise ServerError(f"choice {choice.get('index')}: no token ids or per-token log-probs in the answer (the "
+                          "server must honour 'return_token_ids' and 'logprobs')")
+    return checked_completion(choice.get("index"), tokens, [float(lp) for lp in logprobs], choice.get("finish_reason"),
+                              [version] * len(tokens))
+
+
+def sglang_completion(item: dict[str, Any], version: int) -> Completion:
+    """One item of SGLang's /generate answer: `output_ids`, `meta_info.output_token_logprobs` as
+    [logprob, token_id, text] triples, `meta_info.finish_reason` as {"type": ...}, weight version spans."""
+    meta = item.get("meta_info") or {}
+    tokens = item.get("output_ids")
+    triples = meta.get("output_token_logprobs")
+    if not isinstance(tokens, list) or not isinstance(triples, list):
+        raise ServerError("SGLang's answer has no output_ids or meta_info.output_token_logprobs")
+    if [int(t[1]) for t in triples] != list(tokens):
+        raise ServerError("SGLang's log-probs are not those of its output_ids")
+    finish = (meta.get("finish_reason") or {}).get("type")
+    versions = span_versions(meta.get("weight_versions"), len(tokens), version)
+    return checked_completion(meta.get("id"), tokens, [float(t[0]) for t in triples], finish, versions)
+
+
+def span_versions(spans: Any, count: int, version: int) -> list[int]:
+    """Per-token versions from a server's [{"version", "start", "end"}] spans; none reported: `version` for all.
+    A server not yet pushed to says "default": the weights it started with, which the client counts as `version`."""
+    if not spans:
+        return [version] * count
+    versions = [version] * count
+    for span in spans:
+        label = span["version"]
+        try:
+            value = version if label == "default" else int(label)
+        except (TypeError, ValueError):
+            raise ServerError(f"the server tags tokens with weight version {label!r}, not one treerl pushed (another "
+                              "client loads weights into it?)") from None
+        versions[span["start"] : span["end"]] = [value] * (span["end"] - span["start"])
+    return versions
+
+
+def checked_completion(index: Any, tokens: list[int], logprobs: list[float], finish: Any,
+                       versions: list[int]) -> Completion:
+    """A Completion from a server's parts, or a ServerError saying what does not fit."""
     if len(tokens) != len(logprobs):
         raise ServerError(f"choice {index}: {len(tokens)} token ids but {len(logprobs)} log-probs")
-    finish = choice.get("finish_reason")
+    if finish == "abort":
+        raise ServerError(f"choice {index}: the server aborted the generation (paused with mode=abort, or "
+                          "/abort_request by another client)")
     if finish not in ("stop", "length"):
         raise ServerError(f"choice {index}: finish_reason {finish!r} (expected 'stop' or 'length')")
-    return Completion(list(tokens), [float(lp) for lp in logprobs], finish, [version] * len(tokens))
+    return Completion(list(tokens), logprobs, finish, versions)
 
 
-def _weight_version(answer: dict[str, Any], default: int) -> int:
-    """The `metadata.weight_version` a server reports (SGLang, treerl serve), if it is an integer."""
-    value = (answer.get("metadata") or {}).get("weight_version")
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default
-
-
-def _error_message(raw: bytes) -> str:
-    """The message of an OpenAI-style error body ({"error": {"message": ...}} or {"message": ...})."""
+def error_message(raw: bytes) -> str:
+    """The message of an error body: OpenAI's {"error": {"message"}}, SGLang's flat {"message"}, FastAPI's
+    {"detail"}; otherwise the body's start."""
     try:
         body = json.loads(raw)
     except ValueError:
         return raw.decode(errors="replace")[:500]
+    if not isinstance(body, dict):
+        return str(body)[:500]
     if isinstance(body.get("error"), dict):
         return str(body["error"].get("message", body))
-    return str(body.get("message", body.get("detail", body)))
+    return str(body.get("message", body.get("detail", body.get("error", body))))

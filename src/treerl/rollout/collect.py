@@ -51,17 +51,23 @@ class RolloutBatch:
 
 def build_sampler(config: RolloutConfig, model: PreTrainedModel | None = None,
                   autocast: torch.dtype | None = None) -> Sampler:
-    """A client of `config.server_url` if set (one that cannot be reached is a UserError; its API key from the
-    environment variable TREERL_API_KEY, never from the config, which checkpoints store), else the embedded sampler
-    sampling with `model` (under autocast to `autocast`, as the trainer's engines compute: bf16-mixed)."""
-    if config.server_url:
-        client = CompletionsClient(config.server_url, model=config.server_model, timeout=config.request_timeout,
-                                   server_type=config.server_type, api_key=os.environ.get(API_KEY_ENV))
-        client.check_reachable()
+    """A client of the `config.server_url` servers if set, connected (a server that cannot be reached or cannot serve
+    RL is a UserError; the API key from the environment variable TREERL_API_KEY, never from the config, which
+    checkpoints store), else the embedded sampler sampling with `model` (under autocast to `autocast`, as the
+    trainer's engines compute: bf16-mixed)."""
+    if config.server_urls:
+        client = server_client(config)
+        client.connect()
         return client
     if model is None:
         raise ValueError("rollout: no rollout.server_url, so the embedded sampler needs the model")
     return EmbeddedSampler(model, autocast=autocast)
+
+
+def server_client(config: RolloutConfig) -> CompletionsClient:
+    """The client of the configured servers, not yet connected (a rollout worker's: connecting is its first call)."""
+    return CompletionsClient(config.server_urls, model=config.server_model, timeout=config.request_timeout,
+                             server_type=config.server_type, api_key=os.environ.get(API_KEY_ENV))
 
 
 def tool_format_warning(config: RolloutConfig, chat_template: str | dict[str, str] | None) -> str | None:
@@ -87,13 +93,16 @@ class Rollout:
             max_new_tokens=config.max_new_tokens or self.task.max_new_tokens,
             temperature=config.temperature,
             top_p=config.top_p,
+            top_k=config.top_k,
+            min_p=config.min_p,
             stop_token_ids=tuple(self.chat.stop_token_ids),
         )
         self.user_code = UserCode(timeout=config.reward_timeout)  # rewards and environments, with a time limit
         self.proxy: ChatProxy | None = None
         if config.task in AGENT_TASKS:  # an agent's episodes, recorded by the chat proxy this rollout serves
             self.proxy = ChatProxy(sampler, self.chat, tool_parser=config.tool_parser, temperature=config.temperature,
-                                   top_p=config.top_p, max_new_tokens=sampling.max_new_tokens,
+                                   top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
+                                   max_new_tokens=sampling.max_new_tokens,
                                    max_context_tokens=config.max_context_tokens)
             self.workflow: SingleTurnWorkflow | MultiTurnWorkflow | AgentWorkflow = AgentWorkflow(
                 load_agent(config.agent or self.task.agent), self.proxy, group_size=config.group_size,  # type: ignore[union-attr]

@@ -8,12 +8,12 @@ from __future__ import annotations
 import urllib.parse
 from dataclasses import dataclass, field
 
+from treerl.rollout.client import SERVER_TYPES
 from treerl.rollout.tool_parsers import PARSER_NAMES
 from treerl.tree.io import MAX_LINE_BYTES
 
 TASKS = ("arithmetic", "guess_number", "dataset", "agent", "agent_tools")
 AGENT_TASKS = ("agent", "agent_tools")
-SERVER_TYPES = ("sglang", "vllm")
 
 
 @dataclass
@@ -29,7 +29,9 @@ class RolloutConfig:
     # How to sample.
     max_new_tokens: int | None = None  # reply budget in tokens; None: the task's default
     temperature: float = 1.0  # > 0; the trainer must recompute log-probs at the same temperature
-    top_p: float = 1.0  # nucleus sampling; behaviour log-probs stay those of the untruncated distribution
+    top_p: float = 1.0  # nucleus sampling (< 1: truncated; behaviour log-probs are then those of the truncated, renormalised distribution, and the loss is trained as decoupled PPO to correct for it)
+    top_k: int = 0  # sample among the k most likely tokens only (0: all; truncated as top_p)
+    min_p: float = 0.0  # sample among tokens at least min_p x the most likely one's probability (0: all; truncated as top_p)
     stop_tokens: list[str] = field(default_factory=list)  # extra tokens that end a reply (besides the eos token)
 
     # Multi-turn episodes.
@@ -59,11 +61,24 @@ class RolloutConfig:
     episode_timeout: float = 600.0  # seconds one episode may take; a slower one is dropped (agent_timeout)
     max_concurrent_episodes: int = 256  # episodes running at once (each waits on the model most of the time)
 
-    # Inference server (None: sample in process with the trainer's model).
-    server_url: str | None = None  # OpenAI-compatible server (vLLM, SGLang, treerl serve), e.g. http://127.0.0.1:8000
-    server_model: str = "default"  # the model name the server serves
-    server_type: str = "sglang"  # how weights are pushed: sglang (also treerl serve) | vllm (VLLM_SERVER_DEV_MODE=1)
+    # Inference servers (None: sample in process with the trainer's model). docs/training.md#training-with-a-vllm-server
+    server_url: str | list[str] | None = None  # a vLLM / SGLang / treerl serve server, e.g. http://127.0.0.1:8000, or a list of them (requests balanced, weights pushed to every one)
+    server_model: str = "default"  # the model name the servers serve (vLLM: --served-model-name)
+    server_type: str = "auto"  # auto (read from each server) | vllm (started with VLLM_SERVER_DEV_MODE=1) | sglang
     request_timeout: float = 600.0  # seconds per request
+    weights_dir: str | None = None  # where each step's weights are written for the servers to load (a path they read); null: under /dev/shm when every server is on this machine, else output_dir/server_weights
+
+    @property
+    def server_urls(self) -> list[str]:
+        """`server_url` as a list (empty: sample in process)."""
+        if self.server_url is None:
+            return []
+        return [self.server_url] if isinstance(self.server_url, str) else list(self.server_url)
+
+    @property
+    def truncates(self) -> bool:
+        """Samples are drawn from a cut-down distribution (top_p, top_k or min_p)."""
+        return self.top_p < 1 or self.top_k > 0 or self.min_p > 0
 
     def check(self) -> None:
         """Reject bad values with the option's name, before anything runs."""
@@ -89,11 +104,18 @@ class RolloutConfig:
                              "(a JSONL of tasks)")
         if self.tool_parser not in PARSER_NAMES:
             raise ValueError(f"rollout.tool_parser: {self.tool_parser!r} is not one of {', '.join(PARSER_NAMES)}")
-        if self.server_url is not None:
-            url = urllib.parse.urlsplit(self.server_url)
+        if self.server_url is not None and not self.server_urls:
+            raise ValueError("rollout.server_url is an empty list: give one URL or several, or null to sample in "
+                             "process")
+        for server in self.server_urls:
+            url = urllib.parse.urlsplit(server)
             if url.scheme not in ("http", "https") or not url.hostname:
-                raise ValueError(f"rollout.server_url={self.server_url!r} must be an http:// or https:// URL with a "
-                                 "host, e.g. http://127.0.0.1:8000")
+                raise ValueError(f"rollout.server_url={server!r} must be an http:// or https:// URL with a host, e.g. "
+                                 "http://127.0.0.1:8000")
+        if self.top_k < 0:
+            raise ValueError(f"rollout.top_k must be >= 0 (0: no limit), got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"rollout.min_p must be in [0, 1) (0: no limit), got {self.min_p}")
         if self.server_type not in SERVER_TYPES:
             raise ValueError(f"rollout.server_type: {self.server_type!r} is not one of {', '.join(SERVER_TYPES)}")
         for name in ("episode_timeout", "max_concurrent_episodes"):

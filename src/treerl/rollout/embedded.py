@@ -22,7 +22,7 @@ from transformers import DynamicCache, PreTrainedModel
 from treerl.engine import autocast
 from treerl.engine.recurrent import cache_kwarg
 from treerl.errors import TrainingStopped
-from treerl.rollout.sampler import Completion, SamplingParams, check_prompts
+from treerl.rollout.sampler import Completion, SamplingParams, check_prompts, truncate_logits
 
 
 class GenerationCancelled(RuntimeError):
@@ -101,7 +101,7 @@ class EmbeddedSampler:
         for step in range(params.max_new_tokens):
             if cancelled is not None and cancelled():
                 raise GenerationCancelled(f"generation cancelled after {step} of {params.max_new_tokens} tokens")
-            token, logprob = sample(logits, params.temperature, params.top_p, generator)
+            token, logprob = sample(logits, params, generator)
             stopped = torch.isin(token, stop)
             for row, t, lp, s in zip(active.tolist(), token.tolist(), logprob.tolist(), stopped.tolist()):
                 tokens[row].append(t)
@@ -127,23 +127,19 @@ class EmbeddedSampler:
         return [completions[p * n : (p + 1) * n] for p in range(len(prompts))]
 
 
-def sample(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from softmax(logits / T) (nucleus-truncated if top_p < 1), and its untruncated log-prob.
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from softmax(logits / T), cut as `params` says (`truncate_logits`), and its log-prob under
+    the distribution it was drawn from (the behaviour log-prob; see treerl.rollout.sampler).
 
     Logits are promoted to at least float32 before the temperature, as `PolicyHead` does.
     """
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    logprobs = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
-    probs = logprobs.exp()
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # mass before this token already reaches top_p
-        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    tempered = logits.to(dtype) / params.temperature
+    if params.truncates:
+        tempered = truncate_logits(tempered, params.top_p, params.top_k, params.min_p)
+    logprobs = torch.log_softmax(tempered, dim=-1)
     try:
-        token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
     except RuntimeError:
         if bool(torch.isfinite(logits).all()):
             raise

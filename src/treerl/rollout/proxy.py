@@ -34,7 +34,8 @@ tokens of that call it no longer shares are counted too (`sharing_lost_tokens`, 
 the cuts cost.
 
 Sampling semantics: `temperature` must be the trainer's (the one its loss recomputes log-probs
-at) or unset; `max_tokens` / `max_completion_tokens` / `max_output_tokens` are capped at the
+at) or unset, and so must `top_p` (the rollout's cut: rollout.top_p, top_k and min_p hold for
+every call, so the loss knows how each token was drawn); `max_tokens` / `max_completion_tokens` / `max_output_tokens` are capped at the
 rollout's budget; `stop` strings must each be one token; `n` samples are recorded as sibling
 calls. Nothing constrains decoding (a grammar would make the sampling distribution differ from
 the policy the trainer trains), so tool choices are enforced on what the model wrote:
@@ -74,6 +75,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from treerl.errors import ServerError
 from treerl.rollout.chat import ChatFormat, Message, Tool
 from treerl.rollout.chat_api import (
     Answer,
@@ -192,6 +194,7 @@ class RequestBatcher:
         self.gather_seconds = gather_seconds
         self.max_rows = max_rows
         self.seed: int | None = None  # set per rollout step; each batch gets the next seed
+        self.server_error: ServerError | None = None  # an inference server's failure: the step stops with it
         self.lock = threading.Lock()  # held while the sampler samples (the trainer may hold it too)
         self._queue: list[_Pending] = []
         self._arrived = threading.Condition()
@@ -237,6 +240,8 @@ class RequestBatcher:
                 with self.lock:
                     results = self.sampler.generate([members[0].prompt for members in prompts], replace(params, seed=seed))
             except Exception as e:  # handed to each waiting request, which answers with an error
+                if isinstance(e, ServerError):  # not the agent's fault: the workflow raises it after the episodes
+                    self.server_error = self.server_error or e
                 for members in prompts:
                     for m in members:
                         m.future.set_exception(e)
@@ -268,7 +273,9 @@ class ChatProxy:
     chat: ChatFormat
     tool_parser: str = "auto"  # a name of treerl.rollout.tool_parsers; auto: the chat template's format
     temperature: float = 1.0  # the trainer's: requests must use it (or leave it unset)
-    top_p: float = 1.0  # default for requests that do not set it
+    top_p: float = 1.0  # the rollout's: requests must use it (or leave it unset)
+    top_k: int = 0  # the rollout's, for every request
+    min_p: float = 0.0  # the rollout's, for every request
     max_new_tokens: int = 256  # cap of max_tokens / max_completion_tokens (and the default)
     max_context_tokens: int = 4096  # prompt + max_new_tokens must fit
     model_name: str = "policy"
@@ -376,6 +383,9 @@ class ChatProxy:
         if request.temperature is not None and abs(request.temperature - self.temperature) > 1e-9:
             raise HTTPException(400, f"temperature {request.temperature} differs from the trainer's "
                                      f"{self.temperature} (rollout.temperature); leave it unset")
+        if request.top_p is not None and abs(request.top_p - self.top_p) > 1e-9:
+            raise HTTPException(400, f"top_p {request.top_p} differs from the rollout's {self.top_p} (rollout.top_p); "
+                                     "leave it unset")
         if request.tools and request.tool_choice in ("required", "function") and self.parser_name == "none":
             raise NoToolParser(400, f"tool_choice {request.tool_choice!r} needs a tool call, but "
                                     f"{no_parser_hint(self.tool_parser)}")
@@ -390,8 +400,8 @@ class ChatProxy:
             if log is not None:
                 log.over_context = log.over_context or refused
             raise HTTPException(400, refused)
-        params = SamplingParams(n=request.n, max_new_tokens=budget, temperature=self.temperature,
-                                top_p=request.top_p if request.top_p is not None else self.top_p,
+        params = SamplingParams(n=request.n, max_new_tokens=budget, temperature=self.temperature, top_p=self.top_p,
+                                top_k=self.top_k, min_p=self.min_p,
                                 stop_token_ids=tuple(self.chat.stop_token_ids + self._stop_ids(request.stop)),
                                 seed=request.seed)
         return context, params

@@ -4,20 +4,24 @@ Step 1 (docs/architecture.md): the interface every sampler implements (`Embedded
 `CompletionsClient` for a server). A sampler is not an engine: in treerl an engine is what trains
 (`treerl.engine`), a sampler what generates.
 
-Log-prob semantics (the same for every sampler): the behaviour log-prob of a sampled token is
-`log_softmax(logits / temperature)[token]`, the log-prob of the *untruncated* tempered distribution,
-which is exactly what the trainer recomputes with `treerl.engine.PolicyHead(temperature=T)`. With
-`top_p < 1` tokens are sampled from the nucleus (the smallest set of most likely tokens whose
-tempered probability reaches `top_p`, renormalised), but the recorded log-prob is still that of the
-full tempered distribution, so the importance ratio new/old is 1 on-policy; the sampling
-distribution then differs from the one the ratio assumes, as in every RL framework that samples
-with top-p. Keep `top_p = 1` for exact on-policy training.
+Log-prob semantics (the same for every sampler): the behaviour log-prob of a sampled token is its
+log-prob under the distribution it was drawn from. Untruncated (`top_p = 1`, `top_k = 0`, `min_p = 0`,
+the default) that is `log_softmax(logits / temperature)[token]`, exactly what the trainer recomputes
+with `treerl.engine.PolicyHead(temperature=T)`: the importance ratio is 1 on-policy. Truncated, the
+tempered distribution is cut as vLLM cuts it (`truncate_logits`: min_p, then top_k, then top_p) and
+renormalised over the tokens kept, and the log-prob is that of the renormalised distribution (what
+vLLM returns with `--logprobs-mode processed_logprobs`). The policy the trainer differentiates stays
+the untruncated one, so truncated samples are off-policy by construction: the trainer then trains
+decoupled PPO, whose weight pi_prox / pi_behav corrects for the truncation (trainer.core.config
+refuses a loss that would not).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
+
+import torch
 
 FinishReason = Literal["stop", "length", "cut"]
 
@@ -29,7 +33,9 @@ class SamplingParams:
     n: int = 1
     max_new_tokens: int = 64
     temperature: float = 1.0
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus: the most likely tokens whose probability reaches top_p (1: all)
+    top_k: int = 0  # only the k most likely tokens (0: all)
+    min_p: float = 0.0  # only tokens at least min_p x the most likely one's probability (0: all)
     stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting one of these (it is kept in the completion)
     seed: int | None = None  # same seed, weights and prompts -> same completions (embedded sampler)
 
@@ -42,6 +48,15 @@ class SamplingParams:
             raise ValueError(f"sampling: temperature must be > 0 (RL needs a sampling policy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sampling: top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling: top_k must be >= 0 (0: no limit), got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"sampling: min_p must be in [0, 1), got {self.min_p}")
+
+    @property
+    def truncates(self) -> bool:
+        """Tokens are drawn from a cut-down distribution (top_p, top_k or min_p set)."""
+        return self.top_p < 1 or self.top_k > 0 or self.min_p > 0
 
 
 @dataclass
@@ -60,6 +75,24 @@ class Completion:
                 f"completion: {len(self.tokens)} tokens but {len(self.logprobs)} log-probs and "
                 f"{len(self.versions)} versions"
             )
+
+
+def truncate_logits(logits: torch.Tensor, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
+    """Tempered logits with the tokens outside the sampling set at -inf, cut as vLLM 0.32 cuts them: min_p on the
+    probabilities, then the top_k largest (ties kept), then the smallest nucleus whose mass reaches top_p (computed
+    over what top_k kept; the most likely token always stays). `log_softmax` of the result is the behaviour log-prob."""
+    if min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        ascending, order = logits.sort(dim=-1)
+        below = ascending.softmax(-1).cumsum(-1) <= 1 - top_p  # the least likely tokens holding at most 1 - top_p
+        below[..., -1] = False
+        logits = logits.masked_fill(torch.zeros_like(below).scatter(-1, order, below), float("-inf"))
+    return logits
 
 
 class Sampler(Protocol):

@@ -14,6 +14,10 @@ from treerl.errors import DataError
 from treerl.tree.sequence import TokenSequence
 
 MAX_LINE_BYTES = 16 * 2**20  # a longer line is refused before it is read whole (a 100 MB line is a broken file)
+MAX_TOKEN_ID = 2**63 - 1  # token ids are stored as int64
+# The per-token fields treerl's losses and engines read (treerl.algo.checks): each must be a list, one value a token.
+PER_TOKEN_FIELDS = ("loss_mask", "advantages", "old_logprobs", "prox_logprobs", "ref_logprobs", "returns", "values",
+                    "versions")
 
 
 def json_lines(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
@@ -59,15 +63,35 @@ def read_jsonl(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
             raise DataError(f"{path}:{line_no}: field 'tokens' (a list of token ids) is missing")
         if not isinstance(tokens, list):
             raise DataError(f"{path}:{line_no}: field 'tokens' must be a list of token ids, not {json.dumps(tokens)}")
-        bad = next((i for i, t in enumerate(tokens) if type(t) is not int or t < 0), None)  # a bool is not an id
-        if bad is not None:
+        bad = next((i for i, t in enumerate(tokens) if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID), None)
+        if bad is not None:  # a bool is not an id
             raise DataError(f"{path}:{line_no}: field 'tokens' holds {json.dumps(tokens[bad])} at position {bad}; "
-                            "token ids are integers >= 0")
+                            "token ids are integers >= 0 and < 2**63")
         name = str(row.pop("name", f"line{line_no}"))
         fields = {k: v for k, v in row.items() if isinstance(v, list)}
         info = {k: v for k, v in row.items() if not isinstance(v, list)}
+        check_fields(fields, info, f"{path}:{line_no}")
         sequences.append(TokenSequence(tokens, fields=fields, info=info, name=name))
     return sequences
+
+
+def check_fields(fields: dict[str, list[Any]], info: dict[str, Any], where: str) -> None:
+    """A list is a per-token field and holds one number a token; a field the losses read per token must be a list
+    (as a single value it would be taken for a per-sequence one, and silently not be the field)."""
+    for key, values in fields.items():
+        bad = next((i for i, v in enumerate(values) if not _is_number(v)), None)
+        if bad is not None:
+            raise DataError(f"{where}: field {key!r} holds {json.dumps(values[bad])} at position {bad}; a per-token "
+                            "field holds one number a token")
+    for key in PER_TOKEN_FIELDS:
+        if key in info:
+            raise DataError(f"{where}: field {key!r} must be a list of numbers, one a token, not "
+                            f"{json.dumps(info[key])[:100]}")
+
+
+def _is_number(value: Any) -> bool:
+    """A JSON number torch can hold: a float, or an int within int64 (not a bool)."""
+    return type(value) is float or (type(value) is int and -(2**63) <= value <= MAX_TOKEN_ID)
 
 
 def write_jsonl(sequences: list[TokenSequence], path: str | Path) -> None:

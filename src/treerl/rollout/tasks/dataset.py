@@ -8,8 +8,8 @@ Accepted data (local only; nothing is downloaded):
 - a `.parquet`, `.csv` or `.json` file, read with `datasets.load_dataset`.
 
 Each row's `prompt_key` holds the prompt: a string (sent as one user message, after the optional
-system prompt) or a list of chat messages `{"role": ..., "content": ...}`. `answer_key`, if the
-row has it, is passed to the reward function as `answer`.
+system prompt) or a list of chat messages `{"role": ..., "content": ...}` (roles: system, user,
+assistant, tool). `answer_key`, if the row has it, is passed to the reward function as `answer`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from treerl.errors import DataError
 from treerl.rollout.chat import Message
 from treerl.rollout.rewards import RewardFn, check_reward_fn
 from treerl.rollout.tasks.base import Prompt, rng_for
+from treerl.rollout.tokenizer import ROLES
 from treerl.tree.io import MAX_LINE_BYTES, json_lines
 
 DATASETS_FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json"}
@@ -72,8 +73,17 @@ def row_messages(row: dict[str, Any], where: str, prompt_key: str, system_prompt
     if isinstance(value, list) and value and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
     ):
+        check_roles(value, where, prompt_key)
         return [{"role": m["role"], "content": m["content"]} for m in value]
     raise DataError(f"{where}: field {prompt_key!r} must be a string or a list of {{'role', 'content'}} messages")
+
+
+def check_roles(messages: list[dict[str, Any]], where: str, prompt_key: str) -> None:
+    """Every message's role is one a chat template renders: an unknown one ('robot') would be sent as it is."""
+    for k, message in enumerate(messages):
+        if message["role"] not in ROLES:
+            raise DataError(f"{where}: field {prompt_key!r} message {k} has role {message['role']!r}; a role is one "
+                            f"of {', '.join(ROLES)}")
 
 
 @dataclass

@@ -109,7 +109,7 @@ class AsyncBatch(RolloutBatch):
 class RolloutPool:
     """Hands prompt groups to rollout workers, collects them, and assembles batches within the staleness bound."""
 
-    def __init__(self, config: Config, task: SingleTurnTask | AgentTask, weights: SharedWeights, version: int):
+    def __init__(self, config: Config, task: SingleTurnTask | AgentTask, weights: SharedWeights | None, version: int):
         trainer = config.trainer
         self.config, self.task = config, task
         self.batch_size = config.rollout.prompts_per_step

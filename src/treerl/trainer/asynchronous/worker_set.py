@@ -2,7 +2,7 @@
 
 Step 1 (docs/architecture.md): the worker processes, seen from the trainer.
 
-    workers = WorkerSet(config, weights)      # trainer.rollout_workers processes, one per slot
+    workers = WorkerSet(config, weights)      # trainer.rollout_workers processes, one per slot (weights: None with servers)
     workers.send(jobs, version)               # a chunk to the least loaded ready worker
     for finished in workers.receive(timeout): # the chunks that came back
         ...
@@ -20,7 +20,8 @@ clock once its code runs: a frozen process, idle or busy); when it holds work an
 forward or reward call for that long (hung); or when it has not built its model after
 STARTUP_SECONDS. Work goes to workers that are ready when there are any, so a worker slow to
 start does not sit on groups another could sample. A Python error inside a worker is not
-retried: the run stops with the worker's traceback.
+retried: the run stops with the worker's traceback; a failed inference server stops it with one line
+(a `ServerError`, after the trainer checkpoints its last complete step).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
+from treerl.errors import ServerError
 from treerl.rollout import RolloutStats
 from treerl.trainer.asynchronous.weights import SPAWN, SharedWeights
 from treerl.trainer.asynchronous.workers import Chunk, GroupResult, Job, receive, send, worker_main
@@ -69,7 +71,7 @@ class Finished:
 class WorkerSet:
     """The rollout worker processes, each with its pipes, reader thread and clocks, and the jobs each one holds."""
 
-    def __init__(self, config: Config, weights: SharedWeights):
+    def __init__(self, config: Config, weights: SharedWeights | None):
         self.config, self.weights = config, weights
         count = config.trainer.rollout_workers
         self.heartbeats = SPAWN.RawArray("d", count)  # a worker's last model forward or reward call
@@ -111,13 +113,15 @@ class WorkerSet:
             return
 
     def _handle(self, worker: WorkerHandle, message: tuple) -> Finished | None:
-        """One message: "ready" marks the worker ready, "error" raises, "done" is a finished chunk."""
+        """One message: "ready" marks the worker ready, "error" and "server-error" raise, "done" is a finished chunk."""
         kind = message[0]
         if kind == "ready":
             worker.ready = True
             self.heartbeats[worker.slot] = time.monotonic()
         if kind == "error":
             raise RuntimeError(f"rollout worker {worker.slot} (pid {worker.process.pid}) failed:\n{message[1]}")
+        if kind == "server-error":
+            raise ServerError(f"rollout worker {worker.slot}: {message[1]}")
         if kind == "done":
             results: list[GroupResult] = message[1]
             return Finished([(worker.outstanding.pop(result.job), result) for result in results], message[2])

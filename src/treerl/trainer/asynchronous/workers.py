@@ -6,7 +6,10 @@ Step 1 (docs/architecture.md), inside a worker process.
     worker  -> trainer  ("ready", pid)                  once, when the model is built
                         ("done", [GroupResult], stats)  the training sequences of each job of a chunk
                         ("error", traceback)            a Python error: the trainer stops with it
-    weights             SharedWeights, pulled before each chunk (and each segment, with on_update=interrupt)
+                        ("server-error", message)       a server failed: the trainer stops with this one line
+    weights             SharedWeights, pulled before each chunk (and each segment, with on_update=interrupt);
+                        with inference servers (rollout.server_url) none: the worker samples on the servers,
+                        which the trainer keeps at the newest version (treerl.trainer.core.servers)
     heartbeat           a shared float per worker, set at every model forward, before every reward /
                         environment call (each limited by rollout.reward_timeout) and every second while
                         agent episodes run (their event loop is alive), so a hung worker shows
@@ -32,11 +35,13 @@ import traceback
 from collections import defaultdict
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from treerl.rollout import EmbeddedSampler, Rollout, RolloutStats
+from treerl.errors import ServerError
+from treerl.rollout import EmbeddedSampler, Rollout, RolloutStats, load_tokenizer
+from treerl.rollout.collect import server_client
 from treerl.rollout.tasks.base import Prompt, rng_for
 from treerl.trainer.asynchronous.interruptible import InterruptibleSampler
 from treerl.trainer.asynchronous.weights import SharedWeights
@@ -92,7 +97,7 @@ def receive(connection: Connection) -> Any:
 PULSE_SECONDS = 0.2
 
 
-def worker_main(slot: int, config: Config, weights: SharedWeights, jobs: Connection, results: Connection,
+def worker_main(slot: int, config: Config, weights: SharedWeights | None, jobs: Connection, results: Connection,
                 heartbeats: Any, pulses: Any) -> None:
     """The worker process: build the policy, then sample every chunk that arrives until told to stop (None)."""
     threading.Thread(target=pulse, args=(pulses, slot), name="treerl-pulse", daemon=True).start()
@@ -105,33 +110,63 @@ def worker_main(slot: int, config: Config, weights: SharedWeights, jobs: Connect
         heartbeats[slot] = time.monotonic()
 
     try:
-        model, tokenizer = load_policy(config.model, torch.device("cpu"))
-        model.register_forward_pre_hook(beat)
-        embedded = EmbeddedSampler(model, version=weights.pull(model, have=-1),
-                                   autocast=autocast_dtype(config.trainer.precision))
-
-        def refresh() -> None:
-            embedded.version = weights.pull(model, embedded.version)
-
-        sampler = embedded if config.trainer.on_update == "finish" else InterruptibleSampler(
-            embedded, refresh, config.trainer.interrupt_tokens)
-        rollout = Rollout(config.rollout, tokenizer, sampler)
-        rollout.watch(beat)
+        rollout, held = (server_rollout if config.rollout.server_urls else embedded_rollout)(config, weights, beat)
         outbox.put(("ready", os.getpid()))
         while (chunk := receive(jobs)) is not None:
             beat()
-            refresh()
-            while embedded.version < chunk.version:  # published before the chunk was sent, so this never waits long
-                time.sleep(0.001)
-                refresh()
-            outbox.put(("done", *sample_chunk(rollout, chunk, embedded.version)))
+            outbox.put(("done", *sample_chunk(rollout, chunk, held(chunk.version))))
     except EOFError:  # the trainer is gone
         pass
+    except ServerError as e:  # a server died or refused: the trainer stops with this line, not a traceback
+        outbox.put(("server-error", str(e)))
     except BaseException:
         outbox.put(("error", traceback.format_exc()))
         raise
     finally:
         outbox.close()
+
+
+def embedded_rollout(config: Config, weights: SharedWeights | None,
+                     beat: Callable[..., None]) -> tuple[Rollout, Callable[[int], int]]:
+    """The worker's own copy of the policy, sampling in process; its weights pulled from the trainer before each
+    chunk (and each segment, with on_update=interrupt). Returns the rollout and `held(version)`: the version the
+    worker samples a chunk of `version` with, after waiting for it."""
+    assert weights is not None
+    model, tokenizer = load_policy(config.model, torch.device("cpu"))
+    model.register_forward_pre_hook(beat)
+    embedded = EmbeddedSampler(model, version=weights.pull(model, have=-1),
+                               autocast=autocast_dtype(config.trainer.precision))
+
+    def refresh() -> None:
+        embedded.version = weights.pull(model, embedded.version)
+
+    sampler = embedded if config.trainer.on_update == "finish" else InterruptibleSampler(
+        embedded, refresh, config.trainer.interrupt_tokens)
+    rollout = Rollout(config.rollout, tokenizer, sampler)
+    rollout.watch(beat)
+
+    def held(version: int) -> int:
+        refresh()
+        while embedded.version < version:  # published before the chunk was sent, so this never waits long
+            time.sleep(0.001)
+            refresh()
+        return embedded.version
+
+    return rollout, held
+
+
+def server_rollout(config: Config, weights: SharedWeights | None,
+                   beat: Callable[..., None]) -> tuple[Rollout, Callable[[int], int]]:
+    """Sampling on the inference servers: no model here. The trainer pushed the chunk's version to every server
+    before it sent the chunk, and the servers tag each token with the version that sampled it."""
+    client = server_client(config.rollout)
+    client.on_wait = beat  # a sign of life every second while a request is out (rollout.request_timeout bounds it)
+    client.connect()
+    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
+                               trust_remote_code=config.model.trust_remote_code)
+    rollout = Rollout(config.rollout, tokenizer, client)
+    rollout.watch(beat)
+    return rollout, lambda version: version
 
 
 def pulse(pulses: Any, slot: int) -> None:

@@ -62,6 +62,7 @@ from transformers.utils import logging as hf_logging
 
 from treerl.errors import CheckpointError, TrainingStopped
 from treerl.models import ADAPTER_FILE, adapter_names, first_nonfinite, is_lora, read_weights, tied_names
+from treerl.trainer.core.config import yaml_problem
 from treerl.trainer.core.loop_state import LoopState
 
 log = logging.getLogger("treerl.trainer")
@@ -186,7 +187,14 @@ def checkpoint_config(path: str | Path) -> dict[str, Any]:
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         return {}
-    return yaml.safe_load(file.read_text()) or {}
+    try:
+        config = yaml.safe_load(file.read_text()) or {}  # safe: a !!python tag is refused, never constructed
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not a readable config ({yaml_problem(e)}); a checkpoint's {CONFIG_FILE} holds "
+                              "plain YAML values only") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{file}: expected a mapping of config sections, got {type(config).__name__}")
+    return config
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:

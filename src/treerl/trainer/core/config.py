@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from treerl.algo import AlgoConfig
+from treerl.algo.config import DECOUPLABLE, decoupled
 from treerl.engine.memory import check_memory_settings
 from treerl.errors import UserError
 from treerl.models import DTYPES, SHAPES
@@ -129,7 +130,7 @@ class TrainerConfig:
     worker_prompts: int | None = None  # async: prompts (groups) a worker samples in one sampler call; null: prompts_per_step / rollout_workers
     on_update: str = "finish"  # async: in-flight generations finish on the old weights | interrupt: resume on the new ones
     interrupt_tokens: int = 8  # async, on_update=interrupt: tokens decoded between two looks for new weights
-    decoupled_loss: bool = True  # async: train ppo, grpo, dr_grpo, rloo, reinforce_pp as decoupled PPO (same advantages)
+    decoupled_loss: bool = True  # async, or truncated sampling (rollout.top_p < 1, top_k, min_p): train ppo, grpo, dr_grpo, rloo, reinforce_pp as decoupled PPO (same advantages)
     worker_timeout: float = 300.0  # async: a worker holding work with no model forward for this many seconds is restarted
     max_worker_restarts: int = 10  # async: stop the run after this many worker restarts (crashes or hangs)
 
@@ -219,12 +220,14 @@ def check_choices(config: Config) -> None:
         value = get(config, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
+    if config.trainer.resume == "auto" and config.trainer.overwrite:
+        raise ConfigError("trainer.resume=auto continues the run in output_dir, trainer.overwrite=true deletes it and "
+                          "starts afresh: set one of the two")
     if config.model.lora.rank and config.rollout.server_url:
         raise ConfigError("model.lora.rank > 0 with rollout.server_url: pushing the policy to an inference server "
                           "each step is not implemented for LoRA; sample with the embedded sampler (no server_url), "
                           "and serve the result with `treerl export`")
-    if config.trainer.mode == "async" and config.rollout.server_url:
-        raise ConfigError("trainer.mode=async samples with its own rollout workers; rollout.server_url needs trainer.mode=sync")
+    check_truncated_sampling(config)
     if config.algo.resolved().advantage == "gae" and config.trainer.mode == "async":
         raise ConfigError(
             f"algo.advantage=gae (the default of algo.loss={config.algo.loss}) trains a critic, which "
@@ -236,6 +239,36 @@ def check_choices(config: Config) -> None:
     if config.trainer.mode == "async" and timeout is not None and not timeout < config.trainer.worker_timeout:
         raise ConfigError(f"rollout.reward_timeout={timeout} must be < trainer.worker_timeout="
                           f"{config.trainer.worker_timeout} (a worker waiting on a reward would be taken for hung)")
+
+
+def check_truncated_sampling(config: Config) -> None:
+    """Samples drawn with top_p / top_k / min_p come from a cut-down distribution, not the policy the trainer
+    differentiates: their behaviour log-probs are off-policy on purpose, and only decoupled PPO's weight
+    pi_prox / pi_behav corrects for that (treerl.rollout.sampler). Refuse a run that would train on them otherwise."""
+    rollout = config.rollout
+    if not rollout.truncates:
+        return
+    cut = ", ".join(f"rollout.{k}={getattr(rollout, k)}" for k, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0))
+                    if getattr(rollout, k) != off)
+    why = (f"{cut} samples from a truncated distribution, whose log-probs differ from the policy's even on-policy; "
+           "the loss must correct for that with decoupled PPO's weight pi_prox / pi_behav")
+    if config.algo.loss not in (*DECOUPLABLE, "decoupled_ppo"):
+        raise ConfigError(f"{why}, which algo.loss={config.algo.loss} has no form of: use ppo, grpo, dr_grpo, rloo, "
+                          "reinforce_pp or decoupled_ppo, or sample untruncated (top_p=1, top_k=0, min_p=0)")
+    if config.algo.loss != "decoupled_ppo" and not config.trainer.decoupled_loss:
+        raise ConfigError(f"{why}: set trainer.decoupled_loss=true, or sample untruncated (top_p=1, top_k=0, min_p=0)")
+    if config.trainer.recompute_logprobs:
+        raise ConfigError(f"{why}; trainer.recompute_logprobs=true would overwrite the behaviour log-probs with the "
+                          "untruncated policy's and lose that correction: set it false")
+
+
+def trained_algo(config: Config) -> AlgoConfig:
+    """The objective the run trains: the configured loss, or its decoupled-PPO form (same advantages, aggregation and
+    clipping) when the samples are off-policy by design: asynchronous training, or truncated sampling (with
+    trainer.decoupled_loss)."""
+    if config.trainer.decoupled_loss and (config.trainer.mode == "async" or config.rollout.truncates):
+        return decoupled(config.algo)
+    return config.algo
 
 
 def check_precision(config: Config) -> None:
@@ -382,12 +415,19 @@ def _read_yaml(path: Path) -> Any:
     try:
         layer = OmegaConf.load(path)
     except Exception as e:  # YAML syntax errors come from several libraries
-        raise ConfigError(f"{path}: not a valid YAML file ({e})") from None
+        raise ConfigError(f"{path}: not a valid YAML file ({yaml_problem(e)})") from None
     if layer is None or (OmegaConf.is_dict(layer) and not layer):
         raise ConfigError(f"{path}: the config file is empty (to run the defaults, give no config file)")
     if not OmegaConf.is_dict(layer):
         raise ConfigError(f"{path}: expected a mapping of sections (model, rollout, algo, engine, critic, trainer, sft)")
     return layer
+
+
+def yaml_problem(error: Exception) -> str:
+    """A YAML error on one line: what is wrong and where (PyYAML spreads it over several)."""
+    problem = getattr(error, "problem", None) or (str(error).strip().splitlines() or [type(error).__name__])[0]
+    mark = getattr(error, "problem_mark", None)
+    return f"{problem}, line {mark.line + 1}" if mark is not None else str(problem)
 
 
 def _explain(error: OmegaConfBaseException) -> str:

