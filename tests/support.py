@@ -11,9 +11,11 @@ import time
 import types
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
+from treerl.engine.recurrent import WHOLE_ROW_TOPK_INDEXERS
 from treerl.models import build_model
 
 ARCHS = ["tiny-qwen3", "tiny-qwen2", "tiny-llama"]
@@ -72,6 +74,56 @@ def float64_throughout() -> Iterator[None]:
         yield
     finally:
         torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = to, to_float, to_type
+
+
+@dataclass
+class TopKSeen:
+    """What the sparse-attention indexers' top-k met in one run, counted in queries."""
+
+    binding: int = 0  # more candidate keys (finite index scores) than the top-k keeps
+    ties: int = 0  # a key left out ties with a key taken, at the k-th score
+
+
+@contextlib.contextmanager
+def indexer_top_k(model: torch.nn.Module) -> Iterator[TopKSeen]:
+    """Count what the model's indexers' torch.topk meets, and break the ties of those that rank the call's whole key
+    row (WHOLE_ROW_TOPK_INDEXERS) toward the earlier key, as torch.topk does on CUDA and DfsEngine does everywhere.
+
+    On CPU torch.topk's choice among keys tied at the k-th score depends on the width of the call, so transformers'
+    own forward on a sequence changes with the tokens after it (docs/hybrid-models.md). A test of sparse attention
+    covers nothing where the top-k keeps every key, nor tie-breaking where no key ties: it asserts the counts."""
+    seen = TopKSeen()
+    topk = torch.Tensor.topk
+    inside: list[torch.nn.Module] = []
+
+    def watched(self, k, dim=-1, largest=True, sorted=True):
+        if not inside:
+            return topk(self, k, dim, largest, sorted)
+        ranked = torch.sort(self, dim=dim, descending=largest).values
+        seen.binding += int((self.isfinite().sum(dim) > k).sum())
+        if k < self.shape[dim]:
+            kth, after = ranked.narrow(dim, k - 1, 1), ranked.narrow(dim, k, 1)
+            seen.ties += int(((kth == after) & kth.isfinite()).sum())
+        if type(inside[-1]).__name__ not in WHOLE_ROW_TOPK_INDEXERS:
+            return topk(self, k, dim, largest, sorted)
+        order = torch.sort(self, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
+        return torch.return_types.topk((self.gather(dim, order), order))
+
+    def enter(module, args) -> None:
+        inside.append(module)
+
+    def leave(module, args, output) -> None:
+        inside.pop()
+
+    indexers = [m for m in model.modules() if type(m).__name__.endswith("Indexer")]
+    hooks = [h for m in indexers for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    torch.Tensor.topk = watched
+    try:
+        yield seen
+    finally:
+        torch.Tensor.topk = topk
+        for hook in hooks:
+            hook.remove()
 
 
 def tiny_model(shape: str = "tiny-qwen3", vocab_size: int = 64, exact: bool = True):

@@ -6,6 +6,7 @@ import importlib.util
 
 import pytest
 import torch
+from support import indexer_top_k
 from zoo import (
     CAUSAL_LM_TYPES,
     OPTIONAL_PACKAGES,
@@ -29,6 +30,8 @@ EXPECTED_SKIPS.update({model_type: f"needs a package that is not installed: .*{p
                        if importlib.util.find_spec(package) is None})
 
 MAX_PARAMETERS = 600_000  # < 5 MB in float64
+# Types with a sparse-attention indexer (a learned top-k of each query's keys, or of key blocks)
+SPARSE_ATTENTION = ["axk2", "deepseek_v32", "deepseek_v4", "dots3_note_text", "glm_moe_dsa", "hy_v4", "qwen4_exp_text"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -68,6 +71,16 @@ def test_tiny_config_keeps_every_layer_kind_and_special_ids_in_vocab(model_type)
     for key, value in tiny.items():
         if key.endswith("_token_id") and isinstance(value, int):
             assert 0 <= value < tiny["vocab_size"], key
+
+
+@pytest.mark.parametrize("model_type", SPARSE_ATTENTION)
+def test_sparse_attention_chooses_among_the_keys_of_a_tests_sequence(model_type):
+    """A top-k sized for production (2048 keys) keeps every key of a test's ~20 tokens and tests nothing of sparse
+    attention (docs/design.md, invariant 6): on 24 tokens the zoo's indexers leave keys out."""
+    model = build_tiny(model_type)
+    with indexer_top_k(model) as seen, torch.no_grad():
+        model(input_ids=input_ids(model, length=24))
+    assert seen.binding > 0, f"{model_type}: the indexer keeps every key of 24 tokens"
 
 
 def test_build_is_seeded():

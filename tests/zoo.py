@@ -2,9 +2,10 @@
 
 `tiny_config(t)` starts from the config class's defaults (the architecture as published) and shrinks every size
 field it knows: width 64, 4 heads of 16 (GQA/MQA kept), 2 layers or the fewest that keep every layer kind of a
-hybrid model, vocab 128, experts 4 (2 per token), windows 8 tokens. Soft-caps, sinks, logit scales and rope types
-stay as the defaults have them: they are what an engine must reproduce. `build_tiny(t)` builds the mapped class
-from that config, seeded, in eval mode; `arch_info(t, model)` reads back the facts that matter for exactness.
+hybrid model, vocab 128, experts 4 (2 per token), windows 8 tokens, sparse attention's top 4 keys. Soft-caps, sinks,
+logit scales and rope types stay as the defaults have them: they are what an engine must reproduce. `build_tiny(t)`
+builds the mapped class from that config, seeded, in eval mode; `arch_info(t, model)` reads back the facts that matter
+for exactness.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class ZooSkip(Exception):
 # --------------------------------------------------------------------------------------------------------------
 # Generic shrinking: config field -> small value, applied to the fields a config has, when it holds a number.
 
-_WINDOW_KEYS = ["sliding_window", "sliding_window_size", "attention_window_size", "window_size",
+WINDOW_KEYS = ["sliding_window", "sliding_window_size", "attention_window_size", "window_size",
                 "local_attention_window_len"]
 _SMALL: dict[str, int] = {
     **dict.fromkeys(["hidden_size", "n_embd", "d_model", "word_embed_proj_dim", "emb_dim", "embedding_dim",
@@ -56,12 +57,15 @@ _SMALL: dict[str, int] = {
                     EXPERTS_PER_TOKEN),
     **dict.fromkeys(["n_shared_experts", "num_shared_experts", "moe_num_shared_experts"], 1),
     **dict.fromkeys(["vocab_size", "decoder_vocab_size", "vocab_size_per_layer_input", "unpadded_vocab_size"], VOCAB),
-    **dict.fromkeys(_WINDOW_KEYS, WINDOW),
+    **dict.fromkeys(WINDOW_KEYS, WINDOW),
     "attention_chunk_size": WINDOW,  # Llama-4's chunked attention: blocks of 8
     "local_attention": 2 * WINDOW,  # ModernBERT's spans both sides: its decoder's window is half of it
     # multi-head latent attention: query/key head = nope 16 + rope 8, value head 16 (they differ, as in DeepSeek)
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "qk_head_dim": 24,
     "v_head_dim": 16, "o_lora_rank": 16,
+    # sparse attention (DeepSeek-V3.2, GLM-DSA ...): each query keeps its top-4 keys, so the indexer's choice matters on
+    # a test's ~20 tokens (the default, 2048, keeps every key there)
+    "index_topk": 4,
     # partial rotary of a fixed width (GPT-J, CodeGen): half the head
     "rotary_dim": HEAD_DIM // 2,
     # state-space / linear attention / recurrent widths
@@ -170,7 +174,7 @@ def _shrink(values: dict, derived: set[str], fields: set[str]) -> dict:
     """Changed fields that make a config of these values tiny."""
     out: dict = {}
     for k, v in values.items():
-        if k in _SMALL and (k not in derived or k in _WINDOW_KEYS) and _is_number(v):  # a filled-in window too
+        if k in _SMALL and (k not in derived or k in WINDOW_KEYS) and _is_number(v):  # a filled-in window too
             out[k] = _SMALL[k]
         elif k in _FILL_NONE and k in fields and v is None:
             out[k] = _FILL_NONE[k]
@@ -519,7 +523,7 @@ def arch_info(model_type: str, model: PreTrainedModel) -> ArchInfo:
     with torch.no_grad(), _quiet():
         logits = _logits(model, ids)
     notes: list[str] = []
-    windows = [values[k] for k in _WINDOW_KEYS if isinstance(values.get(k), int)]
+    windows = [values[k] for k in WINDOW_KEYS if isinstance(values.get(k), int)]
     layer_types = _layer_types(values)
     calls, kwargs = _probe_attention(model, ids, logits, notes)
     return ArchInfo(

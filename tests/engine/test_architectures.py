@@ -13,6 +13,7 @@ Any other exception, or a mismatch, fails. docs/models.md is generated from thes
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import sys
@@ -24,7 +25,9 @@ import torch
 
 if __name__ == "__main__":  # run as a script to rewrite docs/models.md
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from zoo import CAUSAL_LM_TYPES, OPTIONAL_PACKAGES, ZooSkip, build_tiny, ordinary_ids
+from support import TopKSeen, indexer_top_k
+from test_refusals import reason_errors
+from zoo import CAUSAL_LM_TYPES, OPTIONAL_PACKAGES, WINDOW_KEYS, ZooSkip, arch_info, build_tiny, ordinary_ids
 
 from treerl.attention import UnsupportedModel
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
@@ -83,23 +86,25 @@ def outcomes(model_type: str) -> dict[str, Outcome]:
         return {name: Outcome("skipped", str(reason)) for name in ENGINES}
     batch = _batch(model)
     results: dict[str, Outcome] = {}
-    reference = None
+    reference, reference_seen = None, TopKSeen()
     for name, engine in ENGINES.items():
         try:
-            run = run_engine(engine, model, batch, _loss)
+            with indexer_top_k(model) if name == "FlatEngine" else contextlib.nullcontext() as seen:  # the reference
+                run = run_engine(engine, model, batch, _loss)
         except UnsupportedModel as refusal:
             assert all(p.grad is None for p in model.parameters()), f"{name} wrote gradients before refusing"
             results[name] = Outcome("refused", str(refusal))
             continue
         worst = 0.0
         for sequence, out in zip(batch, run.outputs):
-            for key, expected in model_outputs(model, sequence).items():
+            for key, expected in _own_forward(model, sequence).items():
                 error = relative_error(out[key], expected)
                 assert error <= TOL, f"{name}: {key} differs from {model_type}'s own forward by {error:.3g}"
                 worst = max(worst, error)
         if name == "FlatEngine":
-            reference = run
-            alone = run_engine(FlatEngine(max_tokens=1), model, batch, _loss)  # each sequence in its own call
+            reference, reference_seen = run, seen
+            with indexer_top_k(model):
+                alone = run_engine(FlatEngine(max_tokens=1), model, batch, _loss)  # each sequence in its own call
             errors = compare_runs(run, alone)
         else:
             assert reference is not None, "the flat reference refused a model a tree engine accepts"
@@ -108,7 +113,29 @@ def outcomes(model_type: str) -> dict[str, Outcome]:
         noise = NOISE["recurrent" if _recurrent(model) else "attention"]
         _assert_each_parameter(name, run.grads, (reference if name != "FlatEngine" else alone).grads, noise)
         results[name] = Outcome("exact", bound(max(worst, errors["gradient"])))
+    if any(o.kind == "exact" for name, o in results.items() if name != "FlatEngine"):  # a tree engine claims it
+        _assert_reaches_its_paths(model, batch, reference_seen)
     return results
+
+
+def _assert_reaches_its_paths(model: torch.nn.Module, batch: list[TokenSequence], seen: TopKSeen) -> None:
+    """docs/design.md, invariant 6, for a type a tree engine is exact on: on this batch a sparse-attention indexer's
+    top-k leaves keys out, and a sliding window or attention chunk is shorter than the longest sequence."""
+    if any(type(m).__name__.endswith("Indexer") for m in model.modules()):
+        assert seen.binding > 0, "the indexer's top-k keeps every key of the batch: sparse attention is not tested"
+    config = model.config.get_text_config()
+    longest = max(len(s) for s in batch)
+    for key in (*WINDOW_KEYS, "attention_chunk_size"):
+        span = getattr(config, key, None)
+        assert not isinstance(span, int) or span < longest, f"config.{key}={span} never fills on {longest} tokens"
+
+
+def _own_forward(model: torch.nn.Module, sequence: TokenSequence) -> dict[str, torch.Tensor]:
+    """The model's own forward on one sequence alone, a sparse-attention indexer's keys tied at its k-th score going to
+    the earlier, as on CUDA (on CPU torch.topk's choice among them changes with the call's width: support.indexer_top_k;
+    DfsEngine takes the earlier too)."""
+    with indexer_top_k(model):
+        return model_outputs(model, sequence)
 
 
 def page_outcomes(model_type: str) -> dict[str, Outcome]:
@@ -155,6 +182,21 @@ def test_every_architecture_is_exact_or_refused(model_type):
         assert all(o.kind == "refused" for o in result.values())
 
 
+@pytest.mark.parametrize("model_type", CAUSAL_LM_TYPES)
+def test_every_refusal_names_the_obstacle_the_model_has(model_type):
+    """Each engine's refusal read against the model, by the zoo's own facts (tests/engine/test_refusals.py,
+    `reason_errors`): a module it names is there, of that class, below the body; position_ids blamed only where the
+    attention runs through transformers' AttentionInterface, attention computed in the model's own code only where it
+    does not; a recurrent model refused by DfsEngine for its state, not for its attention."""
+    refused = {name: o.detail for name, o in outcomes(model_type).items() if o.kind == "refused"}
+    if not refused:
+        return
+    model = build_tiny(model_type)
+    info = arch_info(model_type, model)
+    for name, reason in refused.items():
+        assert reason_errors(model, reason, info, name) == [], (name, reason)
+
+
 def support_table() -> str:
     """docs/models.md: the outcome of every engine on every causal-LM type."""
     rows = {t: page_outcomes(t) for t in CAUSAL_LM_TYPES}
@@ -189,7 +231,7 @@ def support_table() -> str:
                 reason = re.sub(r"layers \[[\d, ]*\] of \[[\d, ]*\]", "some layers", reason)
                 reason = re.sub(r"layer \d+ calls", "a layer calls", reason)
                 reason = re.sub(r"off by [\d.e+-]+|off by inf", "off by far", reason)
-                reason = re.sub(r"(attention module|the) [\w.]+ has no", r"\1 ... has no", reason)
+                reason = re.sub(r"(attention module|the) [\w.]+( \(\w+\))? has no", r"\1 ... has no", reason)
                 number = reasons.setdefault(reason, len(reasons) + 1)
                 cells.append(f"{outcome.kind} [{number}]")
         lines.append(f"| {model_type} | " + " | ".join(cells) + " |")

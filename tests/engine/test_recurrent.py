@@ -9,23 +9,25 @@ to float64 rounding; the stock models (their mixers compute in float32) to 1e-6.
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import float64_throughout, fresh_model
+from support import float64_throughout, fresh_model, indexer_top_k
 from test_exactness import HAND, ORACLE, _with_data, random_batches, sequence_loss, token_loss
-from transformers import AutoModelForCausalLM
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5GatedDeltaNet
 from zoo import build_tiny, tiny_config
 
 from treerl.attention import UnsupportedModel
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
-from treerl.engine.recurrent import MIXERS, find_mixers
+from treerl.engine.recurrent import MIXERS, earliest_topk, find_mixers
 from treerl.testing import assert_engines_agree, assert_matches_model, compare_runs, run_engine
 from treerl.tree.plan import PlanCost
 
@@ -97,10 +99,12 @@ def test_stock_hybrids_match_their_own_forward(kind):
 
 # Every hybrid family transformers ships a CPU path for (tests/zoo.py's tiny builds), by the state it carries.
 FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "olmo_hybrid",  # Gated DeltaNet
+            "lara_mini",
             "kimi_linear",  # KDA
             "mamba2", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "zamba2",  # Mamba2
             "lfm2",  # short convolutions
-            "minimax"]  # lightning attention
+            "minimax",  # lightning attention
+            "zaya"]  # convolutional attention projection (CCA)
 FAMILY_PLANS = ["keep-graph", "recompute", "chunks-carry-state", "one-token-rows", "small-calls"]
 
 
@@ -206,19 +210,48 @@ def test_engines_that_pack_rows_refuse_a_recurrent_state_and_name_the_one_that_s
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_a_mixer_the_table_does_not_know_is_refused_naming_the_layer():
+@pytest.mark.parametrize("name", ["MyRecurrentBlock", "MyRwkvTimeMix"])
+def test_a_mixer_the_table_does_not_know_is_refused_naming_the_layer(name):
+    """A module named for a state (in any case: RWKV's classes are "Rwkv...") is refused, naming it, not the model
+    body around it, even when the body's own class is named for its family's recurrence (as RecurrentGemmaModel)."""
     model = fresh_model("tiny-qwen3", VOCAB)
-
-    class MyRecurrentBlock(torch.nn.Module):  # a state carried along the sequence that treerl cannot see
-        def forward(self, x):
-            return x
-
-    model.model.layers[1].token_state = MyRecurrentBlock()
-    with pytest.raises(UnsupportedModel, match=r"layers\.1\.token_state \(MyRecurrentBlock\).*MIXERS"):
+    model.model.__class__ = type("MyRecurrentModel", (type(model.model),), {})
+    model.model.layers[1].token_state = type(name, (torch.nn.Identity,), {})()  # a state treerl cannot see
+    with pytest.raises(UnsupportedModel, match=rf": layers\.1\.token_state \({name}\).*MIXERS"):
         find_mixers(model)
-    with pytest.raises(UnsupportedModel, match="MyRecurrentBlock"):
+    with pytest.raises(UnsupportedModel, match=name):
         DfsEngine().forward_backward(model, _every_shape(), token_loss)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_attention_layer_holding_a_mixer_is_still_checked_for_routing():
+    """A known mixer inside an attention module (as ZAYA's convolutional projections) leaves that module an attention
+    layer: when it computes its attention without treerl, the layer is refused as unrouted, not dropped from the check
+    with the blocks around the mixer (its mixer hands its state on; only its attention misses the ancestors)."""
+    model = fresh_model("tiny-qwen3.5", VOCAB)
+    full = model.config.layer_types.index("full_attention")
+    attention = model.model.layers[full].self_attn
+    mixing = _MixingAttention(model.config, full).to(torch.float64)
+    mixing.load_state_dict({**attention.state_dict(), **{f"mixer.{k}": v for k, v in
+                                                         model.model.layers[0].linear_attn.state_dict().items()}})
+    model.model.layers[full].self_attn = mixing
+    with pytest.raises(UnsupportedModel, match="no attention layer ran treerl's attention"):
+        DfsEngine().forward_backward(model, _every_shape(), token_loss)
+    assert all(p.grad is None for p in model.parameters())
+
+
+class _MixingAttention(Qwen3_5Attention):
+    """Qwen3.5's attention with a Gated DeltaNet of its own layer inside, run on its input first; its attention reads a
+    copy of the config, which keeps SDPA where treerl routes the model's: it never runs treerl's attention."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.mixer = Qwen3_5GatedDeltaNet(config, layer_idx)
+        self.config = copy.copy(config)
+
+    def forward(self, hidden_states, cache=None, **kwargs):
+        return super().forward(hidden_states + self.mixer(hidden_states=hidden_states, cache=cache), cache=cache,
+                               **kwargs)
 
 
 def test_the_table_names_how_each_kind_carries_its_state():
@@ -228,45 +261,99 @@ def test_the_table_names_how_each_kind_carries_its_state():
     assert find_mixers(fresh_model("tiny-qwen3", VOCAB)).layers == {}
 
 
-@contextlib.contextmanager
-def ties_to_the_earliest() -> Iterator[None]:
-    """torch.topk with ties broken toward the lower index, for the flat reference and the tree alike.
-
-    torch.topk leaves the order of equal values unspecified, and which of several keys tied at the k-th index
-    score it returns depends on the width of the call, in transformers' own forward too; with a stable choice,
-    any difference left is treerl's."""
-    topk = torch.Tensor.topk
-
-    def stable_topk(self, k, dim=-1, largest=True, sorted=True):
-        order = torch.sort(self, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
-        return torch.return_types.topk((self.gather(dim, order), order))
-
-    torch.Tensor.topk = stable_topk
-    try:
-        yield
-    finally:
-        torch.Tensor.topk = topk
+# Sparse attention, each build with a top-k that binds on `_every_shape`'s sequences (up to 17 tokens): DeepSeek-V3.2
+# and GLM-DSA keep each query's top-4 keys (tests/zoo.py), their indexers ranking the call's whole key row; GLM-DSA
+# twice: every layer running its own indexer, and layer 1 reusing layer 0's choice ("shared"). Qwen4-Exp keeps the
+# top-2 blocks of 4 keys, ranking only the query's own complete blocks (the same row alone as in the tree). The same
+# DeepSeek indexer under other class names: A.X K2 (a gated MLA), dots3-note (indexed layers beside sliding-window ones,
+# the window of 8 filled), HY-V4 (attention sinks, hyper-connections, its third layer "shared").
+SPARSE = {
+    "deepseek_v32": ("deepseek_v32", {}),
+    "glm_moe_dsa": ("glm_moe_dsa", {"indexer_types": ["full", "full"]}),
+    "glm_moe_dsa-shared": ("glm_moe_dsa", {"indexer_types": ["full", "shared"]}),
+    "qwen4_exp_text": ("qwen4_exp_text", {}),
+    "axk2": ("axk2", {}),
+    "dots3_note_text": ("dots3_note_text", {}),
+    "hy_v4": ("hy_v4", {}),
+}
+SPARSE_PLANS = {**PLANS, "one-path": DfsEngine(memory="one-path", chunk_tokens=5)}
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa", "qwen4_exp_text"])
-def test_sparse_attention_chooses_each_querys_keys_among_its_ancestors(model_type):
-    """Sparse attention with a learned indexer: the indexer keys of the path travel like K/V, each query's keys
-    are chosen among its own ancestors (DeepSeek-V3.2 / GLM-DSA: top-3 keys; Qwen4-Exp: top-2 blocks of 4 keys),
-    and the attention over them matches each sequence alone, in every plan."""
+def _sparse_model(build: str) -> torch.nn.Module:
+    """The build's tiny float64 model (tests/zoo.py, its top-k as the zoo sets it) in the tests' vocabulary, its
+    attention sinks drawn away from their init of 0 (where a sink's scale or sign would not show), and the weights a
+    model keeps in float32 (HY-V4's hyper-connections, sinks and LM head) in float64 too, for `float64_throughout`."""
+    model_type, changes = SPARSE[build]
     config = tiny_config(model_type)
     config.vocab_size = VOCAB
-    if hasattr(config, "index_topk"):
-        config.index_topk = 3  # a real choice: fewer keys than most queries see
+    for key, value in config.to_dict().items():  # a special id the tests' vocabulary does not hold (a pad embedding)
+        if key.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
+            setattr(config, key, None)
+    for key, value in changes.items():
+        setattr(config, key, value)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation="sdpa",
-                                             experts_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, experts_implementation="eager",
+                                             attn_implementation="sdpa" if _sdpa(model_type) else "eager").eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_(0.0, 1.0)
+    return model.to(torch.float64)
+
+
+def _sdpa(model_type: str) -> bool:
+    """Whether the type's causal LM runs transformers' SDPA attention (HY-V4 has only its eager one, with sinks)."""
+    return MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]]._supports_sdpa
+
+
+@pytest.mark.parametrize("build", list(SPARSE))
+@pytest.mark.parametrize("plans", [pytest.param(FAST_PLANS, id="fast"), pytest.param(
+    [p for p in SPARSE_PLANS if p not in FAST_PLANS], id="more", marks=pytest.mark.slow)])
+def test_sparse_attention_chooses_each_querys_keys_among_its_ancestors(build, plans):
+    """Sparse attention with a learned indexer: the indexer keys of the path travel like K/V, each query's keys
+    are chosen among its own ancestors, and the attention over them matches each sequence alone, in every plan.
+
+    Where an indexer ranks the call's whole key row, the tree takes the earliest of keys tied at the k-th score (as
+    torch.topk on CUDA); the reference does too here (`indexer_top_k`), and DfsEngine runs as users run it. These
+    sequences hold such ties (the indexers' ReLU scores many keys exactly 0)."""
+    model = _sparse_model(build)
     seqs = _every_shape(5)
-    with float64_throughout(), ties_to_the_earliest():
-        for name in ["default", "keep-graph", "recompute", "one-token-rows", "small-calls"]:
-            errors = compare_runs(run_engine(PLANS[name], model, seqs, sequence_loss),
-                                  run_engine(ORACLE, model, seqs, sequence_loss))
+    with float64_throughout():
+        with indexer_top_k(model) as seen:
+            reference = run_engine(ORACLE, model, seqs, sequence_loss)
+        assert seen.binding > 0, f"{build}: the top-k keeps every key of these sequences; the test covers no choice"
+        whole_row = find_mixers(model).whole_row_topk
+        assert seen.ties > 0 or not whole_row, f"{build}: no key ties at the k-th score; the test covers no tie"
+        window = getattr(model.config.get_text_config(), "sliding_window", None)
+        assert not window or max(map(len, seqs)) > window, f"{build}: no sequence fills the window of {window}"
+        for name in plans:
+            errors = compare_runs(run_engine(SPARSE_PLANS[name], model, seqs, sequence_loss), reference)
             outputs = max(e for k, e in errors.items() if k.startswith("seq"))
-            assert outputs <= EXACT and errors["gradient"] <= EXACT, (name, outputs, errors["gradient"])
+            assert max(outputs, errors["loss"], errors["gradient"]) <= EXACT, (name, outputs, errors["gradient"])
+
+
+@pytest.mark.parametrize("extra", [{"sliding_window": 4}, {"softcap": 30.0}])
+def test_sparse_attention_refuses_a_window_or_soft_cap(monkeypatch, extra):
+    """A sparse-attention layer that also asks for a sliding window or soft-capping: refused before any output, naming
+    it (treerl's sparse attention applies the scale, the indexer's choice and sinks, nothing else)."""
+    model = _sparse_model("deepseek_v32")
+    dispatch = ALL_ATTENTION_FUNCTIONS["treerl"]
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "treerl", lambda *args, **kwargs: dispatch(*args, **kwargs, **extra))
+    name = "a sliding window" if "sliding_window" in extra else "soft-capping"
+    with pytest.raises(UnsupportedModel, match=f"layer 0: sparse attention .* with {name}"):
+        DfsEngine().forward_backward(model, _every_shape(), token_loss)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_index_ties_go_to_the_earliest_key_whatever_the_width_of_the_call():
+    """The tree's top-k (`earliest_topk`): among keys tied at the k-th score the earliest, whatever the number of
+    masked keys after them, where torch.topk's choice on CPU changes with it; without a tie, torch.topk's keys."""
+    scores = torch.tensor([0.0, 0.5, -0.25, 0.0, -1.0, 0.0, 0.75, 0.0, -0.5, 0.0, 0.0], dtype=torch.float64)
+    for width in range(len(scores), 300):  # the keys after the query's are masked: -inf up to the call's width
+        row = torch.cat([scores, scores.new_full((width - len(scores),), float("-inf"))])
+        assert sorted(earliest_topk(row, 4).indices.tolist()) == [0, 1, 3, 6], width
+        distinct = row + torch.arange(width) * 1e-3
+        assert sorted(earliest_topk(distinct, 4).indices.tolist()) == sorted(torch.topk(distinct, 4).indices.tolist())
 
 
 def test_the_hybrid_page_names_every_kind_in_the_table():

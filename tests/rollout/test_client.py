@@ -3,14 +3,10 @@ one that cannot serve RL naming the flag it lacks, and fails clearly on anything
 
 from __future__ import annotations
 
-import contextlib
-import http.server
-import json
 import socket
-import threading
-from collections.abc import Iterator
 
 import pytest
+from stub_servers import stub_server, vllm_stub
 
 from treerl.errors import ServerError, UserError
 from treerl.rollout import CompletionsClient, SamplingParams
@@ -84,34 +80,6 @@ def test_unusable_answers_are_clear_errors(parse, answer, message):
 
 
 # ---------------------------------------------------------------------------------------------- telling servers apart
-@contextlib.contextmanager
-def stub_server(answers: dict[str, object]) -> Iterator[str]:
-    """An HTTP server answering GET/POST `path` with the JSON `answers[path]` (404 otherwise); yields its URL."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def _answer(self):
-            path = self.path.split("?")[0]
-            body = json.dumps(answers.get(path, {"detail": "Not Found"})).encode()
-            self.send_response(200 if path in answers else 404)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        do_GET = do_POST = _answer
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 def test_vllm_without_dev_mode_is_refused_naming_the_flag():
     """A vLLM started without VLLM_SERVER_DEV_MODE=1 answers /version but serves none of the RL routes."""
     answers = {"/health": {}, "/version": {"version": "0.32.0"}, "/openapi.json": {"paths": {"/v1/completions": {}}}}
@@ -127,6 +95,25 @@ def test_vllm_with_raw_logprobs_is_refused_naming_the_flag():
                "/v1/completions": raw, "/weight_info": {"weight_version": "default"}}
     with stub_server(answers) as url, pytest.raises(UserError, match="--logprobs-mode processed_logprobs"):
         CompletionsClient(url).connect()
+
+
+def test_requests_are_balanced_over_several_servers_and_pushes_reach_every_one():
+    """rollout.server_url as a list: prompts go to the server with the fewest requests in flight (both get some),
+    and a push goes to every server, each checked."""
+    calls_a, calls_b = [], []
+    with stub_server(vllm_stub(["default"]), calls_a) as a, stub_server(vllm_stub(["default"]), calls_b) as b:
+        client = CompletionsClient([a, b], max_concurrency=8)
+        client.push_weights("/weights", version=3)
+        groups = client.generate([[1, 2]] * 16, SamplingParams(n=2, max_new_tokens=1, seed=1))
+    assert len(groups) == 16 and all(c.versions == [3] for g in groups for c in g)
+    for calls in (calls_a, calls_b):
+        generated = [body for path, body in calls if path == "/inference/v1/generate" and body]
+        assert generated, "a server got no request"
+        reloads = [body for path, body in calls if path == "/collective_rpc"]
+        assert reloads == [{"method": "reload_weights", "kwargs": {"weights_path": "/weights"}}]
+    seeds = {body["sampling_params"]["seed"] for calls in (calls_a, calls_b) for path, body in calls
+             if path == "/inference/v1/generate" and body}
+    assert len(seeds) == 16  # a seed of its own for every prompt
 
 
 def test_a_server_that_is_neither_is_named_as_such():

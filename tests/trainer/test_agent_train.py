@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from treerl.errors import TrainingStopped
 from treerl.rollout import builtin_tokenizer
 from treerl.rollout.tokenizer import PLAIN_CHAT_TEMPLATE
 from treerl.trainer import train
@@ -126,13 +127,14 @@ def test_an_async_worker_waiting_on_a_slow_agent_tool_is_not_taken_for_hung(tiny
 def test_an_agent_run_whose_template_writes_no_known_tool_format_says_so(tiny_config, tmp_path, caplog):
     """rollout.tool_parser=auto and a chat template with no tool-call format treerl knows: one warning at the start
     naming the setting (not one per rollout: here the evaluation has its own), and the built-in agent's named tool
-    choice is refused with the same advice, which dropped.jsonl shows."""
+    choice is refused with the same advice, which dropped.jsonl shows (and the run, none of whose steps trained,
+    stops saying so)."""
     tokenizer = builtin_tokenizer()
     tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
     tokenizer.save_pretrained(tmp_path / "tokenizer")
     config = tiny_config(f"model.tokenizer_path={tmp_path / 'tokenizer'}", "trainer.steps=1", "trainer.eval_prompts=2",
                          "rollout.prompts_per_step=1", "rollout.group_size=2", config="agent_tools")
-    with caplog.at_level(logging.WARNING, logger="treerl"):
+    with caplog.at_level(logging.WARNING, logger="treerl"), pytest.raises(TrainingStopped, match="fix the agent"):
         train(config)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rollout.tool_parser=auto found no")]
     assert len(said) == 1 and "set rollout.tool_parser to the model's format, one of hermes" in said[0]

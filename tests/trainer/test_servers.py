@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from stub_servers import stub_server, vllm_stub
+
 from treerl.errors import ServerError
 from treerl.models import read_weights
 from treerl.rollout import Completion, EmbeddedSampler, SamplingParams
@@ -16,6 +18,8 @@ from treerl.rollout.client import Server
 from treerl.trainer import train
 from treerl.trainer.core import checkpoint
 from treerl.trainer.core.build import load_policy
+from treerl.trainer.core.config import ConfigError
+from treerl.trainer.core.servers import connect_servers
 from treerl.trainer.rl import sync
 
 
@@ -81,3 +85,13 @@ def test_a_server_failing_before_any_step_trains_writes_nothing(tiny_config, ser
     with pytest.raises(ServerError, match=r"; nothing was trained$"):
         train(tiny_config("trainer.steps=5"))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_async_training_refuses_a_server_that_cannot_say_which_weights_sampled_a_token(tiny_config):
+    """vLLM without --enable-scale-out samples through /v1/completions, which does not tag tokens with versions:
+    asynchronous training (staleness is counted per token) refuses it before anything is built; synchronous takes it."""
+    with stub_server(vllm_stub(["default"], scale_out=False)) as url:
+        with pytest.raises(ConfigError, match=r"does not say which weights sampled each token \(its /v1/completions "
+                                              r"route\): start vLLM with --enable-scale-out"):
+            connect_servers(tiny_config(f"rollout.server_url={url}", "trainer.mode=async"))
+        assert connect_servers(tiny_config(f"rollout.server_url={url}")) is not None

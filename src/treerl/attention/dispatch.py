@@ -82,9 +82,7 @@ def layer_attention(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) 
         sinks = kwargs.pop("sinks", None)
     window = kwargs.pop("sliding_window", None)
     softcap = kwargs.pop("softcap", None)
-    indices = kwargs.pop("indices", None)
-    if indices is not None and (sinks is not None or window is not None or softcap):
-        raise UnsupportedModel(f"{name}: indexed sparse attention with sinks, a window or soft-capping")
+    indices = kwargs.pop("indices", None)  # sparse attention: what it computes beside them is checked where it runs
     for key, value in kwargs.items():
         if key not in _IGNORED and value is not None and value is not False:
             raise UnsupportedModel(f"{name}: attention argument {key!r} is not supported by the tree engines")

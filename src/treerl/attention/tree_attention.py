@@ -319,7 +319,10 @@ class TreeCall:
         self.wants_mask = wants_mask  # the layers read a causal mask themselves (a sparse-attention indexer)
 
     def __call__(self, module, query, key, value, layer: LayerAttention) -> torch.Tensor:
-        index = module.layer_idx
+        index = getattr(module, "layer_idx", None)
+        if not isinstance(index, int):
+            raise UnsupportedModel(f"{type(module).__name__}: calls transformers' attention interface without a "
+                                   "layer_idx; treerl cannot tell which layer's keys and values the path holds for it")
         if index in self.layers_called and not self.forward_done:
             raise UnsupportedModel(
                 f"{type(module).__name__}: layer {index} calls attention more than once per forward (differential "
@@ -353,10 +356,12 @@ def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: 
     one: Qwen4-Exp's block selection).
 
     The indexer scored exactly the keys the query has on its sequence alone (the path is its ancestors), so
-    the chosen set is the same. Computed densely with a mask (exact; the flash-MLA kernel is for CUDA);
-    the path's K/V gradient goes to the path store, what descendants sent to this unit's K/V is added."""
+    the chosen set is the same. Computed densely with a mask (exact; the flash-MLA kernel is for CUDA), attention
+    sinks one more logit of the softmax (HY-V4); the path's K/V gradient goes to the path store, what descendants
+    sent to this unit's K/V is added."""
     rows, heads, width, _ = q.shape
     end = layout.path_end
+    _check_sparse_spec(layer.spec, index)
     if layer.mask is not None and (layer.mask.dtype != torch.bool or layer.mask.shape != (rows, 1, width, end + width)):
         raise UnsupportedModel(f"layer {index}: an attention mask of shape {tuple(layer.mask.shape)} "
                                f"({layer.mask.dtype}) is not a choice among [path | row] (expected {(rows, 1, width, end + width)}, bool)")
@@ -377,8 +382,21 @@ def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: 
         allowed = allowed & layer.mask
     k, v = _expand_heads_batched(k, groups), _expand_heads_batched(v, groups)
     scores = torch.matmul(q, k.transpose(-1, -2)) * layer.spec.scale
-    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")).float(), dim=-1).to(q.dtype)
+    scores = scores.masked_fill(~allowed, float("-inf")).to(torch.promote_types(q.dtype, torch.float32))
+    if layer.sinks is not None:  # a learned logit per head that takes its share of the softmax and gives no value
+        sinks = layer.sinks.to(scores.dtype).view(1, heads, 1, 1).expand(rows, heads, width, 1)
+        scores = torch.cat([scores, sinks], dim=-1)
+    weights = torch.softmax(scores, dim=-1)[..., : end + width].to(q.dtype)
     return torch.matmul(weights, v).transpose(1, 2).contiguous()
+
+
+def _check_sparse_spec(spec: AttentionSpec, index: int) -> None:
+    """Sparse attention here computes scale, the indexer's choice and sinks: refuse what else a layer would ask."""
+    extra = [name for name, value in (("a sliding window", spec.window), ("soft-capping", spec.softcap),
+                                      ("chunked attention", spec.chunk)) if value]
+    if extra:
+        raise UnsupportedModel(f"layer {index}: sparse attention (keys chosen by an indexer) with {' and '.join(extra)}; "
+                               "treerl's sparse attention does not apply it over the indexer's choice (use FlatEngine)")
 
 
 def _expand_heads_batched(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """`treerl bench`: engines side by side on the same trees; `--profile`: where each engine's time goes;
 `--balance`: data-parallel assignment; `--async`: synchronous vs asynchronous RL training;
-`--precision`: one training step per precision.
+`--precision`: one training step per precision; `--weight-push URL`: what pushing weights to an inference server
+costs.
 
 Beside the steps (docs/architecture.md): the benchmark's command line.
 """
@@ -71,6 +72,10 @@ def bench(
     response_tokens: int = typer.Option(32, help="--precision: tokens of each sample"),
     samples: int = typer.Option(8, help="--precision: samples G of the prompt"),
     lora_rank: int = typer.Option(16, help="--precision: rank of the LoRA variant"),
+    weight_push: str | None = typer.Option(None, "--weight-push", help="URL of a running inference server: the time "
+                                           "of one weight push (write + load) through /dev/shm and disk instead"),
+    model_path: str | None = typer.Option(None, help="--weight-push: the directory of the model the server serves"),
+    server_model: str = typer.Option("policy", help="--weight-push: the server's model name"),
     out: Path = typer.Option(Path("outputs/bench"), help="where JSON, markdown and PNG go"),
 ) -> None:
     """Measure what prefix sharing buys: time, memory and speedup over flat, against the FLOP ideal."""
@@ -78,7 +83,9 @@ def bench(
         shape=shape, vocab_size=vocab_size or None, device=device, dtype=dtype, scale=scale, repeats=repeats,
         memory=memory, workloads=workloads.split(","), engines=engines.split(","), threads=threads,
     )
-    if compare_async:
+    if weight_push:
+        run_weight_push(weight_push, model_path, server_model, repeats, out)
+    elif compare_async:
         run_async_compare(train_config, override, [int(s) for s in seeds.split(",")], target, threads or 1, out)
     elif profile:
         run_profile(config, out)
@@ -105,6 +112,21 @@ def run_engine_bench(config: BenchConfig, out: Path, scaling: bool = True) -> No
         print("\nPeak memory (MiB) of one step, G samples of one prompt:\n")
         print(memory_markdown(memory_rows))
     Console().print(f"written to {', '.join(str(p) for p in paths.values())}")
+
+
+def run_weight_push(url: str, model_path: str | None, server_model: str, repeats: int, out: Path) -> None:
+    """`--weight-push`: the push times, printed and written to out/weight_push.{json,md}."""
+    from treerl.bench.weight_push import measure_weight_push, weight_push_markdown
+
+    if not model_path:
+        raise typer.BadParameter("--weight-push needs --model-path, the directory of the model the server serves")
+    rows = measure_weight_push(url, model_path, server_model, repeats, out / "pushed")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "weight_push.json").write_text(json.dumps(rows, indent=1))
+    table = weight_push_markdown(rows)
+    (out / "weight_push.md").write_text(table + "\n")
+    print(table)
+    Console().print(f"written to {out}/weight_push.{{json,md}}")
 
 
 def run_async_compare(train_config: str, override: list[str], seeds: list[int], target: float | None, threads: int,

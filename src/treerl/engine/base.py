@@ -30,9 +30,12 @@ from treerl.engine.support import (
     attention_layers,
     check_all_layers_routed,
     check_known_model,
+    check_layer_indices,
+    check_positions,
     check_rope_lengths,
     check_tree_model,
     decoder_module,
+    idle_modules_that_run,
     last_hidden,
     model_name,
 )
@@ -218,8 +221,10 @@ def check_tree_engine(model: PreTrainedModel, carries_state: bool) -> Mixers:
     An engine that lays tokens of several nodes or sequences one after another in one row (PackedEngine,
     FlatEngine's packed rows) cannot serve a recurrent layer: the state would run on across them."""
     mixers = find_mixers(model)
-    check_tree_model(model, attention_free=bool(mixers) and not attention_layers(model, mixers.mixer_classes))
-    check_routed(model, mixers)
+    check_tree_model(model)
+    check_routed(model, mixers)  # before positions: Bloom and MPT (ALiBi) compute attention in their own code
+    check_layer_indices(model)
+    check_positions(model, attention_free=bool(mixers) and not attention_layers(model, mixers.mixer_classes))
     if mixers and carries_state:
         check_checkpointing(model)
     if mixers and not carries_state:
@@ -258,15 +263,28 @@ def _probe(model: PreTrainedModel, mixers: Mixers) -> str | None:
     if mixers:
         inputs.update({mixers.cache_kwarg: mixers.cache_class(None, 1, 0), "use_cache": True})
     try:
-        with torch.no_grad(), engine_attention(model):
+        with torch.no_grad(), engine_attention(model), idle_modules_that_run(model) as idle_ran:
             final_hidden(model, **inputs)
             check_all_layers_routed(model, call.layers_called, attention_layers(model, mixers.mixer_classes))
+        if idle_ran:
+            return (f"{model_name(model)}: {idle_ran[0]} ran on a text-only batch, which treerl takes for idle there "
+                    "and leaves unrouted (use FlatEngine)")
     except UnsupportedModel as refusal:
         return str(refusal)
     except Exception as error:  # noqa: BLE001 - any failure of the probe is a refusal, with its cause
-        return (f"{model_name(model)}: its layers do not run through transformers' attention interface (a two-token "
-                f"probe through treerl's attention failed: {type(error).__name__}: {error}) (use FlatEngine)")
+        return _probe_failure(model, call, error)
     return None
+
+
+def _probe_failure(model: PreTrainedModel, call: TreeCall, error: Exception) -> str:
+    """Why a probe that raised refuses the model: where no layer had reached treerl's attention, the model computes
+    attention in its own code (MPT, Falcon) and failed on the mask treerl withholds."""
+    failed = f"{type(error).__name__}: {error}"
+    if not call.layers_called:
+        return (f"{model_name(model)}: its attention is computed in its own module code, not through transformers' "
+                f"AttentionInterface (a two-token probe failed before any layer called it: {failed}) (use FlatEngine)")
+    return (f"{model_name(model)}: its layers do not run through transformers' attention interface (a two-token "
+            f"probe through treerl's attention failed: {failed}) (use FlatEngine)")
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

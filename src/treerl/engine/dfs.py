@@ -146,7 +146,8 @@ class _Walk:
         self.layers = attention_layers(model, self.mixers.mixer_classes)
         self.path = PathKV(max(len(s) for s in tree.sequences), with_grads=loss_fn is not None)
         self.states = PathStates(with_grads=loss_fn is not None) if self.mixers else None  # recurrent state
-        self.index_path = PathIndexKeys(self.path.capacity) if self.mixers.indexed else None  # sparse attention
+        # sparse attention: the path's indexer keys
+        self.index_path = PathIndexKeys(self.path.capacity, self.mixers.whole_row_topk) if self.mixers.indexed else None
         self.positions = "position_ids" in inspect.signature(decoder_module(model).forward).parameters  # not Mamba2
         slots = OutputSlots(tree, self.head.shifted)  # where each token's outputs land, the fork rows' included
         device = _device(model)

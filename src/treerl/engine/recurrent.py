@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from treerl.attention import UnsupportedModel
-from treerl.engine.support import decoder_module, model_name
+from treerl.engine.support import decoder_module, model_name, text_modules
 
 StateKey = tuple[int, str, int]  # (layer index, "conv" | "recurrent" | "linear", state index)
 
@@ -52,14 +52,19 @@ class MixerKind:
     entry: str  # the layer's own entry points the state goes through
     refused: str | None = None  # why the tree engines cannot reproduce it (None: exact)
     cache_class: str | None = None  # a cache class the model insists on (its module's attribute name)
-    in_attention: bool = False  # part of an attention layer (an indexer), not a token mixer of its own
+    in_attention: bool = False  # inside an attention layer (an indexer, ZAYA's convolutions): its attention is routed
+    indexer: bool = False  # keeps each token's indexer keys on the path (`update_indexer`) and reads the causal mask
     chunk: int | str = 1  # its torch path pads each row to a multiple of this (or of the module attribute it names)
 
 
+# DeepSeek sparse attention's indexer (DeepSeek-V3.2) and the models that ship it under their own class names: GLM-DSA,
+# A.X K2, dots3-note, HY-V4. Each ranks the call's whole key row (see WHOLE_ROW_TOPK_INDEXERS).
+_DSA_INDEXERS = ("DeepseekV32Indexer", "GlmMoeDsaIndexer", "AXK2Indexer", "Dots3NoteTextIndexer", "HYV4Indexer")
 _CACHE = "cache `get_conv_state` / `update_conv_state` and `get_recurrent_state` / `update_recurrent_state`"
 MIXERS: tuple[MixerKind, ...] = (
     MixerKind("Gated DeltaNet", ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
-                                 "Qwen4ExpTextGatedDeltaNet", "OlmoHybridGatedDeltaNet", "BailingHybridDeltaAttention"),
+                                 "Qwen4ExpTextGatedDeltaNet", "OlmoHybridGatedDeltaNet", "BailingHybridDeltaAttention",
+                                 "LaraMiniGatedDeltaNet"),
               "the short-convolution window and the delta-rule state", _CACHE, chunk=64),
     MixerKind("KDA (Kimi delta attention)", ("KimiLinearDeltaAttention",),
               "the short-convolution window and the delta-rule state (transformers keeps it in float32)", _CACHE,
@@ -72,21 +77,44 @@ MIXERS: tuple[MixerKind, ...] = (
               "the convolution window", "cache `get_conv_state` / `update_conv_state`"),
     MixerKind("lightning attention", ("MiniMaxLightningAttention",), "the decayed K^T V state",
               "cache `get_linear_cache` / `set_linear_cache`", cache_class="MiniMaxCache"),
-    MixerKind("sparse-attention indexer", ("DeepseekV32Indexer", "GlmMoeDsaIndexer", "Qwen4ExpTextQSAIndexer"),
+    MixerKind("sparse-attention indexer", (*_DSA_INDEXERS, "Qwen4ExpTextQSAIndexer"),
               "the indexer keys of every earlier token (one per token, kept on the path like K/V; no gradient: the "
               "indexer runs without one), so a query's keys are chosen among its own ancestors",
-              "cache `update_indexer`, and the causal mask over [path | row] it chooses under", in_attention=True),
+              "cache `update_indexer`, and the causal mask over [path | row] it chooses under", in_attention=True,
+              indexer=True),
+    MixerKind("convolutional attention projection", ("ZayaCCAProjection",),
+              "the queries' and keys' convolution window and the previous token's delayed value projection", _CACHE,
+              in_attention=True),
     MixerKind("Mamba (selective scan)", ("MambaMixer", "FalconMambaMixer", "ZambaMambaMixer", "JambaMambaMixer"),
               "the convolution window and the SSM state", _CACHE,
               refused="transformers' Mamba selective scan starts every multi-token call from a zero SSM state "
                       "(`mamba_selective_scan` takes no initial state, so continuing from a cache is not exact even "
                       "in transformers), so a tree node cannot continue its parent's state"),
+    MixerKind("RWKV time and channel mixing", ("RwkvSelfAttention", "RwkvFeedForward"),
+              "the token shift and the WKV numerator, denominator and maximum", "RwkvModel's `state` list",
+              refused="RWKV keeps its state (the token shift, the WKV numerator, denominator and maximum) in the "
+                      "`state` list RwkvModel takes and returns, written in place, not in transformers' cache "
+                      "interface, through which treerl hands a tree node's state to its children (use FlatEngine)"),
+    MixerKind("mLSTM", ("xLSTMLayer",), "the matrix memory, normaliser and stabiliser", "xLSTMCache's `rnn_state`",
+              refused="the mLSTM keeps its state (matrix memory, normaliser, stabiliser) in xLSTMCache's `rnn_state`, "
+                      "copied in place, not in transformers' cache interface, through which treerl hands a tree "
+                      "node's state to its children (use FlatEngine)"),
+    MixerKind("RG-LRU (recurrent block)", ("RecurrentGemmaRecurrentBlock",), "the convolution window and the RG-LRU "
+              "state", "module attributes `conv1d_state`, `rg_lru.recurrent_states`",
+              refused="the recurrent block keeps its convolution window and RG-LRU state in module attributes, not in "
+                      "transformers' cache interface, and a multi-token call convolves from zeros whatever they hold, "
+                      "so a tree node cannot continue its parent's state (use FlatEngine)"),
 )
 _BY_CLASS = {cls: kind for kind in MIXERS for cls in kind.classes}
+# Indexers whose top-k ranks the call's whole key row (DeepSeek sparse attention: a query's earlier keys, then -inf up
+# to the call's width), so which of several keys tied at the k-th score torch.topk returns depends on that width on
+# CPU; the tree takes the earliest (`EarliestTies`). Qwen4-Exp's ranks only the query's own complete key blocks: the
+# same row in the tree as in one flat call, so its choice is the flat one already.
+WHOLE_ROW_TOPK_INDEXERS = _DSA_INDEXERS
 
-# Class-name words of modules that carry state along the sequence outside attention.
-_STATEFUL_WORDS = ("Mamba", "RWKV", "Recurrent", "DeltaNet", "DeltaAttention", "ShortConv", "xLSTM", "Mixer",
-                   "Lightning", "Rglru")
+# Class-name words of modules that carry state along the sequence outside attention, in any case (RWKV's are "Rwkv...").
+_STATEFUL = re.compile(r"Mamba|RWKV|Recurrent|DeltaNet|DeltaAttention|ShortConv|xLSTM|Mixer|Lightning|Rglru",
+                       re.IGNORECASE)
 _NORM = re.compile(r"Norm(Gated)?$")  # Mamba2RMSNorm: a norm named after its model, no state
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 
@@ -101,6 +129,7 @@ class Mixers:
     mixer_classes: frozenset[str] = frozenset()  # the token mixers' classes (their layers run no attention)
     indexed: bool = False  # an attention layer picks its keys with an indexer (it reads a causal mask)
     chunk: int = 1  # the largest multiple a mixer's torch path pads each row to (1: none pads)
+    whole_row_topk: frozenset[int] = frozenset()  # layers whose indexer ranks the call's whole key row (ties: earliest)
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -113,9 +142,10 @@ def find_mixers(model: PreTrainedModel) -> Mixers:
     known: list[str] = []  # module paths of known mixers (what is inside one is part of it)
     classes: set[str] = set()
     indexed = False
+    whole_row_topk: set[int] = set()
     chunk = 1
     base: type[Cache] = DynamicCache
-    for path, module in body.named_modules():
+    for path, module in text_modules(model):
         kind = _BY_CLASS.get(type(module).__name__)
         if kind is None:
             continue
@@ -126,17 +156,21 @@ def find_mixers(model: PreTrainedModel) -> Mixers:
             raise UnsupportedModel(f"{model_name(model)}: {path} ({type(module).__name__}) has no layer_idx; treerl "
                                    "cannot tell which layer's state it reads")
         layers.setdefault(index, kind)
-        if kind.in_attention:
+        if kind.indexer:
             indexed = True
+            if type(module).__name__ in WHOLE_ROW_TOPK_INDEXERS:
+                whole_row_topk.add(index)
             continue
         layers[index] = kind  # a layer's token mixer names it
-        classes.add(type(module).__name__)
+        if not kind.in_attention:  # its layer runs no attention
+            classes.add(type(module).__name__)
         known.append(path + ".")
         chunk = max(chunk, int(getattr(module, kind.chunk, 1) if isinstance(kind.chunk, str) else kind.chunk))
         if kind.cache_class is not None:
             base = getattr(sys.modules[type(module).__module__], kind.cache_class)
-    _refuse_unknown_mixers(model, body, known, set(layers), indexed)
-    return Mixers(layers, _cache_class(base), cache_kwarg(body), frozenset(classes), indexed, chunk)
+    _refuse_unknown_mixers(model, known, set(layers), indexed)
+    return Mixers(layers, _cache_class(base), cache_kwarg(body), frozenset(classes), indexed, chunk,
+                  whole_row_topk=frozenset(whole_row_topk))
 
 
 def cache_kwarg(module: torch.nn.Module) -> str:
@@ -149,16 +183,15 @@ def cache_kwarg(module: torch.nn.Module) -> str:
                 "past_key_values")
 
 
-def _refuse_unknown_mixers(model: PreTrainedModel, body: torch.nn.Module, known: list[str], mixer_layers: set[int],
-                           indexed: bool) -> None:
-    """A module that looks stateful outside every known mixer, or a non-attention layer type without one."""
-    for path, module in body.named_modules():
+def _refuse_unknown_mixers(model: PreTrainedModel, known: list[str], mixer_layers: set[int], indexed: bool) -> None:
+    """A module that looks stateful outside every known mixer, or a non-attention layer type without one.
+
+    The body itself is never the one named (RecurrentGemmaModel is named for its family, not a mixer): the first
+    module below it that looks stateful is."""
+    for path, module in text_modules(model):
         name = type(module).__name__
-        prefix = path + "." if path else ""
-        inside_or_around = any(prefix.startswith(k) or k.startswith(prefix) for k in known)  # a mixer, or its block
-        looks_stateful = (any(w in name for w in _STATEFUL_WORDS) and not _NORM.search(name)) \
-            or isinstance(module, torch.nn.Conv1d)
-        if looks_stateful and not inside_or_around:
+        inside_or_around = any((path + ".").startswith(k) or k.startswith(path + ".") for k in known)  # or its block
+        if path and _looks_stateful(module) and not inside_or_around:
             raise UnsupportedModel(
                 f"{model_name(model)}: {path} ({name}) carries state across tokens outside attention, and treerl's "
                 "table of token mixers (treerl.engine.recurrent.MIXERS) does not know how to hand it from a tree node "
@@ -172,6 +205,12 @@ def _refuse_unknown_mixers(model: PreTrainedModel, body: torch.nn.Module, known:
                 f"{model_name(model)}: layer {index} is of type {kind!r}, neither softmax attention nor a token mixer "
                 "in treerl's table (treerl.engine.recurrent.MIXERS) (use FlatEngine)"
             )
+
+
+def _looks_stateful(module: torch.nn.Module) -> bool:
+    """A class named for a state carried along the sequence (not a norm named after its model), or a Conv1d."""
+    name = type(module).__name__
+    return bool(_STATEFUL.search(name) and not _NORM.search(name)) or isinstance(module, torch.nn.Conv1d)
 
 
 def _parameters(module: torch.nn.Module) -> set[str]:
@@ -217,6 +256,39 @@ class _HandedState(torch.Tensor):
             return args[0]
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
+
+
+def earliest_topk(scores: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
+                  sorted: bool = True) -> torch.return_types.topk:
+    """torch.topk that takes, of the keys tied at the k-th score, the earliest: the same keys whatever the row's width.
+
+    On CPU torch.topk picks among such ties by the length of the row, which in the tree ([path | row]) is not the
+    length of one flat call; CUDA's takes the earliest. Without a tie at the k-th score every top-k is this one."""
+    width = scores.shape[dim]
+    top = torch.topk(scores, min(k + 1, width), dim=dim, largest=largest, sorted=True)
+    if 0 < k < width:
+        kth, after = top.values.narrow(dim, k - 1, 1), top.values.narrow(dim, k, 1)
+        if bool(((kth == after) & kth.isfinite()).any()):  # a key left out ties with one taken
+            order = torch.sort(scores, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
+            return torch.return_types.topk((scores.gather(dim, order), order))
+    return torch.return_types.topk((top.values.narrow(dim, 0, k), top.indices.narrow(dim, 0, k)))
+
+
+_TOPK = (torch.Tensor.topk, torch.topk)
+
+
+class EarliestTies(torch.Tensor):
+    """Indexer keys whose scores choose, among keys tied at the k-th score, the earliest (`earliest_topk`).
+
+    The indexer's ops on them (scores, ReLU, head weights, the causal mask) keep the class, so its own
+    `index_scores.topk(...)` lands here: the tree's choice does not depend on the width of its call."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _TOPK:
+            with torch._C.DisableTorchFunctionSubclass():
+                return earliest_topk(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 class TreeStateCache(DynamicCache):
@@ -311,13 +383,17 @@ class TreeStateCache(DynamicCache):
         self._keep((layer_idx, "linear", 0), linear_cache)
 
     def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """This call's indexer keys behind the path's: what each query's top-k is chosen among."""
+        """This call's indexer keys behind the path's: what each query's top-k is chosen among (ties: the earliest,
+        where the indexer ranks the call's whole row)."""
         if not self.replaying:
             self.index_keys[layer_idx] = indexer_key_states
-        past = self.index_path.read(layer_idx, self.past) if self.index_path is not None else None
-        if past is None:
+        if self.index_path is None:
             return indexer_key_states
-        return torch.cat([past.expand(self.rows, -1, -1).to(indexer_key_states.dtype), indexer_key_states], dim=1)
+        past = self.index_path.read(layer_idx, self.past)
+        keys = indexer_key_states
+        if past is not None:
+            keys = torch.cat([past.expand(self.rows, -1, -1).to(keys.dtype), keys], dim=1)
+        return keys.as_subclass(EarliestTies) if layer_idx in self.index_path.whole_row_topk else keys
 
     def finish(self) -> None:
         """After the forward: take the in-place steps' writes as final states; later calls are replays."""
@@ -338,7 +414,7 @@ class TreeStateCache(DynamicCache):
                                    f"{unread[0][1]} state handed to it, so a tree node would not continue its parent")
         if open_rows:
             for index, kind in sorted(layers.items()):
-                handed_on = index in self.index_keys if kind.in_attention else any(k[0] == index for k in self.final)
+                handed_on = index in self.index_keys if kind.indexer else any(k[0] == index for k in self.final)
                 if not handed_on:
                     raise UnsupportedModel(f"layer {index} ({kind.name}) gave back no final state through the cache, "
                                            "so a tree node's children could not continue it")
@@ -386,8 +462,9 @@ class PathIndexKeys:
 
     No gradient travels back: the indexer runs without one (its choice of keys is not differentiable)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, whole_row_topk: frozenset[int] = frozenset()):
         self.capacity = capacity
+        self.whole_row_topk = whole_row_topk  # layers whose top-k the tree breaks ties in (Mixers.whole_row_topk)
         self.keys: dict[int, torch.Tensor] = {}  # layer -> [1, capacity, D]
 
     def read(self, layer: int, end: int) -> torch.Tensor | None:

@@ -44,6 +44,42 @@ def _takes_input_ids(module: torch.nn.Module) -> bool:
     return "input_ids" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
+# Modules inside a text body that a text-only batch never runs (treerl passes input_ids alone): class -> what runs them.
+# What is inside them is neither attention to route nor a state to hand on; the routing probe (treerl.engine.base)
+# refuses a model in which one of them runs after all.
+IDLE_IN_TEXT = {
+    "MllamaCrossAttentionDecoderLayer": "cross-attention to image states, a layer transformers skips without them",
+    "Phi4MultimodalImageEmbedding": "the image encoder, run on image_pixel_values only",
+    "Phi4MultimodalAudioEmbedding": "the audio encoder, run on audio_input_features only",
+    "GitVisionModel": "the image encoder, run on pixel_values only",
+}
+
+
+def text_modules(model: PreTrainedModel) -> list[tuple[str, torch.nn.Module]]:
+    """The text body's named modules that a text-only batch runs: `decoder_module`'s, less those in and below an
+    IDLE_IN_TEXT module (a vision tower outside the body never runs either)."""
+    modules = list(decoder_module(model).named_modules())
+    idle = [path + "." for path, m in modules if type(m).__name__ in IDLE_IN_TEXT]
+    return [(path, m) for path, m in modules if not any((path + ".").startswith(i) for i in idle)]
+
+
+@contextlib.contextmanager
+def idle_modules_that_run(model: PreTrainedModel) -> Iterator[list[str]]:
+    """The IDLE_IN_TEXT modules that run while the block runs (their paths and classes): none should, on text."""
+    ran: list[str] = []
+
+    def record(path: str, module: torch.nn.Module) -> None:
+        ran.append(f"{path} ({type(module).__name__}: {IDLE_IN_TEXT[type(module).__name__]})")
+
+    hooks = [m.register_forward_pre_hook(lambda module, args, path=path: record(path, module))
+             for path, m in decoder_module(model).named_modules() if type(m).__name__ in IDLE_IN_TEXT]
+    try:
+        yield ran
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def last_hidden(outputs) -> torch.Tensor:
     """The body's final hidden states, whatever output class (or tuple) the model returns."""
     hidden = getattr(outputs, "last_hidden_state", None)
@@ -74,27 +110,45 @@ def check_known_model(model: PreTrainedModel) -> None:
         )
 
 
-def check_tree_model(model: PreTrainedModel, attention_free: bool = False) -> None:
-    """What the tree engines (DFS, packed) need of attention beyond the flat reference: a node runs at its depth,
-    and every attention layer can be routed. Token mixers other than attention: treerl.engine.recurrent.
+def check_tree_model(model: PreTrainedModel) -> None:
+    """What the tree engines (DFS, packed) need of a model before its attention is probed: no dropout. Token mixers
+    other than attention: treerl.engine.recurrent.
 
-    Whether a layer really calls transformers' attention interface is checked where it happens, at the
-    first layer of the first call (treerl.attention.dispatch), before any output or gradient: decided by
-    what the layers do, not by a flag a model class declares. `attention_free`: no layer attends (pure
-    state-space models), so positions do not matter."""
-    name = model_name(model)
-    takes_positions = "position_ids" in inspect.signature(decoder_module(model).forward).parameters
-    if not takes_positions and not attention_free:  # a model without attention (pure Mamba2) needs no positions
-        raise UnsupportedModel(
-            f"{name}: its body takes no position_ids (positions come from the input length), so a tree node "
-            "cannot run at its depth (use FlatEngine)"
-        )
-    for path, module in decoder_module(model).named_modules():  # the text body: a vision tower never runs here
-        kind = type(module).__name__
-        if kind.endswith("Attention") and not hasattr(module, "layer_idx"):
-            raise UnsupportedModel(f"{name}: attention module {path} has no layer_idx; cannot route tree attention")
+    Whether a layer really calls transformers' attention interface is checked where it happens, in a probe and at the
+    first layer of each call (treerl.attention.dispatch), before any output or gradient: decided by what the layers
+    do, not by a flag a model class declares. After the probe: `check_layer_indices`, then `check_positions`."""
     if model.training:
         check_no_dropout(model)
+
+
+def check_layer_indices(model: PreTrainedModel) -> None:
+    """Every attention module of the text body holds a layer_idx (itself or, for a wrapper, the attention inside it):
+    one without would escape the all-layers-routed check. Checked after the routing probe, through which a module
+    calling transformers' attention interface without a layer_idx is refused: one left here computes attention in its
+    own code."""
+    modules = text_modules(model)
+    indexed = [path + "." for path, module in modules if isinstance(getattr(module, "layer_idx", None), int)]
+    missing = [(path, module) for path, module in modules if is_attention(module) and not hasattr(module, "layer_idx")
+               and not any(i.startswith(path + ".") for i in indexed)]
+    for path, module in missing:
+        if not any(other.startswith(path + ".") for other, _ in missing):  # the innermost: the attention itself
+            raise UnsupportedModel(
+                f"{model_name(model)}: attention module {path} ({type(module).__name__}) has no layer_idx and computes "
+                "attention in its own code, not through transformers' AttentionInterface; treerl cannot route it "
+                "(use FlatEngine)"
+            )
+
+
+def check_positions(model: PreTrainedModel, attention_free: bool = False) -> None:
+    """A tree node runs at its depth: the body takes position_ids (checked once its attention is known to be routed:
+    a model that computes attention in its own code is refused for that). `attention_free`: no layer attends (pure
+    state-space models), so positions do not matter."""
+    takes_positions = "position_ids" in inspect.signature(decoder_module(model).forward).parameters
+    if not takes_positions and not attention_free:
+        raise UnsupportedModel(
+            f"{model_name(model)}: its body takes no position_ids (positions come from the input length), so a tree "
+            "node cannot run at its depth (use FlatEngine)"
+        )
 
 
 def check_no_dropout(model: PreTrainedModel) -> None:
@@ -159,6 +213,11 @@ def check_all_layers_routed(model: PreTrainedModel, called: set[int], layers: se
 
     `layers`: `attention_layers(model)`, when the caller already has it (it walks every module)."""
     layers = attention_layers(model) if layers is None else layers
+    if layers and not called:
+        raise UnsupportedModel(
+            f"{model_name(model)}: no attention layer ran treerl's attention: the model computes attention in its own "
+            "module code, not through transformers' AttentionInterface (use FlatEngine)"
+        )
     if called != layers:
         raise UnsupportedModel(
             f"{model_name(model)}: only layers {sorted(called)} of {sorted(layers)} ran treerl's attention; the "
@@ -168,14 +227,26 @@ def check_all_layers_routed(model: PreTrainedModel, called: set[int], layers: se
 
 def attention_layers(model: PreTrainedModel, mixers: frozenset[str] = frozenset()) -> set[int]:
     """The layer indices of the text body's modules (attention, and any other layer that holds a cache slot),
-    leaving out the token mixers named in `mixers` and what is inside or around them (treerl.engine.recurrent)."""
-    modules = list(decoder_module(model).named_modules())
+    leaving out the token mixers named in `mixers` (treerl.engine.recurrent), what is inside them, and the blocks
+    around them, but not an attention module around one: a mixer inside attention (ZAYA's convolutional projections)
+    leaves that attention to be routed like any other."""
+    modules = text_modules(model)
     skip = [path + "." for path, m in modules if type(m).__name__ in mixers]
     layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
     feed_forward = {i for i, kind in enumerate(layer_types) if kind in ("mlp", "moe")}  # Nemotron-H's MLP layers
+
+    def counted(path: str, module: torch.nn.Module) -> bool:
+        inside = any((path + ".").startswith(k) for k in skip)
+        around = any(k.startswith(path + ".") for k in skip)
+        return not inside and (not around or is_attention(module))
+
     return {m.layer_idx for path, m in modules if isinstance(getattr(m, "layer_idx", None), int)
-            and m.layer_idx not in feed_forward
-            and not any((path + ".").startswith(k) or k.startswith(path + ".") for k in skip)}
+            and m.layer_idx not in feed_forward and counted(path, m)}
+
+
+def is_attention(module: torch.nn.Module) -> bool:
+    """An attention module, by transformers' naming (`LlamaAttention`, `MllamaTextSelfAttention` ...)."""
+    return type(module).__name__.endswith("Attention")
 
 
 @contextlib.contextmanager

@@ -63,14 +63,16 @@ def device_for(config: ModelConfig, env: DistEnv) -> torch.device:
     return env.device if config.device == "auto" else check_device(config.device, "model.device")
 
 
-def set_threads(trainer: TrainerConfig, device: torch.device) -> int:
+def set_threads(trainer: TrainerConfig, device: torch.device, on_servers: bool = False) -> int:
     """Set torch's threads for this rank: `trainer.threads`, or the usable cores shared among the local ranks less
-    the async workers' threads (never more than torch's own default). Warns when the CPU is oversubscribed or busy,
-    which can make a step several times slower. Returns the count before."""
+    the async workers' threads (none when they sample `on_servers`: they wait on HTTP; never more than torch's own
+    default). Warns when the CPU is oversubscribed or busy, which can make a step several times slower. Returns the
+    count before."""
     before = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    workers = trainer.rollout_workers * trainer.worker_threads if trainer.mode == "async" else 0
+    sampling = trainer.mode == "async" and not on_servers
+    workers = trainer.rollout_workers * trainer.worker_threads if sampling else 0
     threads = trainer.threads or max(1, min(before, (cores - workers) // ranks))
     torch.set_num_threads(threads)
     if device.type != "cpu":
@@ -151,7 +153,7 @@ class Run:
         if not env.is_main:  # every rank samples the same batch: rank 0 alone reports dropped samples
             logging.getLogger("treerl").setLevel(logging.ERROR)
         device = device_for(config.model, env)
-        threads_before = set_threads(config.trainer, device)
+        threads_before = set_threads(config.trainer, device, on_servers=bool(config.rollout.server_urls))
         try:
             run = cls._build(config, env, device, temperature)
         except BaseException:
