@@ -15,7 +15,7 @@ from treerl.rollout.client import VLLM_RL_ROUTES
 @contextlib.contextmanager
 def stub_server(answers: dict[str, object], calls: list | None = None) -> Iterator[str]:
     """An HTTP server answering GET/POST `path` with the JSON `answers[path]`, or `answers[path](request body)` when
-    it is a function (404 for other paths); each (path, body) is appended to `calls`. Yields its URL."""
+    it is a function (HTTP 500 with its message if it raises; 404 for other paths); each (path, body) is appended to `calls`. Yields its URL."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -27,9 +27,13 @@ def stub_server(answers: dict[str, object], calls: list | None = None) -> Iterat
             request = json.loads(self.rfile.read(length) or b"{}") if length else {}
             if calls is not None:
                 calls.append((self.path, request))
-            answer = answers.get(path, {"detail": "Not Found"})
-            body = json.dumps(answer(request) if callable(answer) else answer).encode()
-            self.send_response(200 if path in answers else 404)
+            answer, status = answers.get(path, {"detail": "Not Found"}), 200 if path in answers else 404
+            try:
+                answer = answer(request) if callable(answer) else answer
+            except Exception as e:  # a computed answer that raises is an HTTP 500 with its message
+                answer, status = {"error": {"message": str(e)}}, 500
+            body = json.dumps(answer).encode()
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

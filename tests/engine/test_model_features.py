@@ -16,7 +16,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import exact_norms
+from support import exact_norms, float64_throughout
+from test_exactness import HAND, _with_data, token_loss
 from transformers import (
     AutoModelForCausalLM,
     CohereConfig,
@@ -29,9 +30,12 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
 )
+from zoo import build_tiny
 
 from treerl.attention import UnsupportedModel
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
+from treerl.engine.base import attention_slots
+from treerl.engine.support import attention_layers
 from treerl.testing import assert_engines_agree, assert_matches_model, compare_runs, run_engine
 from treerl.tree import TokenSequence
 
@@ -151,3 +155,43 @@ def test_length_dependent_rope_is_exact_below_its_switch_and_refused_above(engin
     with pytest.raises(UnsupportedModel, match="'longrope' changes its frequencies with the length of each call"):
         ENGINES[engine].forward_backward(model, long, _loss)
     assert calls == []
+
+
+# Layers that attend more than once per forward, each call over its own keys: DiffLlama's differential attention (two
+# calls of one module on the same keys, each with half the values), Dory's looped middle layer (two passes, one window
+# of 8 that fills), HRM's cycles (16 calls of two layer indices, some under no_grad). The path holds one K/V slot per
+# (layer, n-th call of the forward). The zoo's builds (tests/zoo.py); Zamba's shared block: tests/engine/test_recurrent.py.
+REPEATED = ["diffllama", "dory", "hrm_text"]
+
+
+def _repeated_batch() -> list[TokenSequence]:
+    """A GRPO group and a fork below a chain (rows of unequal length, a chain across calls), up to 17 tokens."""
+    rng = random.Random(7)
+    return [_with_data(t, rng, str(i)) for i, t in enumerate(HAND["grpo group"] + HAND["fork below a chain"])]
+
+
+@pytest.mark.parametrize("model_type", REPEATED)
+def test_a_layer_that_attends_more_than_once_has_a_path_slot_per_call(model_type):
+    """DfsEngine equals the flat reference, and its log-probs each sequence's own forward, with nodes chunked across
+    calls and recomputed: every call of a layer reads the path's keys of that same call."""
+    model = build_tiny(model_type)
+    seqs = _repeated_batch()
+    with float64_throughout():
+        reference = run_engine(FlatEngine(layout="sequences"), model, seqs, token_loss)
+        for engine in (DfsEngine(chunk_tokens=3), DfsEngine(chunk_tokens=4, recompute="always", batch_tokens=0)):
+            errors = compare_runs(run_engine(engine, model, seqs, token_loss), reference)
+            whole = {k: e for k, e in errors.items() if not k.startswith("grad.")}
+            assert max(whole.values()) <= 1e-9, (model_type, max(whole, key=whole.get), max(whole.values()))
+        assert_matches_model(model, seqs, DfsEngine(chunk_tokens=5).forward(model, seqs), tol=1e-9)
+    slots = attention_slots(model)  # counted by the routing probe
+    assert slots > len(attention_layers(model)), f"{model_type}: no layer attends twice ({slots} calls)"
+
+
+def test_gradient_checkpointing_of_a_layer_that_attends_twice_is_refused():
+    """Checkpointing recomputes one layer at a time in backward, which cannot tell which of a layer's calls it replays:
+    refused at the first call, before any gradient (the same model without checkpointing is exact, above)."""
+    model = build_tiny("diffllama").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(UnsupportedModel, match="layer 0 calls attention more than once per forward.*checkpointing"):
+        DfsEngine().forward_backward(model, _repeated_batch(), token_loss)
+    assert all(p.grad is None for p in model.parameters())

@@ -4,6 +4,7 @@ one that cannot serve RL naming the flag it lacks, and fails clearly on anything
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 from stub_servers import stub_server, vllm_stub
@@ -114,6 +115,22 @@ def test_requests_are_balanced_over_several_servers_and_pushes_reach_every_one()
     seeds = {body["sampling_params"]["seed"] for calls in (calls_a, calls_b) for path, body in calls
              if path == "/inference/v1/generate" and body}
     assert len(seeds) == 16  # a seed of its own for every prompt
+
+
+def test_a_failed_request_is_raised_at_once_not_after_the_other_servers_requests():
+    """Server A answers its generations with HTTP 500, server B takes 20 s for each: the ServerError comes in about a
+    second (B's requests are not waited for: an async worker waiting on them would be taken for hung)."""
+    failing, slow = vllm_stub(["default"]), vllm_stub(["default"])
+    failing["/inference/v1/generate"] = lambda body: {} if not body else (_ for _ in ()).throw(RuntimeError("dead"))
+    generate = slow["/inference/v1/generate"]
+    slow["/inference/v1/generate"] = lambda body: generate(body) if not body else (time.sleep(20), generate(body))[1]
+    with stub_server(failing) as a, stub_server(slow) as b:
+        client = CompletionsClient([a, b])
+        client.connect()
+        started = time.monotonic()
+        with pytest.raises(ServerError, match=f"POST {a}/inference/v1/generate"):
+            client.generate([[1, 2]] * 4, SamplingParams(n=1, max_new_tokens=1))
+        assert time.monotonic() - started < 10
 
 
 def test_a_server_that_is_neither_is_named_as_such():

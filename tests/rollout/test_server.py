@@ -127,9 +127,13 @@ def test_a_server_reporting_another_version_is_an_error(server, tmp_path, same_m
     same_model.save_pretrained(tmp_path / "original")
     client = _client(server)
     monkeypatch.setattr(client, "_get", lambda server, path: {"weight_version": "41"})
-    with pytest.raises(ServerError, match="reports version '41'"):
-        client.push_weights(str(tmp_path / "original"), version=42)
-    assert client.version == 0
+    try:
+        with pytest.raises(ServerError, match="reports version '41'"):
+            client.push_weights(str(tmp_path / "original"), version=42)
+        assert client.version == 0
+    finally:  # the push itself went through: the server holds "42"; the other tests expect version 0
+        monkeypatch.undo()
+        client.push_weights(str(tmp_path / "original"), version=0)
 
 
 def _post(url: str, path: str, body: dict) -> tuple[int, dict]:

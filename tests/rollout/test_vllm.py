@@ -26,9 +26,9 @@ from transformers import AutoModelForCausalLM
 from vllm_server import ROOT, documented_server, walkthrough
 
 from treerl.errors import ServerError
-from treerl.rollout import client as client_module
 from treerl.models import build_model
 from treerl.rollout import CompletionsClient, SamplingParams, builtin_tokenizer
+from treerl.rollout import client as client_module
 from treerl.rollout.sampler import truncate_logits
 from treerl.trainer import load_config, train
 
@@ -333,8 +333,10 @@ def test_a_refused_reload_stops_with_one_line_before_anything_trains(server, mod
     other = tmp_path / "tiny"
     subprocess.run([sys.executable, "-m", "treerl.cli.main", "export", "--shape", "tiny-llama", str(other)], check=True,
                    env=cli_env(), capture_output=True)
+    pushed_before = set(Path("/dev/shm").glob("treerl-*"))
     with pytest.raises(ServerError) as error:
         run_training(tmp_path, server, other, "trainer.steps=2", "rollout.max_context_tokens=512")
+    assert set(Path("/dev/shm").glob("treerl-*")) == pushed_before  # the weights it wrote there are removed
     message = str(error.value)
     assert f"POST {server.url}/collective_rpc (rollout.server_type=vllm): HTTP 500" in message
     assert "restart the server" in message

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from treerl.algo.config import decoupled
 from treerl.engine import FlatEngine, PolicyHead
 from treerl.errors import TrainingStopped
 from treerl.models import build_model
@@ -22,7 +23,6 @@ from treerl.trainer import ConfigError, train
 from treerl.trainer.asynchronous import pool as pool_module
 from treerl.trainer.asynchronous import worker_set
 from treerl.trainer.asynchronous.interruptible import InterruptibleSampler
-from treerl.algo.config import decoupled
 from treerl.trainer.asynchronous.pool import RolloutPool
 from treerl.trainer.asynchronous.weights import SharedWeights
 from treerl.trainer.asynchronous.workers import GroupResult

@@ -361,6 +361,7 @@ def test_training_with_an_inference_server_pushes_the_new_weights(tiny_config, t
         assert len(rows) == 2 and all("time/weight_push" in r for r in rows)
         (group,) = CompletionsClient(url).generate([[1, 2, 3]], SamplingParams(n=1, max_new_tokens=2, seed=0))
         assert group[0].versions == [2] * len(group[0].tokens)  # the server runs the weights of step 2
-    served = read_weights(tmp_path / "pushed" / "weights")
+    [own] = (tmp_path / "pushed").iterdir()  # treerl-<run id>: a directory of the run's own
+    served = read_weights(own / "weights")
     final = read_weights(checkpoint_dir(tmp_path / "run", 2))
     assert all(torch.equal(served[k], final[k]) for k in final)

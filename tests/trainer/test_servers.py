@@ -4,12 +4,16 @@ the trained policy, and a server that fails mid-run leaves the last complete ste
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 
 import pytest
 import torch
-
 from stub_servers import stub_server, vllm_stub
+from support import treerl_serve_process
 
 from treerl.errors import ServerError
 from treerl.models import read_weights
@@ -95,3 +99,48 @@ def test_async_training_refuses_a_server_that_cannot_say_which_weights_sampled_a
                                               r"route\): start vLLM with --enable-scale-out"):
             connect_servers(tiny_config(f"rollout.server_url={url}", "trainer.mode=async"))
         assert connect_servers(tiny_config(f"rollout.server_url={url}")) is not None
+
+
+def test_a_server_failing_in_a_mid_run_evaluation_leaves_the_finished_step_checkpointed(tiny_config, servers,
+                                                                                      tmp_path):
+    """trainer.eval_every=1: the evaluation after step 1 fails (calls: the start's evaluation, step 0, its evaluation,
+    step 1, its evaluation). The evaluation runs after the step is complete, so the run stopped after 2 steps, and
+    its checkpoint is the one a clean 2-step run writes (it was named step 1 and held step 2's weights)."""
+    settings = ["trainer.eval_prompts=2", "trainer.eval_every=1"]
+    servers.fail_at = 5
+    with pytest.raises(ServerError, match=r"stopped after step 2 of 3; checkpoint"):
+        train(tiny_config("trainer.steps=3", *settings))
+    failed = read_weights(checkpoint.checkpoint_dir(tmp_path / "run", 2))
+    clean_servers = RecordingServers(load_policy(tiny_config().model, torch.device("cpu"))[0])
+    sync.connect_servers = lambda config: clean_servers  # the fixture's monkeypatch puts it back
+    train(tiny_config("trainer.steps=2", *settings, name="clean"))
+    clean = read_weights(checkpoint.checkpoint_dir(tmp_path / "clean", 2))
+    assert all(torch.equal(failed[k], clean[k]) for k in clean)
+
+
+@pytest.mark.slow
+def test_a_server_killed_during_async_training_stops_the_run_with_one_line_and_a_checkpoint(tmp_path):
+    """trainer.mode=async on `treerl serve`, the server killed by PID after two steps: the rollout workers' failed
+    requests (or the trainer's next push) reach the trainer as one line naming the server (exit code 4, no traceback), after the last complete
+    step is checkpointed whole."""
+    out = tmp_path / "run"
+    with treerl_serve_process("--seed", "0") as (server, url):
+        command = [sys.executable, "-m", "treerl.cli.main", "train", "trainer.mode=async", f"rollout.server_url={url}",
+                   "trainer.steps=200", "trainer.progress=false", "trainer.tensorboard=false", "trainer.eval_prompts=0",
+                   "rollout.prompts_per_step=2", "rollout.group_size=2", f"trainer.output_dir={out}",
+                   "rollout.request_timeout=30"]
+        trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+        metrics, deadline = out / "metrics.jsonl", time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert trainer.poll() is None, trainer.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the run did not train two steps in 120 s"
+            time.sleep(0.1)
+        server.kill()
+        _, stderr = trainer.communicate(timeout=120)
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert trainer.returncode == ServerError.exit_code and len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert url in errors[0] and "continue with trainer.resume=auto" in errors[0]  # a worker's request or the push:
+    # whichever meets the dead server first
+    saved = sorted((out / "checkpoints").iterdir())
+    assert saved and all(checkpoint.verify_checkpoint(c) is not None for c in saved)

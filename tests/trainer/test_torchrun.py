@@ -131,7 +131,7 @@ def test_only_rank_0_logs_the_same_metrics(runs, strategy):
     single, parallel = rows("single"), rows(strategy)
     assert [r["step"] for r in parallel] == [r["step"] for r in single]  # one writer: no duplicated lines
     updates = [r for r in parallel if "dist/imbalance" in r]
-    assert len(updates) == 2 and all(r["dist/imbalance"] < 1.9 and r["dist/micro_batches"] >= 3 for r in updates)
+    assert len(updates) == 2 and all(r["dist/imbalance"] < 1.9 and r["dist/micro_batches"] >= 2 for r in updates)  # split
     for a, b in zip(single, parallel):
         for key in ("train/loss", "rollout/reward_mean", "batch/flat_tokens", "train/kl", "eval/reward_mean"):
             if key in a:

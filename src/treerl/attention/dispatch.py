@@ -89,7 +89,8 @@ def layer_attention(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) 
     config = getattr(module, "config", None)
     layer_types = getattr(config, "layer_types", None)
     chunk = None
-    if layer_types is not None and layer_types[module.layer_idx] == "chunked_attention":
+    index = getattr(module, "layer_idx", None)
+    if layer_types is not None and isinstance(index, int) and layer_types[index] == "chunked_attention":
         chunk = config.attention_chunk_size
     spec = AttentionSpec(
         scale=scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]),

@@ -35,6 +35,8 @@ import torch
 from treerl.attention.dispatch import LayerAttention, UnsupportedModel
 from treerl.attention.kernels import AttentionSpec, Part, attend, attend_backward
 
+Slot = tuple[int | None, int]  # (layer index, n): the layer's n-th attention call of a forward, one K/V on the path
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -83,10 +85,10 @@ class UnitLayout:
 class UnitKV:
     """K/V of one unit (layer -> `[1, kv_heads, rows, head_dim]`) and what its descendants sent to them."""
 
-    keys: dict[int, torch.Tensor] = field(default_factory=dict)
-    values: dict[int, torch.Tensor] = field(default_factory=dict)
-    key_grads: dict[int, torch.Tensor] | None = None
-    value_grads: dict[int, torch.Tensor] | None = None
+    keys: dict[Slot, torch.Tensor] = field(default_factory=dict)
+    values: dict[Slot, torch.Tensor] = field(default_factory=dict)
+    key_grads: dict[Slot, torch.Tensor] | None = None
+    value_grads: dict[Slot, torch.Tensor] | None = None
 
     def clear(self) -> None:
         self.keys.clear()
@@ -109,21 +111,21 @@ class PathKV:
 
     def __init__(self, capacity: int, with_grads: bool):
         self.capacity, self.with_grads = capacity, with_grads
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
-        self.key_grads: dict[int, torch.Tensor] = {}
-        self.value_grads: dict[int, torch.Tensor] = {}
+        self.keys: dict[Slot, torch.Tensor] = {}
+        self.values: dict[Slot, torch.Tensor] = {}
+        self.key_grads: dict[Slot, torch.Tensor] = {}
+        self.value_grads: dict[Slot, torch.Tensor] = {}
 
-    def ancestors(self, layer: int, lo: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def ancestors(self, layer: Slot, lo: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of positions [lo, end) of the path."""
         return self.keys[layer][:, :, lo:end], self.values[layer][:, :, lo:end]
 
-    def add_ancestor_grads(self, layer: int, lo: int, end: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    def add_ancestor_grads(self, layer: Slot, lo: int, end: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
         """Add d(loss)/d(K, V) of positions [lo, end), to be collected by each ancestor."""
         self.key_grads[layer][:, :, lo:end] += dk
         self.value_grads[layer][:, :, lo:end] += dv
 
-    def _allocate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _allocate(self, layer: Slot, k: torch.Tensor, v: torch.Tensor) -> None:
         shape = lambda x: (1, x.shape[1], self.capacity, x.shape[3])
         self.keys[layer] = k.new_zeros(shape(k))
         self.values[layer] = v.new_zeros(shape(v))
@@ -222,7 +224,7 @@ class _UnitAttention(torch.autograd.Function):
     """Own segments causally, in-unit ancestors and the path's K/V fully, merged by log-sum-exp (and sinks)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, path: PathKV | None, unit: UnitKV, layout: UnitLayout, layer: int,
+    def forward(ctx, q, k, v, sinks, path: PathKV | None, unit: UnitKV, layout: UnitLayout, layer: Slot,
                 spec: AttentionSpec):
         unit.keys[layer], unit.values[layer] = k, v
         heads, kv_heads = q.shape[1], k.shape[1]
@@ -308,33 +310,55 @@ class _UnitAttention(torch.autograd.Function):
 class TreeCall:
     """The attention of one unit (over the path, if any): handed to every layer through the attention kwargs.
 
+    Each attention call of a forward has its own K/V slot on the path: the n-th call of layer L is slot (L, n), the
+    same in every forward of the model. A layer that attends more than once (differential attention's two calls,
+    a looped layer's passes, HRM's cycles) has a slot per call, as one whole forward computes each call over its own
+    keys; modules without a layer index (Zamba's shared attention block, tied across layers) count as one layer
+    (None), their calls told apart by their order.
+
     A plain class, not a dataclass: FSDP2 and other wrappers rebuild dataclasses (and dicts) found in
     a forward's kwargs, and every layer must write into this one unit.
     """
 
-    def __init__(self, path: PathKV | None, unit: UnitKV, layout: UnitLayout, wants_mask: bool = False):
+    def __init__(self, path: PathKV | None, unit: UnitKV, layout: UnitLayout, wants_mask: bool = False,
+                 replays: bool = False):
         self.path, self.unit, self.layout = path, unit, layout
-        self.layers_called: set[int] = set()
+        self.layers_called: set[int | None] = set()
+        self.calls: dict[int | None, int] = {}  # layer -> its attention calls in the forward (its slots)
         self.forward_done = False  # set by the engine; later calls are gradient checkpointing's recomputation
+        self.replays = replays  # gradient checkpointing will recompute the layers in backward
         self.wants_mask = wants_mask  # the layers read a causal mask themselves (a sparse-attention indexer)
 
-    def __call__(self, module, query, key, value, layer: LayerAttention) -> torch.Tensor:
+    def slot(self, module: torch.nn.Module) -> Slot:
+        """The path K/V slot of this attention call: the layer's n-th of the forward; in a recomputation (after the
+        forward), the layer's one slot."""
         index = getattr(module, "layer_idx", None)
-        if not isinstance(index, int):
-            raise UnsupportedModel(f"{type(module).__name__}: calls transformers' attention interface without a "
-                                   "layer_idx; treerl cannot tell which layer's keys and values the path holds for it")
-        if index in self.layers_called and not self.forward_done:
-            raise UnsupportedModel(
-                f"{type(module).__name__}: layer {index} calls attention more than once per forward (differential "
-                "or repeated attention); the tree path stores one K/V per layer (use PackedEngine or FlatEngine)"
-            )
+        if index is not None and not isinstance(index, int):
+            raise UnsupportedModel(f"{type(module).__name__}: its layer_idx {index!r} is no layer index; treerl "
+                                   "cannot tell which layer's keys and values the path holds for it")
         self.layers_called.add(index)
+        if self.forward_done:
+            return index, 0
+        n = self.calls.get(index, 0)
+        if n and self.replays:
+            who = "modules without a layer index call" if index is None else f"layer {index} calls"
+            raise UnsupportedModel(
+                f"{type(module).__name__}: {who} attention more than once per forward (differential, looped or shared "
+                "attention), and gradient checkpointing's recomputation in backward replays one layer at a time, "
+                "which cannot tell which of those calls (and so which keys on the path) it replays; turn gradient "
+                "checkpointing off for this model"
+            )
+        self.calls[index] = n + 1
+        return index, n
+
+    def __call__(self, module, query, key, value, layer: LayerAttention) -> torch.Tensor:
+        slot = self.slot(module)
         if layer.indices is not None or layer.mask is not None:
-            return indexed_attention(query, key, value, layer, self.path, self.unit, self.layout, index)
+            return indexed_attention(query, key, value, layer, self.path, self.unit, self.layout, slot)
         rows = query.shape[0]
         if rows > 1:  # a batch of rows (a unit of a recurrent model): one row of rows x width, a causal run each
             query, key, value = (_one_row(x) for x in (query, key, value))
-        out = _UnitAttention.apply(query, key, value, layer.sinks, self.path, self.unit, self.layout, index, layer.spec)
+        out = _UnitAttention.apply(query, key, value, layer.sinks, self.path, self.unit, self.layout, slot, layer.spec)
         if rows > 1:
             out = out.reshape(out.shape[1], rows, -1, out.shape[-1]).transpose(0, 1)
         return out.transpose(1, 2).contiguous()
@@ -349,7 +373,7 @@ def _one_row(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- sparse attention with a learned indexer
 
 def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerAttention, path: PathKV | None,
-                      unit: UnitKV, layout: UnitLayout, index: int) -> torch.Tensor:
+                      unit: UnitKV, layout: UnitLayout, index: Slot) -> torch.Tensor:
     """Sparse attention for a unit of rows (each a chain starting at the path's end): every query sees the keys
     its indexer chose among [path | own row], causally: `layer.indices` (positions in that order, DeepSeek
     sparse attention) or `layer.mask` (a boolean mask over them, which the layer narrowed from treerl's causal
@@ -361,9 +385,9 @@ def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: 
     sent to this unit's K/V is added."""
     rows, heads, width, _ = q.shape
     end = layout.path_end
-    _check_sparse_spec(layer.spec, index)
+    _check_sparse_spec(layer.spec, index[0])
     if layer.mask is not None and (layer.mask.dtype != torch.bool or layer.mask.shape != (rows, 1, width, end + width)):
-        raise UnsupportedModel(f"layer {index}: an attention mask of shape {tuple(layer.mask.shape)} "
+        raise UnsupportedModel(f"layer {index[0]}: an attention mask of shape {tuple(layer.mask.shape)} "
                                f"({layer.mask.dtype}) is not a choice among [path | row] (expected {(rows, 1, width, end + width)}, bool)")
     groups = heads // k.shape[1]
     unit.keys[index], unit.values[index] = _one_row(k), _one_row(v)  # the path store reads segments of them
@@ -390,7 +414,7 @@ def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: 
     return torch.matmul(weights, v).transpose(1, 2).contiguous()
 
 
-def _check_sparse_spec(spec: AttentionSpec, index: int) -> None:
+def _check_sparse_spec(spec: AttentionSpec, index: int | None) -> None:
     """Sparse attention here computes scale, the indexer's choice and sinks: refuse what else a layer would ask."""
     extra = [name for name, value in (("a sliding window", spec.window), ("soft-capping", spec.softcap),
                                       ("chunked attention", spec.chunk)) if value]
@@ -415,7 +439,7 @@ class _PathRead(torch.autograd.Function):
     """The path's K/V as a copy (the store is written in place later); backward adds into the gradient store."""
 
     @staticmethod
-    def forward(ctx, _flag, path: PathKV, layer: int, end: int, dtype: torch.dtype):
+    def forward(ctx, _flag, path: PathKV, layer: Slot, end: int, dtype: torch.dtype):
         ctx.path, ctx.layer, ctx.end = path, layer, end
         k, v = path.ancestors(layer, 0, end)
         return k.to(dtype, copy=True), v.to(dtype, copy=True)
@@ -431,7 +455,7 @@ class _WithDescendantGrads(torch.autograd.Function):
     """The unit's own K/V; backward adds what its descendants sent to them (collected when their subtrees ended)."""
 
     @staticmethod
-    def forward(ctx, k: torch.Tensor, v: torch.Tensor, unit: UnitKV, layer: int):
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, unit: UnitKV, layer: Slot):
         ctx.unit, ctx.layer, ctx.rows = unit, layer, k.shape[0]
         return k.view_as(k), v.view_as(v)
 

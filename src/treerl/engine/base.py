@@ -252,11 +252,19 @@ def check_routed(model: PreTrainedModel, mixers: Mixers) -> None:
         raise UnsupportedModel(_ROUTED[model])
 
 
+def attention_slots(model: PreTrainedModel) -> int | None:
+    """The K/V slots a forward of `model` fills on the path (its attention calls: a layer may attend more than once),
+    as the routing probe counted them; None before the probe ran."""
+    return _SLOTS.get(model)
+
+
+_SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> attention calls of one forward
+
+
 def _probe(model: PreTrainedModel, mixers: Mixers) -> str | None:
     device = model.get_input_embeddings().weight.device
     positions = torch.arange(2, device=device)
     call = TreeCall(None, UnitKV(), UnitLayout([Segment(0, 2, 0)], [], positions, 0), wants_mask=mixers.indexed)
-    call.forward_done = True  # routing only: a layer calling attention twice is DfsEngine's to refuse, not PackedEngine's
     inputs = {"input_ids": torch.zeros(1, 2, dtype=torch.long, device=device), CALL_KWARG: call}
     if "position_ids" in inspect.signature(decoder_module(model).forward).parameters:
         inputs["position_ids"] = positions[None]
@@ -266,6 +274,7 @@ def _probe(model: PreTrainedModel, mixers: Mixers) -> str | None:
         with torch.no_grad(), engine_attention(model), idle_modules_that_run(model) as idle_ran:
             final_hidden(model, **inputs)
             check_all_layers_routed(model, call.layers_called, attention_layers(model, mixers.mixer_classes))
+        _SLOTS[model] = sum(call.calls.values())
         if idle_ran:
             return (f"{model_name(model)}: {idle_ran[0]} ran on a text-only batch, which treerl takes for idle there "
                     "and leaves unrouted (use FlatEngine)")

@@ -31,6 +31,7 @@ This module is the engine and the traversal; `unit_inputs` builds what each unit
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Sequence
@@ -41,7 +42,17 @@ import torch
 from transformers import PreTrainedModel
 
 from treerl.attention import PathKV, TreeCall, engine_attention
-from treerl.engine.base import Head, LossFn, OutputSlots, StepStats, check_batch, final_hidden, output_dtype, run_length
+from treerl.engine.base import (
+    Head,
+    LossFn,
+    OutputSlots,
+    StepStats,
+    check_batch,
+    final_hidden,
+    gradient_checkpointing,
+    output_dtype,
+    run_length,
+)
 from treerl.engine.head import PolicyHead
 from treerl.engine.memory import MemoryMode, check_memory_settings, graph_budget_tokens, graph_bytes, micro_batch_tokens
 from treerl.engine.recurrent import (
@@ -51,6 +62,7 @@ from treerl.engine.recurrent import (
     find_mixers,
     iter_state_grads,
 )
+from treerl.engine.selective_scan import continued_scans
 from treerl.engine.support import attention_layers, check_all_layers_routed, decoder_module
 from treerl.engine.unit_inputs import UnitInputs, build_unit_inputs
 from treerl.engine.walk_outputs import WalkOutputs
@@ -81,7 +93,7 @@ class DfsEngine:
         # proximal, reference) must be bit-identical to the ones the update computes, or the on-policy ratio is
         # off by low-precision rounding (bf16 matmuls round differently when the rows of a call change).
         walk = _Walk(self, model, tree, self.plan(model, tree), loss_fn=None)
-        with torch.no_grad(), engine_attention(model), cache_under_checkpointing(model):
+        with torch.no_grad(), engine_attention(model), cache_under_checkpointing(model), walk.continued_scans():
             walk.run()
         return walk.outputs.per_sequence(walk.all_slots)
 
@@ -89,7 +101,7 @@ class DfsEngine:
         started = time.perf_counter()
         tree = self._tree(model, sequences)
         walk = _Walk(self, model, tree, self.plan(model, tree), loss_fn=loss_fn)
-        with engine_attention(model), cache_under_checkpointing(model):
+        with engine_attention(model), cache_under_checkpointing(model), walk.continued_scans():
             walk.run()
         stats = walk.outputs.stats
         stats.loss = float(walk.outputs.total_loss)
@@ -154,6 +166,11 @@ class _Walk:
         self.outputs = WalkOutputs(tree, self.head.outputs, slots, output_dtype(model), device, loss_fn)
         self.inputs, self.all_slots = build_unit_inputs(tree, plan, slots, device)
 
+    def continued_scans(self) -> contextlib.AbstractContextManager:
+        """Mamba layers' zero-start scans continue the state each call hands them, in the forward and in the
+        backward (gradient checkpointing replays a layer there)."""
+        return continued_scans(self.mixers.scans)
+
     def run(self) -> None:
         """Visit every unit in plan order; backward (when training) on the way back up."""
         for event, unit, node in self.plan.walk():
@@ -197,7 +214,8 @@ class _Walk:
         if data.layout is None:
             return None
         self.outputs.stats.model_tokens += data.layout.rows
-        call = TreeCall(self.path, data.kv, data.layout, wants_mask=self.index_path is not None)
+        call = TreeCall(self.path, data.kv, data.layout, wants_mask=self.index_path is not None,
+                        replays=self.loss_fn is not None and gradient_checkpointing(self.model))
         inputs = {"input_ids": data.ids[None], "position_ids": data.positions[None], "treerl_call": call}
         if data.shape is not None:  # a row unit: rows x width, each row from the parent's recurrent state
             inputs["input_ids"], inputs["position_ids"] = data.ids.view(data.shape), data.positions.view(data.shape)
@@ -206,7 +224,7 @@ class _Walk:
         with torch.set_grad_enabled(grad):
             if self.states is not None:
                 data.cache = self.mixers.cache_class(self.states.leaves(), data.shape[0], data.layout.path_end,
-                                                     self.index_path, data.ids.device)
+                                                     self.index_path, data.ids.device, self.mixers.scan_layers)
                 inputs.update({self.mixers.cache_kwarg: data.cache, "use_cache": True})
             hidden = final_hidden(self.model, **inputs).flatten(0, 1)
             if data.cache is not None:

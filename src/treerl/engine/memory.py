@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
-from treerl.engine.base import final_hidden
+from treerl.engine.base import attention_slots, final_hidden
 from treerl.engine.recurrent import find_mixers
 from treerl.engine.support import attention_layers
 from treerl.models import model_geometry
@@ -144,9 +144,10 @@ def graph_bytes(model: PreTrainedModel) -> GraphBytes:
 
 
 def path_bytes_per_token(model: PreTrainedModel) -> int:
-    """Bytes one path token costs in the K/V store: keys and values of every attention layer, and their gradients."""
+    """Bytes one path token costs in the K/V store: keys and values of every attention call of a forward (a layer may
+    attend more than once: a slot each, `attention_slots`), and their gradients."""
     g = model_geometry(model.config)
-    layers = len(attention_layers(model, find_mixers(model).mixer_classes)) or g.layers or 1
+    layers = attention_slots(model) or len(attention_layers(model, find_mixers(model).mixer_classes)) or g.layers or 1
     return 2 * 2 * layers * g.kv_heads * g.head_dim * _compute_dtype(model).itemsize
 
 

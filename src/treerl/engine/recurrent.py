@@ -2,10 +2,10 @@
 
 Step 5 (docs/architecture.md): a hybrid model's recurrent state, handed from each node to its children.
 
-Hybrid models (Qwen3.5 / Qwen3-Next's Gated DeltaNet, Kimi Linear's KDA, the Mamba2 hybrids, LFM2's short
-convolutions, MiniMax's lightning attention) carry a fixed-size state along the sequence beside attention's
-growing K/V. In the tree a node starts from its parent's final state and hands its own final state to each
-of its children, exactly as its K/V are what they attend to; on the way back up it receives the sum of its
+Hybrid models (Qwen3.5 / Qwen3-Next's Gated DeltaNet, Kimi Linear's KDA, the Mamba2 hybrids, Mamba / Jamba / Zamba's
+selective scan, LFM2's short convolutions, MiniMax's lightning attention) carry a fixed-size state along the sequence
+beside attention's growing K/V. In the tree a node starts from its parent's final state and hands its own final state
+to each of its children, exactly as its K/V are what they attend to; on the way back up it receives the sum of its
 children's gradients with respect to that state and returns the gradient with respect to its own initial
 state. The state enters a call as a detached leaf with `requires_grad`, like the path's K/V.
 
@@ -15,7 +15,8 @@ treerl does not re-write the layers: each reads and writes its state through tra
 the DFS walk: it hands out the parent's final state and keeps each layer's final state *by reference*, so
 autograd connects them (transformers' own caches copy states in place, which breaks backward through
 them). A layer's one-token step writes its state in place (`state.copy_(new)`); the state treerl hands
-it records that write instead of doing it (`_HandedState`).
+it records that write instead of doing it (`_HandedState`). A Mamba layer's scan starts from zero whatever the cache
+holds: its state goes to the scan, which treerl continues from it (treerl.engine.selective_scan).
 
 `MIXERS` is the one table of token mixers treerl knows: how each one's state is read, handed on and given
 its gradient, or why it is refused. A mixer the table does not know is refused before compute, naming
@@ -37,6 +38,8 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from treerl.attention import UnsupportedModel
+from treerl.engine import selective_scan
+from treerl.engine.selective_scan import ScanStart
 from treerl.engine.support import decoder_module, model_name, text_modules
 
 StateKey = tuple[int, str, int]  # (layer index, "conv" | "recurrent" | "linear", state index)
@@ -55,6 +58,8 @@ class MixerKind:
     in_attention: bool = False  # inside an attention layer (an indexer, ZAYA's convolutions): its attention is routed
     indexer: bool = False  # keeps each token's indexer keys on the path (`update_indexer`) and reads the causal mask
     chunk: int | str = 1  # its torch path pads each row to a multiple of this (or of the module attribute it names)
+    scan: str | None = None  # its module's function that scans every multi-token call from a zero state: continued
+    # from the parent's state by treerl (treerl.engine.selective_scan)
 
 
 # DeepSeek sparse attention's indexer (DeepSeek-V3.2) and the models that ship it under their own class names: GLM-DSA,
@@ -86,10 +91,9 @@ MIXERS: tuple[MixerKind, ...] = (
               "the queries' and keys' convolution window and the previous token's delayed value projection", _CACHE,
               in_attention=True),
     MixerKind("Mamba (selective scan)", ("MambaMixer", "FalconMambaMixer", "ZambaMambaMixer", "JambaMambaMixer"),
-              "the convolution window and the SSM state", _CACHE,
-              refused="transformers' Mamba selective scan starts every multi-token call from a zero SSM state "
-                      "(`mamba_selective_scan` takes no initial state, so continuing from a cache is not exact even "
-                      "in transformers), so a tree node cannot continue its parent's state"),
+              "the convolution window and the SSM state (the scan, which starts from zero, continued from it)",
+              "cache `get_conv_state` / `update_conv_state`, `get_recurrent_state` / `update_recurrent_state`, and the "
+              "module's `mamba_selective_scan`", scan="mamba_selective_scan"),
     MixerKind("RWKV time and channel mixing", ("RwkvSelfAttention", "RwkvFeedForward"),
               "the token shift and the WKV numerator, denominator and maximum", "RwkvModel's `state` list",
               refused="RWKV keeps its state (the token shift, the WKV numerator, denominator and maximum) in the "
@@ -130,6 +134,8 @@ class Mixers:
     indexed: bool = False  # an attention layer picks its keys with an indexer (it reads a causal mask)
     chunk: int = 1  # the largest multiple a mixer's torch path pads each row to (1: none pads)
     whole_row_topk: frozenset[int] = frozenset()  # layers whose indexer ranks the call's whole key row (ties: earliest)
+    scan_layers: frozenset[int] = frozenset()  # layers whose zero-start scan treerl continues (MixerKind.scan)
+    scans: frozenset[tuple[str, str]] = frozenset()  # (module, function) of those scans
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -143,6 +149,8 @@ def find_mixers(model: PreTrainedModel) -> Mixers:
     classes: set[str] = set()
     indexed = False
     whole_row_topk: set[int] = set()
+    scan_layers: set[int] = set()
+    scans: set[tuple[str, str]] = set()
     chunk = 1
     base: type[Cache] = DynamicCache
     for path, module in text_modules(model):
@@ -168,9 +176,12 @@ def find_mixers(model: PreTrainedModel) -> Mixers:
         chunk = max(chunk, int(getattr(module, kind.chunk, 1) if isinstance(kind.chunk, str) else kind.chunk))
         if kind.cache_class is not None:
             base = getattr(sys.modules[type(module).__module__], kind.cache_class)
+        if kind.scan is not None:
+            scan_layers.add(index)
+            scans.add((type(module).__module__, kind.scan))
     _refuse_unknown_mixers(model, known, set(layers), indexed)
     return Mixers(layers, _cache_class(base), cache_kwarg(body), frozenset(classes), indexed, chunk,
-                  whole_row_topk=frozenset(whole_row_topk))
+                  whole_row_topk=frozenset(whole_row_topk), scan_layers=frozenset(scan_layers), scans=frozenset(scans))
 
 
 def cache_kwarg(module: torch.nn.Module) -> str:
@@ -299,9 +310,11 @@ class TreeStateCache(DynamicCache):
     """
 
     def __init__(self, initial: dict[StateKey, torch.Tensor] | None, rows: int, past: int,
-                 index_path: PathIndexKeys | None = None, device: torch.device | str = "cpu"):
+                 index_path: PathIndexKeys | None = None, device: torch.device | str = "cpu",
+                 scan_layers: frozenset[int] = frozenset()):
         Cache.__init__(self, layers=[])
         self.initial, self.rows, self.past, self.index_path = initial, rows, past, index_path
+        self.scan_layers = scan_layers  # layers whose scan continues the state (Mixers.scan_layers)
         self.index_keys: dict[int, torch.Tensor] = {}  # layer -> this call's indexer keys [rows, width, D]
         self.layers = _PositionHistory(rows, past, device)  # Qwen4-Exp's indexer reads the path's positions
         self.final: dict[StateKey, torch.Tensor] = {}
@@ -329,11 +342,12 @@ class TreeStateCache(DynamicCache):
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
-    def _start(self, key: StateKey) -> torch.Tensor | None:
+    def _start(self, key: StateKey, read: bool = True) -> torch.Tensor | None:
         """The parent's final state for this key, one copy per row (a view: the gradient sums over rows)."""
         if self.initial is None or key not in self.initial:
             return None
-        self.read.add(key)
+        if read:
+            self.read.add(key)
         state = self.initial[key]
         return state.expand(self.rows, *state.shape[1:])
 
@@ -369,10 +383,18 @@ class TreeStateCache(DynamicCache):
         return full
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return self._hand((layer_idx, "recurrent", state_idx))
+        """The parent's final state; for a layer whose scan starts from zero, handed to the scan instead (read when
+        the scan takes it), and none to the layer: its calls, one token or many, all run the continued scan."""
+        key = (layer_idx, "recurrent", state_idx)
+        if layer_idx in self.scan_layers:
+            selective_scan.hand(ScanStart(layer_idx, self._start(key, read=False), lambda: self.read.add(key)))
+            return None
+        return self._hand(key)
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                                **kwargs) -> torch.Tensor:
+        if layer_idx in self.scan_layers:
+            selective_scan.hand(None)  # the layer's scans are done
         self._keep((layer_idx, "recurrent", state_idx), recurrent_states)
         return recurrent_states
 

@@ -208,7 +208,8 @@ def _original_length(rotary: torch.nn.Module) -> int | None:
     return min(lengths) if lengths else None
 
 
-def check_all_layers_routed(model: PreTrainedModel, called: set[int], layers: set[int] | None = None) -> None:
+def check_all_layers_routed(model: PreTrainedModel, called: set[int | None],
+                            layers: set[int | None] | None = None) -> None:
     """Every attention layer must have run treerl's attention: one that did not saw no ancestors.
 
     `layers`: `attention_layers(model)`, when the caller already has it (it walks every module)."""
@@ -220,16 +221,17 @@ def check_all_layers_routed(model: PreTrainedModel, called: set[int], layers: se
         )
     if called != layers:
         raise UnsupportedModel(
-            f"{model_name(model)}: only layers {sorted(called)} of {sorted(layers)} ran treerl's attention; the "
-            "others do not dispatch through transformers' AttentionInterface (use FlatEngine)"
+            f"{model_name(model)}: only layers {sorted(called, key=str)} of {sorted(layers, key=str)} ran treerl's "
+            "attention; the others do not dispatch through transformers' AttentionInterface (use FlatEngine)"
         )
 
 
-def attention_layers(model: PreTrainedModel, mixers: frozenset[str] = frozenset()) -> set[int]:
+def attention_layers(model: PreTrainedModel, mixers: frozenset[str] = frozenset()) -> set[int | None]:
     """The layer indices of the text body's modules (attention, and any other layer that holds a cache slot),
     leaving out the token mixers named in `mixers` (treerl.engine.recurrent), what is inside them, and the blocks
     around them, but not an attention module around one: a mixer inside attention (ZAYA's convolutional projections)
-    leaves that attention to be routed like any other."""
+    leaves that attention to be routed like any other. None stands for attention modules whose layer_idx is None
+    (Zamba's shared block, told its layer by each call: treerl's attention tells its calls apart by their order)."""
     modules = text_modules(model)
     skip = [path + "." for path, m in modules if type(m).__name__ in mixers]
     layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
@@ -240,8 +242,13 @@ def attention_layers(model: PreTrainedModel, mixers: frozenset[str] = frozenset(
         around = any(k.startswith(path + ".") for k in skip)
         return not inside and (not around or is_attention(module))
 
-    return {m.layer_idx for path, m in modules if isinstance(getattr(m, "layer_idx", None), int)
-            and m.layer_idx not in feed_forward and counted(path, m)}
+    indexed = {m.layer_idx for path, m in modules if isinstance(getattr(m, "layer_idx", None), int)
+               and m.layer_idx not in feed_forward and counted(path, m)}
+    inner = [path + "." for path, m in modules if isinstance(getattr(m, "layer_idx", None), int)]
+    unindexed = any(is_attention(m) and hasattr(m, "layer_idx") and m.layer_idx is None and counted(path, m)
+                    and not any(i.startswith(path + ".") for i in inner)  # not a wrapper of an indexed attention
+                    for path, m in modules)
+    return indexed | ({None} if unindexed else set())
 
 
 def is_attention(module: torch.nn.Module) -> bool:

@@ -27,8 +27,8 @@ sample j of every prompt from the same stream) and a seeded call is reproducible
 
 Behaviour log-probs (see `treerl.rollout.sampler`): those of the distribution the tokens were drawn
 from. vLLM returns them with `--logprobs-mode processed_logprobs` (top_p / top_k / min_p included);
-SGLang 0.5.23 returns the untruncated log-prob on these routes, so truncated sampling is refused
-for it (`connect` checks nothing about sampling; `check_sampling` does).
+SGLang 0.5.23 returns the untruncated log-prob on these routes, so `generate` refuses truncated
+sampling on an SGLang server (the trainer refuses it when it connects).
 
 Weight sync (`push_weights`): the trainer writes a transformers checkpoint (safetensors; on one
 machine under /dev/shm, so nothing touches a disk) and each server loads it in place:
@@ -49,10 +49,13 @@ Every failure is a `ServerError`: one line naming the server, the endpoint, the 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -61,6 +64,7 @@ from treerl.errors import ServerError, UserError
 from treerl.rollout.sampler import Completion, SamplingParams, check_prompts
 from treerl.rollout.tasks.base import rng_for
 
+log = logging.getLogger("treerl.rollout")
 REACH_TIMEOUT = 30.0  # seconds `connect` waits for a server's first answer
 API_KEY_ENV = "TREERL_API_KEY"  # the server's key, for `treerl serve --api-key` and the trainer's client alike
 SERVER_TYPES = ("auto", "vllm", "sglang")
@@ -102,6 +106,7 @@ class CompletionsClient:
     server_type: str = "auto"  # auto (read from each server) | vllm | sglang
     setting: str = "rollout.server_url"  # the config key named in errors
     on_wait: Callable[[], None] | None = None  # called about once a second while requests are in flight
+    push_timeout: float = 3600.0  # seconds a pause (vLLM's `wait` drains every request in flight) or reload may take
     servers: list[Server] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -146,6 +151,9 @@ class CompletionsClient:
                             "(rollout.server_type=vllm pushes weights through them): start it with "
                             "VLLM_SERVER_DEV_MODE=1")
         release = str(self._get(server, "/version").get("version", "unknown"))
+        if (not routes or "/is_paused" in routes) and self._get(server, "/is_paused").get("is_paused"):
+            log.warning("the vLLM server at %s is paused (a push interrupted?); resuming it", server.url)
+            self._post(server, "/resume", {})
         scale_out = self._generate_enabled(server) if (not routes or VLLM_GENERATE in routes) else False
         route = VLLM_GENERATE if scale_out else "/v1/completions"
         self._check_processed_logprobs(server)
@@ -221,19 +229,20 @@ class CompletionsClient:
         if any(s.info is None for s in self.servers):
             self.connect()
         seeds = [None if params.seed is None else prompt_seed(params.seed, p) for p in range(len(prompts))]
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(prompts))) as pool:
+        pool = ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(prompts)))
+        try:
             futures = [pool.submit(self._sample, prompt, params, seed) for prompt, seed in zip(prompts, seeds)]
             self._wait(futures)
             return [f.result() for f in futures]
+        finally:  # after a failure, not waiting for the other servers' requests (they may run for minutes)
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _wait(self, futures: list[Future]) -> None:
-        """Until every request is answered or one failed; `on_wait` about once a second meanwhile."""
+        """Until every request is answered or one failed (raised at once); `on_wait` about once a second meanwhile."""
         pending = set(futures)
         while pending:
             done, pending = wait(pending, timeout=1.0, return_when=FIRST_EXCEPTION)
             if any(f.exception() is not None for f in done):
-                for f in pending:
-                    f.cancel()
                 next(f for f in done if f.exception() is not None).result()  # raises it
             if self.on_wait is not None:
                 self.on_wait()
@@ -247,6 +256,9 @@ class CompletionsClient:
             info = server.info
             assert info is not None
             if info.kind == "sglang":
+                if params.truncates:
+                    raise UserError(f"top_p / top_k / min_p with the SGLang server at {server.url}: SGLang returns the "
+                                    "log-prob of the untruncated distribution, not of the one it sampled from")
                 return self._sample_sglang(server, prompt, params, seed)
             if info.generate_route == VLLM_GENERATE:
                 return self._sample_vllm_generate(server, prompt, params, seed)
@@ -320,29 +332,42 @@ class CompletionsClient:
         self.version = version
 
     def _push_vllm(self, server: Server, path: str, version: int, pause: str) -> str:
-        """Pause, reload in place, tag, resume; the version the server then reports."""
-        self._post(server, f"/pause?mode={pause}", {})
-        try:
+        """Pause, reload in place, tag, resume (also when a step failed); the version the server then reports."""
+        with self._resumed(server, "/resume"):
+            self._post(server, f"/pause?mode={pause}", {}, timeout=self.push_timeout)  # `wait` drains in-flight work
             try:
-                self._post(server, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+                self._post(server, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}},
+                           timeout=self.push_timeout)
             except ServerError as e:
-                raise ServerError(f"{e}; a failed reload leaves vLLM's weights half loaded: restart the server") from None
+                raise ServerError(f"{e}; a failed reload leaves vLLM's weights half loaded: restart the server",
+                                  status=e.status) from None
             self._post(server, "/update_weight_version", {"new_version": str(version)})
-        finally:
-            self._post(server, "/resume", {})
         return str(self._get(server, "/weight_info").get("weight_version"))
 
     def _push_sglang(self, server: Server, path: str, version: int, pause: str) -> str:
         """Load from disk (its requests in flight finish first, or are retracted and resumed on the new weights);
         the version the server then reports."""
         if pause == "keep":
-            self._post(server, "/pause_generation", {"mode": "retract"})
-        try:
-            self._post(server, "/update_weights_from_disk", {"model_path": path, "weight_version": str(version)})
-        finally:
-            if pause == "keep":
-                self._post(server, "/continue_generation", {})
+            with self._resumed(server, "/continue_generation"):
+                self._post(server, "/pause_generation", {"mode": "retract"}, timeout=self.push_timeout)
+                self._post(server, "/update_weights_from_disk", {"model_path": path, "weight_version": str(version)},
+                           timeout=self.push_timeout)
+        else:
+            self._post(server, "/update_weights_from_disk", {"model_path": path, "weight_version": str(version)},
+                       timeout=self.push_timeout)
         return str(self._get(server, "/model_info").get("weight_version"))
+
+    @contextlib.contextmanager
+    def _resumed(self, server: Server, route: str) -> Iterator[None]:
+        """Resume the server after the block, however it ends; when the block failed, its error is the one raised
+        (a server that died fails the resume too, and the first error says more)."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(ServerError):
+                self._post(server, route, {})
+            raise
+        self._post(server, route, {})
 
     # ------------------------------------------------------------------ HTTP
     def _kind(self, server: Server) -> str:
@@ -354,20 +379,21 @@ class CompletionsClient:
             headers["Authorization"] = f"Bearer {self.api_key}"
         return headers
 
-    def _post(self, server: Server, path: str, body: dict[str, Any]) -> Any:
-        return self._request(server, path, json.dumps(body).encode())
+    def _post(self, server: Server, path: str, body: dict[str, Any], timeout: float | None = None) -> Any:
+        return self._request(server, path, json.dumps(body).encode(), timeout)
 
     def _get(self, server: Server, path: str) -> Any:
         return self._request(server, path, None)
 
-    def _request(self, server: Server, path: str, data: bytes | None) -> Any:
-        """POST `data` (GET when None) and the JSON answer ({} for an empty body); a ServerError in one line."""
+    def _request(self, server: Server, path: str, data: bytes | None, timeout: float | None = None) -> Any:
+        """POST `data` (GET when None) and the JSON answer ({} for an empty body); a ServerError in one line.
+        `timeout`: seconds to wait for the answer (default: the client's per-request timeout)."""
         url = server.url + path
         method = "GET" if data is None else "POST"
         request = urllib.request.Request(url, data=data, headers=self._headers(), method=method)
         where = f"{method} {url} (rollout.server_type={self._kind(server)})"
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
                 raw = response.read()
         except urllib.error.HTTPError as e:
             raise ServerError(f"{where}: HTTP {e.code}: {error_message(e.read())}", status=e.code) from None

@@ -37,7 +37,7 @@ from treerl.rollout.rewards import RewardFailure, UserCode, check_reward
 from treerl.rollout.sampler import Completion, Sampler, SamplingParams
 from treerl.rollout.sequences import model_call_sequence
 from treerl.rollout.stats import DroppedSample, RolloutStats
-from treerl.rollout.tasks.base import AgentTask, Environment, Prompt
+from treerl.rollout.tasks.base import AgentTask, Environment, Prompt, rng_for
 from treerl.tree import TokenSequence
 
 
@@ -96,7 +96,8 @@ class MultiTurnWorkflow:
             if not live:
                 break
             n = self.group_size if turn == 0 else self.branch_factor if turn in self.branch_at else 1
-            turn_seed = None if seed is None else seed + turn
+            turn_seed = None if seed is None else rng_for("turn", seed, turn).getrandbits(62)  # not seed + turn: the
+            # next call's seed would be this one's shifted by one, its prompts' streams the same ones again
             groups = sampler.generate([t.context for t in live], replace(self.sampling, n=n, seed=turn_seed))
             next_live = []
             for parent, group in zip(live, groups):

@@ -88,6 +88,7 @@ from treerl.rollout.chat_api import (
 )
 from treerl.rollout.responses_api import ResponsesRequest, continued, response_events, response_object
 from treerl.rollout.sampler import Completion, Sampler, SamplingParams
+from treerl.rollout.tasks.base import rng_for
 from treerl.rollout.tool_parsers import TOOL_PARSERS, ToolCall, no_parser_hint, resolve_tool_parser
 
 ENDPOINTS = "POST /v1/chat/completions (stream or not), POST /v1/responses (stream or not), GET /v1/models"
@@ -235,7 +236,7 @@ class RequestBatcher:
             calls.setdefault(replace(params, n=sum(m.params.n for m in members)), []).append(members)
         for params, prompts in calls.items():
             self._batches += 1
-            seed = None if self.seed is None else self.seed + self._batches
+            seed = None if self.seed is None else rng_for("batch", self.seed, self._batches).getrandbits(62)
             try:
                 with self.lock:
                     results = self.sampler.generate([members[0].prompt for members in prompts], replace(params, seed=seed))

@@ -162,9 +162,13 @@ class ServedModel:
     def _generate(self, prompts: list[list[int]], params: SamplingParams,
                   cancel: threading.Event) -> tuple[list[list[Completion]], str]:
         """In a worker thread: wait for the resume and the model (giving up if cancelled), generate, free it."""
-        while not (self.unpaused.wait(POLL_SECONDS) and self.lock.acquire(timeout=POLL_SECONDS)):
+        while True:
             if cancel.is_set():
                 raise GenerationCancelled("cancelled while waiting for the model")
+            if self.unpaused.wait(POLL_SECONDS) and self.lock.acquire(timeout=POLL_SECONDS):
+                if self.unpaused.is_set():  # not paused while it waited for the lock: its weights cannot change now
+                    break
+                self.lock.release()
         try:
             return self.sampler.generate(prompts, params, cancelled=cancel.is_set), self.label
         finally:

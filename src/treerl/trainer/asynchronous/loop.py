@@ -52,7 +52,6 @@ from treerl.trainer.core.servers import ServerSampler, connect_servers
 from treerl.trainer.rl.learn import TrainResult, evaluation_rollout, learn, load_reference, train_loop
 
 
-
 @dataclass
 class AsyncTrainResult(TrainResult):
     """`TrainResult` plus the pool's counters at the end (summary.json: "async")."""
@@ -112,7 +111,7 @@ def train_async(config: Config) -> AsyncTrainResult:
         result = train_loop(run, evaluation, train_step, started, counters)
         pool.close()
         if servers is not None and not result.stopped_by:
-            servers.sync()  # the servers end with the trained policy
+            servers.finish()  # the servers end with the trained policy
         pool.counters.check()
         return AsyncTrainResult(**asdict(result), counters=asdict(pool.counters))
     finally:

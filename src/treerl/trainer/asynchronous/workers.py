@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from treerl.errors import ServerError
+from treerl.errors import ServerError, UserError
 from treerl.rollout import EmbeddedSampler, Rollout, RolloutStats, load_tokenizer
 from treerl.rollout.collect import server_client
 from treerl.rollout.tasks.base import Prompt, rng_for
@@ -161,7 +161,10 @@ def server_rollout(config: Config, weights: SharedWeights | None,
     before it sent the chunk, and the servers tag each token with the version that sampled it."""
     client = server_client(config.rollout)
     client.on_wait = beat  # a sign of life every second while a request is out (rollout.request_timeout bounds it)
-    client.connect()
+    try:
+        client.connect()
+    except UserError as e:  # the servers answered when the run started: one that does not now has failed
+        raise ServerError(str(e)) from None
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                trust_remote_code=config.model.trust_remote_code)
     rollout = Rollout(config.rollout, tokenizer, client)
@@ -179,14 +182,17 @@ def pulse(pulses: Any, slot: int) -> None:
 def sample_chunk(rollout: Rollout, chunk: Chunk, version: int) -> tuple[list[GroupResult], RolloutStats]:
     """Sample every job of the chunk in one workflow run; the sequences sorted back into their groups.
 
-    The sampling seed is the synchronous loop's seed of the step the first prompt belongs to, plus
-    the prompt's place in that step: a chunk holding exactly one step's prompts samples what the
-    synchronous loop would (with max_staleness = 0 and one worker the two runs are the same).
+    The sampling seed is the synchronous loop's seed of the step the first prompt belongs to, or for
+    a chunk starting later in the step one derived from it and that place: a chunk holding exactly
+    one step's prompts samples what the synchronous loop would (with max_staleness = 0 and one
+    worker the two runs are the same).
     """
     stats = RolloutStats()
     started = time.perf_counter()
     step, place = divmod(chunk.jobs[0].index, rollout.config.prompts_per_step)
-    seed = rng_for("sampling", rollout.config.seed, step).getrandbits(62) + place
+    seed = rng_for("sampling", rollout.config.seed, step).getrandbits(62)
+    if place:  # a seed of its own, not the step's plus place: seeds one apart would repeat each other's streams
+        seed = rng_for("chunk", seed, place).getrandbits(62)
     sequences = rollout.workflow.run(rollout.sampler, [job.prompt for job in chunk.jobs], stats, seed=seed)
     stats.seconds = time.perf_counter() - started
     by_group: dict[str, list[TokenSequence]] = defaultdict(list)

@@ -11,10 +11,11 @@ From step 6 back to step 1 (docs/architecture.md), with `rollout.server_url`.
     servers.close()                # the weights written under /dev/shm are removed
 
 A push writes the policy as a transformers checkpoint (safetensors) and has every server load it
-in place (`CompletionsClient.push_weights`). Where it is written: `rollout.weights_dir`, else a
-directory under /dev/shm when every server runs on this machine (a loopback URL) and /dev/shm has
-room for twice the weights (so the file lives in memory, as with a shared-memory transfer), else
-`output_dir/server_weights`. Pushing lazily, at the next sync, means a failed push or a server
+in place (`CompletionsClient.push_weights`). Where it is written: `rollout.weights_dir/treerl-<run
+id>`, else `/dev/shm/treerl-<run id>` when every server runs on this machine (a loopback URL) and
+/dev/shm has room for twice the weights (so the file lives in memory, as with a shared-memory
+transfer; removed at the end of the run), else `output_dir/server_weights` (removed at the end if
+no step trained). Pushing lazily, at the next sync, means a failed push or a server
 that died always meets a run whose last step is complete: the caller checkpoints it and stops
 (`treerl.trainer.rl.learn.train_loop`). The time of each push is in the metrics
 (`time/weight_push`, with `weights/pushed_mb`).
@@ -22,6 +23,8 @@ that died always meets a run whose last step is complete: the caller checkpoints
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import time
 import urllib.parse
@@ -29,11 +32,14 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from treerl.errors import ServerError
 from treerl.rollout import Completion, CompletionsClient, SamplingParams, build_sampler
+from treerl.rollout.collect import server_client
 from treerl.trainer.core.checkpoint import full_weights, write_pretrained_atomically
 from treerl.trainer.core.config import Config, ConfigError
 from treerl.trainer.core.run import Run, on_main
 
+log = logging.getLogger("treerl.trainer")
 SHARED_MEMORY = Path("/dev/shm")
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
@@ -48,16 +54,22 @@ class ServerSampler:
     version: int = 0  # the trainer's policy version; pushed by the next `sync`
     pushed: int | None = None  # the version the servers hold
     directory: Path = field(default_factory=Path)  # where pushed weights are written
-    in_shared_memory: bool = False
+    in_shared_memory: bool = False  # removed at the end of the run (it takes memory)
+    in_output_dir: bool = False  # removed at the end unless a step trained (then it is the run's output)
     last_push: dict[str, float] = field(default_factory=dict)  # the last push's metrics, taken by `metrics()`
 
     @classmethod
     def start(cls, run: Run, client: CompletionsClient, pause: str = "wait") -> ServerSampler:
         """The servers' sampler, holding the policy of the run's first step (pushed now: a fresh run's servers may
         run another checkpoint, a resumed run's do)."""
-        directory, shared = weights_directory(run, client)
-        sampler = cls(run, client, pause, version=run.start_step, directory=directory, in_shared_memory=shared)
-        sampler.sync()
+        directory, where = weights_directory(run, client)
+        sampler = cls(run, client, pause, version=run.start_step, directory=directory,
+                      in_shared_memory=where == "shared memory", in_output_dir=where == "output_dir")
+        try:
+            sampler.sync()
+        except BaseException:
+            sampler.close()
+            raise
         return sampler
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
@@ -81,14 +93,24 @@ class ServerSampler:
         self.last_push = {"time/weight_push": time.perf_counter() - started,
                           "weights/pushed_mb": sum(t.numel() * t.element_size() for t in weights.values()) / 2**20}
 
+    def finish(self) -> None:
+        """After the last step: the servers load the trained policy. The run is complete and checkpointed by then,
+        so a server that fails here is said, not a failed run."""
+        try:
+            self.sync()
+        except ServerError as e:
+            log.warning("training finished, but the servers could not load the final policy: %s", e)
+
     def metrics(self) -> dict[str, float]:
         """The last push's metrics, once."""
         metrics, self.last_push = self.last_push, {}
         return metrics
 
     def close(self) -> None:
-        """Remove the weights written under /dev/shm (they take memory until removed)."""
-        if self.in_shared_memory and self.run.env.is_main:
+        """Remove the weights written under /dev/shm (they take memory until removed), and those in output_dir when
+        no step trained (a run that failed while it set up leaves nothing there, so running it again just works)."""
+        unclaimed = self.in_output_dir and not self.run.report.opened
+        if (self.in_shared_memory or unclaimed) and self.run.env.is_main:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -99,6 +121,8 @@ def connect_servers(config: Config) -> CompletionsClient | None:
     if not config.rollout.server_urls:
         return None
     config.check()  # a bad URL is named as such, not as a server that cannot be reached
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun rank 0 alone talks to the servers
+        return server_client(config.rollout)
     client = build_sampler(config.rollout)
     assert isinstance(client, CompletionsClient)
     for server in client.servers:
@@ -115,13 +139,15 @@ def connect_servers(config: Config) -> CompletionsClient | None:
     return client
 
 
-def weights_directory(run: Run, client: CompletionsClient) -> tuple[Path, bool]:
-    """Where pushed weights go (see the module docstring), and whether that is in shared memory."""
+def weights_directory(run: Run, client: CompletionsClient) -> tuple[Path, str]:
+    """Where pushed weights go (see the module docstring), a directory of this run's own, and which kind of place
+    it is ("configured", "shared memory" or "output_dir")."""
+    own = f"treerl-{run.run_id or uuid.uuid4().hex}"  # two runs sharing rollout.weights_dir never mix their weights
     configured = run.config.rollout.weights_dir
     if configured:
-        return Path(configured).resolve(), False
+        return (Path(configured) / own).resolve(), "configured"
     local = all(urllib.parse.urlsplit(s.url).hostname in LOOPBACK for s in client.servers)
     size = sum(p.numel() * p.element_size() for p in run.policy.parameters())
     if local and SHARED_MEMORY.is_dir() and shutil.disk_usage(SHARED_MEMORY).free > 2 * size:
-        return SHARED_MEMORY / f"treerl-{run.run_id or uuid.uuid4().hex}", True
-    return (Path(run.config.trainer.output_dir) / "server_weights").resolve(), False
+        return SHARED_MEMORY / own, "shared memory"
+    return (Path(run.config.trainer.output_dir) / "server_weights").resolve(), "output_dir"

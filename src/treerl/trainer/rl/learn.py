@@ -91,9 +91,6 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
         failing: Counter[str] = Counter()  # reason -> samples dropped in the latest steps in a row that all failed
         for step in run.steps():
             metrics = train_step(step)
-            if (step + 1 < config.trainer.steps and config.trainer.eval_every
-                    and (step + 1) % config.trainer.eval_every == 0):
-                evaluate(run, evaluation, step + 1, None)
             reward = metrics["rollout/reward_mean"]
             dropped += int(metrics["rollout/dropped"])
             if run.failed_steps:  # this step's every sample was dropped too (a step that trains clears them)
@@ -107,6 +104,8 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
             run.end_step(step, metrics, {"reward": reward, "loss": metrics.get("train/loss", float("nan")),
                                          "compression": metrics.get("batch/compression", float("nan"))})
             done = step + 1
+            if done < config.trainer.steps and config.trainer.eval_every and done % config.trainer.eval_every == 0:
+                evaluate(run, evaluation, done, None)  # after the step is complete: a failing server meets a whole one
             check_failed_steps(run, failing)
         check_some_step_trained(run, failing)
         reward_end = float("nan") if run.stopped_by else evaluate(run, evaluation, config.trainer.steps, "end")
@@ -127,7 +126,10 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
 def stopped_by_server(run: Run, done: int, error: ServerError) -> ServerError:
     """An inference server failed after `done` complete steps: they are checkpointed (unless they already are), and
     the error's one line says where the run stands and how it goes on."""
-    if done > run.start_step:
+    if done >= run.config.trainer.steps:
+        where = (f"every step trained; checkpoint {run.checkpoint(done)}; the final evaluation could not run (the "
+                 "checkpoint serves as the trained policy: treerl export)")
+    elif done > run.start_step:
         where = (f"stopped after step {done} of {run.config.trainer.steps}; checkpoint {run.checkpoint(done)} "
                  "(continue with trainer.resume=auto once the server runs again)")
     elif done > 0:

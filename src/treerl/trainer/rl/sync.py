@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+
 from treerl.rollout import Rollout, build_sampler
 from treerl.trainer.core.config import Config, trained_algo
 from treerl.trainer.core.precision import autocast_dtype
@@ -59,7 +60,7 @@ def train_sync(config: Config) -> TrainResult:
             rollouts.append(evaluation)
         result = train_loop(run, evaluation, lambda step: train_step(run, rollout, reference, step), started)
         if servers is not None and not result.stopped_by:
-            servers.sync()  # the servers end with the trained policy
+            servers.finish()  # the servers end with the trained policy
         return result
     finally:
         for each in rollouts:
