@@ -45,7 +45,8 @@ def exact_norms(model: torch.nn.Module) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def float64_throughout() -> Iterator[None]:
-    """Keep float64 tensors in float64 where transformers rounds them to float32 (`.float()`, `.to(float32)`, `.type`).
+    """Keep float64 tensors in float64 where transformers rounds them to float32 (`.float()`, `.to(float32)`, `.type`,
+    `torch.zeros_like(..., dtype=torch.float32)`, `softmax(..., dtype=torch.float32)`).
 
     The recurrent mixers' torch paths (the delta rule, the Mamba2 scan) compute in float32 even in a float64
     model, which puts a ~1e-7 floor under every comparison of a hybrid model; inside this block a tree engine
@@ -69,11 +70,31 @@ def float64_throughout() -> Iterator[None]:
             return to(self, torch.float64)
         return to_type(self, dtype, *args, **kwargs)
 
+    zeros_like, softmax, tensor_softmax = torch.zeros_like, torch.nn.functional.softmax, torch.Tensor.softmax
+
+    def zeros_like_keeping_float64(input, *args, **kwargs):  # Inkling2's experts accumulate into a float32 buffer
+        if input.dtype == torch.float64 and kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = torch.float64
+        return zeros_like(input, *args, **kwargs)
+
+    def softmax_keeping_float64(input, *args, **kwargs):  # eager attention's softmax(..., dtype=torch.float32)
+        if input.dtype == torch.float64 and kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = torch.float64
+        return softmax(input, *args, **kwargs)
+
+    def tensor_softmax_keeping_float64(self, *args, **kwargs):  # DeepSeek-V4's gates: `.softmax(2, dtype=float32)`
+        if self.dtype == torch.float64 and kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = torch.float64
+        return tensor_softmax(self, *args, **kwargs)
+
     torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = to_keeping_float64, float_keeping_float64, type_keeping_float64
+    torch.zeros_like, torch.nn.functional.softmax = zeros_like_keeping_float64, softmax_keeping_float64
+    torch.Tensor.softmax = tensor_softmax_keeping_float64
     try:
         yield
     finally:
         torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = to, to_float, to_type
+        torch.zeros_like, torch.nn.functional.softmax, torch.Tensor.softmax = zeros_like, softmax, tensor_softmax
 
 
 @dataclass
@@ -82,12 +103,14 @@ class TopKSeen:
 
     binding: int = 0  # more candidate keys (finite index scores) than the top-k keeps
     ties: int = 0  # a key left out ties with a key taken, at the k-th score
+    first_tie: int | None = None  # the earliest query position with such a tie (calls on one sequence)
 
 
 @contextlib.contextmanager
-def indexer_top_k(model: torch.nn.Module) -> Iterator[TopKSeen]:
-    """Count what the model's indexers' torch.topk meets, and break the ties of those that rank the call's whole key
-    row (WHOLE_ROW_TOPK_INDEXERS) toward the earlier key, as torch.topk does on CUDA and DfsEngine does everywhere.
+def indexer_top_k(model: torch.nn.Module, earliest: bool = True) -> Iterator[TopKSeen]:
+    """Count what the model's indexers' torch.topk meets, and (`earliest`) break the ties of those that rank the call's
+    whole key row (WHOLE_ROW_TOPK_INDEXERS) toward the earlier key with a stable sort of the test's own, as torch.topk
+    does on CUDA and every engine does everywhere (`earliest=False`: count only, the engine's own rule choosing).
 
     On CPU torch.topk's choice among keys tied at the k-th score depends on the width of the call, so transformers'
     own forward on a sequence changes with the tokens after it (docs/hybrid-models.md). A test of sparse attention
@@ -98,14 +121,21 @@ def indexer_top_k(model: torch.nn.Module) -> Iterator[TopKSeen]:
 
     def watched(self, k, dim=-1, largest=True, sorted=True):
         if not inside:
-            return topk(self, k, dim, largest, sorted)
+            return torch.topk(self, k, dim=dim, largest=largest, sorted=sorted)
         ranked = torch.sort(self, dim=dim, descending=largest).values
         seen.binding += int((self.isfinite().sum(dim) > k).sum())
         if k < self.shape[dim]:
             kth, after = ranked.narrow(dim, k - 1, 1), ranked.narrow(dim, k, 1)
-            seen.ties += int(((kth == after) & kth.isfinite()).sum())
-        if type(inside[-1]).__name__ not in WHOLE_ROW_TOPK_INDEXERS:
-            return topk(self, k, dim, largest, sorted)
+            tied = (kth == after) & kth.isfinite()
+            seen.ties += int(tied.sum())
+            queries = tied.squeeze(dim).nonzero()
+            if len(queries):
+                first = int(queries[:, -1].min())  # scores are [..., queries, keys]: the query is the last index left
+                seen.first_tie = first if seen.first_tie is None else min(seen.first_tie, first)
+        if not earliest or type(inside[-1]).__name__ not in WHOLE_ROW_TOPK_INDEXERS:
+            # torch.topk, not the method: with Tensor.topk patched here an EarliestTies score (an engine's own rule)
+            # would see this function, not the topk it breaks ties of
+            return torch.topk(self, k, dim=dim, largest=largest, sorted=sorted)
         order = torch.sort(self, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
         return torch.return_types.topk((self.gather(dim, order), order))
 

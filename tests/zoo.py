@@ -234,6 +234,8 @@ def _in_vocab(token, vocab: int):
 _QWEN4_INDEXER = {"indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM, "indexer_budget": 8,
                   "indexer_compress_ratio": 4}
 
+_INKLING_BIAS = {"rel_extent": 6, "log_scaling_n_floor": 4}
+
 OVERRIDES: dict[str, dict] = {
     # layer kinds come from "attention every 8th layer from 4" / "MoE every 2nd from 1": one mamba+MLP layer, one
     # attention+MoE layer
@@ -290,6 +292,18 @@ OVERRIDES: dict[str, dict] = {
              "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
     # XLM's causal-LM mode (the xlm-clm checkpoints); its default is the masked-LM encoder
     "xlm": {"causal": True},
+    # compressed attention: one entry per complete window of 128 (heavily compressed) or 4 (compressed sparse) tokens
+    # would form none, or too few for the indexer's top 4 to bind, on a test's ~20 tokens: windows of 3 and of 2
+    "deepseek_v4": {"compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 3}},
+    # Inkling's relative position bias: its full layers' extent (1024) and the log scaling of queries and biases (from
+    # position 128000 on, or none) would never act on a test's ~20 tokens: an extent of 6, scaling from position 4
+    "inkling_text": _INKLING_BIAS,
+    "inkling2_text": _INKLING_BIAS,
+    # the loop layers (6 to 18 of the default) run 3 passes with a K/V slot and convolution states each: a pre-loop,
+    # two loop layers and a post-loop layer, a block of attention residuals each (the loop starts on a block boundary)
+    "inkling2_loop_text": {**_INKLING_BIAS, "num_hidden_layers": 4,
+                           "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+                           "loop_layer_index_start": 1, "loop_layer_index_end": 3, "n_layers_per_attn_res_block": 1},
 }
 
 # The causal-LM class of these types takes one sub-config of the composite config.

@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treerl.engine.base import Engine, LossFn
+from treerl.engine.recurrent import earliest_index_ties
 from treerl.engine.support import dict_outputs
 from treerl.tree import TokenSequence
 
@@ -42,13 +43,15 @@ def run_engine(engine: Engine, model: PreTrainedModel, sequences: Sequence[Token
 def model_outputs(model: PreTrainedModel, sequence: TokenSequence, temperature: float = 1.0) -> dict[str, torch.Tensor]:
     """The model's own log-probs and entropy for one sequence alone: `log_softmax(model(tokens).logits)`.
 
-    What every engine must reproduce (position 0 predicts nothing and holds 0, as in the engines).
+    What every engine must reproduce (position 0 predicts nothing and holds 0, as in the engines), keys tied at a
+    DeepSeek-sparse-attention indexer's k-th score going to the earliest, as in every engine
+    (treerl.engine.recurrent.earliest_index_ties: on CPU the model's own top-k picks among them by the call's width).
     """
     tokens = sequence.tokens.to(model.get_input_embeddings().weight.device)
     if len(tokens) == 1:
         zero = torch.zeros(1, dtype=torch.float64, device=tokens.device)
         return {"logprobs": zero, "entropy": zero.clone()}
-    with dict_outputs(model):
+    with dict_outputs(model), earliest_index_ties(model):
         output = model(input_ids=tokens[None, :-1], use_cache=False)
     logits = (output.logits if hasattr(output, "logits") else output[0])[0].double() / temperature
     logp = torch.log_softmax(logits, dim=-1)

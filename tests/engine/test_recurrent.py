@@ -26,10 +26,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5GatedDeltaNet
 from zoo import build_tiny, tiny_config
 
-from treerl.attention import UnsupportedModel
+from treerl.attention import UnsupportedModel, tree_attention
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine, selective_scan
 from treerl.engine.memory import graph_bytes
-from treerl.engine.recurrent import MIXERS, earliest_topk, find_mixers
+from treerl.engine.recurrent import MIXERS, TreeStateCache, earliest_topk, find_mixers
 from treerl.engine.selective_scan import ScanStart
 from treerl.testing import assert_engines_agree, assert_matches_model, compare_runs, run_engine
 from treerl.tree import TokenSequence
@@ -404,13 +404,13 @@ def test_sparse_attention_chooses_each_querys_keys_among_its_ancestors(build, pl
     """Sparse attention with a learned indexer: the indexer keys of the path travel like K/V, each query's keys
     are chosen among its own ancestors, and the attention over them matches each sequence alone, in every plan.
 
-    Where an indexer ranks the call's whole key row, the tree takes the earliest of keys tied at the k-th score (as
-    torch.topk on CUDA); the reference does too here (`indexer_top_k`), and DfsEngine runs as users run it. These
-    sequences hold such ties (the indexers' ReLU scores many keys exactly 0)."""
+    Where an indexer ranks the call's whole key row, every engine takes the earliest of keys tied at the k-th score
+    (as torch.topk on CUDA): DfsEngine and the flat reference both run as users run them (`indexer_top_k` only counts
+    what the reference's top-k met). These sequences hold such ties (the indexers' ReLU scores many keys exactly 0)."""
     model = _sparse_model(build)
     seqs = _every_shape(5)
     with float64_throughout():
-        with indexer_top_k(model) as seen:
+        with indexer_top_k(model, earliest=False) as seen:
             reference = run_engine(ORACLE, model, seqs, sequence_loss)
         assert seen.binding > 0, f"{build}: the top-k keeps every key of these sequences; the test covers no choice"
         whole_row = find_mixers(model).whole_row_topk
@@ -421,6 +421,63 @@ def test_sparse_attention_chooses_each_querys_keys_among_its_ancestors(build, pl
             errors = compare_runs(run_engine(SPARSE_PLANS[name], model, seqs, sequence_loss), reference)
             outputs = max(e for k, e in errors.items() if k.startswith("seq"))
             assert max(outputs, errors["loss"], errors["gradient"]) <= EXACT, (name, outputs, errors["gradient"])
+
+
+# DeepSeek-V4's compressed attention (tests/zoo.py: one entry per complete window of 3 tokens in its heavily compressed
+# layers, of 2 in its compressed sparse one, whose indexer keeps each query's top 4 entries), with one indexer head
+# here, whose ReLU scores many entries exactly 0: ties at the k-th score on these sequences. Its sinks and the
+# compressors' position biases are drawn away from their init of 0, its float32 weights made float64 for
+# `float64_throughout`.
+COMPRESSED_FAST = ["default", "one-token-rows"]  # rows of unequal length; one-token calls (each closes a window or not)
+
+
+def _compressed_model() -> torch.nn.Module:
+    config = tiny_config("deepseek_v4")
+    config.vocab_size, config.index_n_heads = VOCAB, 1
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, experts_implementation="eager").eval()
+    with torch.no_grad():
+        for module in model.modules():
+            for name in ("sinks", "position_bias"):
+                if isinstance(getattr(module, name, None), torch.nn.Parameter):
+                    getattr(module, name).normal_(0.0, 1.0)
+    return model.to(torch.float64)
+
+
+@pytest.mark.parametrize("plans", [pytest.param(COMPRESSED_FAST, id="fast"), pytest.param(
+    [p for p in SPARSE_PLANS if p not in COMPRESSED_FAST], id="more", marks=pytest.mark.slow)])
+def test_compressed_attention_continues_the_paths_windows(plans, monkeypatch):
+    """A node hands its children what transformers' V4 cache layers keep: the path's compressed entries (with their
+    gradient, like K/V), the open window's raw K/V and gates, the overlap slice and the indexer's compressed keys;
+    each query reads the entries its compressor appended under their causal and top-k bias. Exact in every plan, keys
+    tied at the indexer's k-th score going to the earliest entry in both engines."""
+    model = _compressed_model()
+    seqs = _every_shape(5)
+    handed = _handed_compression_states(monkeypatch)
+    with float64_throughout():
+        with indexer_top_k(model, earliest=False) as seen:
+            reference = run_engine(ORACLE, model, seqs, token_loss)
+        assert seen.binding > 0 and seen.ties > 0, seen
+        for name in plans:
+            errors = compare_runs(run_engine(SPARSE_PLANS[name], model, seqs, token_loss), reference)
+            assert max(errors.values()) <= EXACT, (name, max(errors, key=errors.get), max(errors.values()))
+    parts = {f"{name} {part}" for name in ("compressor", "indexer") for part in ("entries", "buffer kv", "overlap kv")}
+    assert parts <= handed, f"never handed on: {parts - handed}"
+
+
+def _handed_compression_states(monkeypatch) -> set[str]:
+    """The compressed-attention states (`CompressionState`'s) a node was handed non-empty by its parent."""
+    handed: set[str] = set()
+    start = TreeStateCache._start
+
+    def recorded(self, key, read=True):
+        state = start(self, key, read)
+        if state is not None and state.numel() and key[1] not in ("conv", "recurrent", "linear"):
+            handed.add(key[1])
+        return state
+
+    monkeypatch.setattr(TreeStateCache, "_start", recorded)
+    return handed
 
 
 @pytest.mark.parametrize("extra", [{"sliding_window": 4}, {"softcap": 30.0}])
@@ -452,3 +509,81 @@ def test_the_hybrid_page_names_every_kind_in_the_table():
     page = (Path(__file__).resolve().parents[2] / "docs" / "hybrid-models.md").read_text()
     for kind in MIXERS:
         assert f"| {kind.name} |" in page, kind.name
+
+
+def test_the_models_own_cpu_forward_differs_from_the_engines_only_after_a_tied_index_score():
+    """Every engine takes the earliest of keys tied at an indexer's k-th score, as torch.topk does on CUDA (FlatEngine
+    through `earliest_index_ties`); the model's own forward on CPU picks among them by the width of its call. On each
+    sequence the two agree to float64 rounding under the test's own earliest rule (`indexer_top_k`'s stable sort), and
+    without it on every token up to the first query whose k-th score ties: a tie is the only cause of a difference,
+    and on these sequences there is one."""
+    model = _sparse_model("glm_moe_dsa")
+    seqs = _every_shape(5)
+    flat = ORACLE.forward(model, seqs)
+    differing = 0
+    for i, (sequence, out) in enumerate(zip(seqs, flat)):
+        with indexer_top_k(model):
+            ruled = _own_logprobs(model, sequence)
+        assert (ruled - out["logprobs"]).abs().max() <= 1e-12, i
+        with indexer_top_k(model, earliest=False) as seen:
+            raw = _own_logprobs(model, sequence)
+        off = ((raw - out["logprobs"]).abs() > 1e-12).nonzero()
+        if len(off):
+            differing += 1
+            first_differing_query = int(off[0]) - 1  # log-prob j is read off query j - 1
+            assert seen.first_tie is not None and first_differing_query >= seen.first_tie, (i, first_differing_query)
+    assert differing, "no sequence's own CPU forward picked other tied keys: the engines' rule is not tested here"
+
+
+@torch.no_grad()
+def _own_logprobs(model: torch.nn.Module, sequence: TokenSequence) -> torch.Tensor:
+    """The model's own forward on one sequence, as transformers computes it (no tie rule of treerl's)."""
+    if len(sequence) == 1:
+        return torch.zeros(1, dtype=torch.float64)
+    logits = model(input_ids=sequence.tokens[None, :-1], use_cache=False).logits[0].double()
+    chosen = torch.log_softmax(logits, -1).gather(1, sequence.tokens[1:, None])[:, 0]
+    return torch.cat([chosen.new_zeros(1), chosen])
+
+
+# Inkling's attention adds a bias per query and key, read off a learned profile over their distance (`position_bias`,
+# zero from `rel_extent` on), and Inkling2's a sink logit per query; short convolutions sit on its keys, values and
+# residual branches, and Inkling2's attention residuals attend over each token's own earlier layers. The zoo's builds
+# cut the extent to 6 and scale queries and biases from position 4 on (both act on these sequences); Inkling2-loop
+# runs its two loop layers three times, each pass with its own K/V slot and convolution states.
+INKLING = ["inkling_text", "inkling2_text", "inkling2_loop_text"]
+INKLING_FAST = ["default", "small-calls"]  # rows of unequal length and calls of a few rows; the one-token step: slow
+
+
+@pytest.mark.parametrize("model_type", INKLING)
+@pytest.mark.parametrize("plans", [pytest.param(INKLING_FAST, id="fast"), pytest.param(
+    ["keep-graph", "recompute", "chunks-carry-state"], id="more", marks=pytest.mark.slow), pytest.param(
+    ["one-token-rows"], id="one-token", marks=pytest.mark.slow)])
+def test_a_bias_over_distances_reads_the_path_at_its_distances(model_type, plans, monkeypatch):
+    """The layer computes its bias over [path | row] from the cache's offsets (the distances of its sequence alone),
+    and treerl's dense attention adds it to the scores of the path's keys and the row's: exact in every plan."""
+    model = build_tiny(model_type).to(torch.float64)  # the convolutions and routers it keeps in float32 too
+    config, seqs = model.config.get_text_config(), _every_shape(6)
+    assert config.rel_extent < max(map(len, seqs)) and config.log_scaling_n_floor < max(map(len, seqs))
+    calls = _dense_calls(monkeypatch)
+    with float64_throughout():
+        reference = run_engine(ORACLE, model, seqs, token_loss)
+        for name in plans:
+            errors = compare_runs(run_engine(PLANS[name], model, seqs, token_loss), reference)
+            assert max(errors.values()) <= EXACT, (name, max(errors, key=errors.get), max(errors.values()))
+    assert any(biased and end > 0 for biased, end, _ in calls), "no biased query saw a path: the tree is not tested"
+    passes = {slot for _, _, slot in calls}
+    loops = getattr(config, "loop_num_passes", 1)
+    assert {n for _, n in passes} == set(range(loops)), passes  # Inkling2-loop: a K/V slot per pass of a loop layer
+
+
+def _dense_calls(monkeypatch) -> list[tuple[bool, int, tuple]]:
+    """(whether the layer brought a bias, the path's length, its K/V slot) of each call of treerl's dense attention."""
+    calls: list[tuple[bool, int, tuple]] = []
+    dense = tree_attention.dense_attention
+
+    def recorded(q, k, v, layer, path, unit, layout, index):
+        calls.append((layer.bias is not None, layout.path_end, index))
+        return dense(q, k, v, layer, path, unit, layout, index)
+
+    monkeypatch.setattr(tree_attention, "dense_attention", recorded)
+    return calls

@@ -54,6 +54,17 @@ class LayerAttention:
     sinks: torch.Tensor | None = None  # [heads]: one learned logit per head joins the softmax
     indices: torch.Tensor | None = None  # [rows, queries, k]: the keys a learned indexer chose (sparse attention)
     mask: torch.Tensor | None = None  # [rows, 1, queries, path + row] bool: keys a layer allowed (an indexer's choice)
+    bias: torch.Tensor | None = None  # [rows, heads, queries, path + row]: added to the scores (Inkling's distances)
+    appended: int = 0  # keys after the row's own that a layer appended (DeepSeek-V4's compressed entries)
+    appended_bias: torch.Tensor | None = None  # [rows, 1, queries, appended]: their additive bias (None: all visible)
+
+    @property
+    def dense(self) -> bool:
+        """Whether the layer asks for what only treerl's dense attention over [path | row] computes: an indexer's choice
+        of keys, a bias per query and key, a sink logit per query (not one per head), or appended keys."""
+        per_query_sinks = self.sinks is not None and self.sinks.dim() > 1
+        chosen = self.indices is not None or self.mask is not None
+        return chosen or self.bias is not None or per_query_sinks or self.appended > 0
 
 
 AttentionCall = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, LayerAttention], torch.Tensor]
@@ -83,6 +94,7 @@ def layer_attention(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) 
     window = kwargs.pop("sliding_window", None)
     softcap = kwargs.pop("softcap", None)
     indices = kwargs.pop("indices", None)  # sparse attention: what it computes beside them is checked where it runs
+    bias = kwargs.pop("position_bias", None)  # a bias over query-key distances: checked where it runs
     for key, value in kwargs.items():
         if key not in _IGNORED and value is not None and value is not False:
             raise UnsupportedModel(f"{name}: attention argument {key!r} is not supported by the tree engines")
@@ -98,7 +110,7 @@ def layer_attention(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) 
         window=window,
         chunk=chunk,
     )
-    return LayerAttention(spec, sinks, indices)
+    return LayerAttention(spec, sinks, indices, bias=bias)
 
 
 def common_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
@@ -118,9 +130,22 @@ _ORIGINAL: dict[int, str] = {}  # id(config) -> the implementation the user chos
 _CALLS_IN_FLIGHT: dict[int, int] = {}  # id(top config) -> engine calls running on that model
 
 
+# Modules that call the attention interface across one token's own stack of states (its earlier layers' outputs or
+# passes), not across tokens: each token's queries see its own states only, so the tree changes nothing for them and
+# they run the model's own attention function. Class -> what it attends over.
+ACROSS_DEPTH = {
+    "Inkling2BlockAttentionResidual": "the token's block states (attention residuals over depth)",
+    "Inkling2LoopBlockAttentionResidual": "the token's block states (attention residuals over depth)",
+    "Inkling2LoopMessageAttentionResidual": "the token's block states of the previous loop pass (its messages)",
+}
+
+
 def dispatch(module, query, key, value, attention_mask, **kwargs):
     """transformers attention function: treerl's call if the engine passed one, else the model's own."""
     call: AttentionCall | None = kwargs.pop(CALL_KWARG, None)
+    if type(module).__name__ in ACROSS_DEPTH and _IN_ENGINE.get():
+        _check_across_depth(module, query, key, attention_mask)
+        return _original_function(module)(module, query, key, value, attention_mask, **kwargs)
     if call is None and _IN_ENGINE.get():
         call = _call_in_context(module)
     if call is not None:
@@ -140,6 +165,17 @@ def dispatch(module, query, key, value, attention_mask, **kwargs):
             "(the model does not pass attention kwargs through its layers)"
         )
     return _original_function(module)(module, query, key, value, attention_mask, **kwargs)
+
+
+def _check_across_depth(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask) -> None:
+    """An ACROSS_DEPTH call attends within each token: the tokens sit where heads do (`[batch, tokens, ...]` in query
+    and key alike), and no mask hides any of a token's states. Anything else may reach other tokens: refused."""
+    if attention_mask is not None or query.shape[:2] != key.shape[:2] or getattr(module, "is_causal", False):
+        raise UnsupportedModel(
+            f"{type(module).__name__}: treerl takes it for attention over {ACROSS_DEPTH[type(module).__name__]}, "
+            f"within each token, but this call (query {tuple(query.shape)}, key {tuple(key.shape)}, "
+            f"{'a mask' if attention_mask is not None else 'no mask'}) may reach other tokens"
+        )
 
 
 def _call_in_context(module: torch.nn.Module) -> AttentionCall | None:

@@ -28,6 +28,7 @@ without holding descendants' graphs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -321,8 +322,11 @@ class TreeCall:
     """
 
     def __init__(self, path: PathKV | None, unit: UnitKV, layout: UnitLayout, wants_mask: bool = False,
-                 replays: bool = False):
+                 replays: bool = False, appended: dict[int, tuple[int, torch.Tensor | None]] | None = None):
         self.path, self.unit, self.layout = path, unit, layout
+        # layer -> (keys its attention appends after the row's own, their additive bias): DeepSeek-V4's compressed
+        # entries, reported by the engine's cache (treerl.engine.recurrent.compressed_entries)
+        self.appended = {} if appended is None else appended
         self.layers_called: set[int | None] = set()
         self.calls: dict[int | None, int] = {}  # layer -> its attention calls in the forward (its slots)
         self.forward_done = False  # set by the engine; later calls are gradient checkpointing's recomputation
@@ -353,8 +357,10 @@ class TreeCall:
 
     def __call__(self, module, query, key, value, layer: LayerAttention) -> torch.Tensor:
         slot = self.slot(module)
-        if layer.indices is not None or layer.mask is not None:
-            return indexed_attention(query, key, value, layer, self.path, self.unit, self.layout, slot)
+        if key.shape[2] != query.shape[2]:  # keys beyond the call's own tokens
+            layer = self._with_appended(slot[0], layer, key.shape[2] - query.shape[2])
+        if layer.dense:  # an indexer's choice, a bias per query and key, a sink per query
+            return dense_attention(query, key, value, layer, self.path, self.unit, self.layout, slot)
         rows = query.shape[0]
         if rows > 1:  # a batch of rows (a unit of a recurrent model): one row of rows x width, a causal run each
             query, key, value = (_one_row(x) for x in (query, key, value))
@@ -364,54 +370,126 @@ class TreeCall:
         return out.transpose(1, 2).contiguous()
 
 
+    def _with_appended(self, index: int | None, layer: LayerAttention, extra: int) -> LayerAttention:
+        """The layer's keys after its own tokens' are entries a compressor appended (`appended`); any others are keys
+        treerl cannot place on the tree: refused."""
+        count, bias = self.appended.get(index, (0, None))
+        if count != extra:
+            raise UnsupportedModel(f"layer {index}: its attention reads {extra} keys beyond the call's own tokens, "
+                                   "which no module treerl knows appended; treerl cannot place them on the tree (use "
+                                   "FlatEngine)")
+        return dataclasses.replace(layer, appended=count, appended_bias=bias)
+
+
 def _one_row(x: torch.Tensor) -> torch.Tensor:
     """[rows, heads, width, D] -> [1, heads, rows * width, D]: row r's tokens at `[r * width, (r + 1) * width)`."""
     rows, heads, width, dim = x.shape
     return x.transpose(0, 1).reshape(1, heads, rows * width, dim)
 
 
-# ---------------------------------------------------------------- sparse attention with a learned indexer
+# ---------------------------------------------------------------- dense attention over [path | row]
 
-def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerAttention, path: PathKV | None,
-                      unit: UnitKV, layout: UnitLayout, index: Slot) -> torch.Tensor:
-    """Sparse attention for a unit of rows (each a chain starting at the path's end): every query sees the keys
-    its indexer chose among [path | own row], causally: `layer.indices` (positions in that order, DeepSeek
-    sparse attention) or `layer.mask` (a boolean mask over them, which the layer narrowed from treerl's causal
-    one: Qwen4-Exp's block selection).
-
-    The indexer scored exactly the keys the query has on its sequence alone (the path is its ancestors), so
-    the chosen set is the same. Computed densely with a mask (exact; the flash-MLA kernel is for CUDA), attention
-    sinks one more logit of the softmax (HY-V4); the path's K/V gradient goes to the path store, what descendants
-    sent to this unit's K/V is added."""
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerAttention, path: PathKV | None,
+                    unit: UnitKV, layout: UnitLayout, index: Slot) -> torch.Tensor:
+    """Attention for a unit of rows (each a chain starting at the path's end) computed densely over [path | own row],
+    causally, for what the unit kernels do not compute (`LayerAttention.dense`):
+    - sparse attention: the keys a learned indexer chose, `layer.indices` (positions in that order, DeepSeek sparse
+      attention) or `layer.mask` (a boolean mask over them, which the layer narrowed from treerl's causal one:
+      Qwen4-Exp's block selection). The indexer scored exactly the keys the query has on its sequence alone (the path
+      is its ancestors), so the chosen set is the same;
+    - a bias per query and key, `layer.bias` (Inkling's position_bias over distances, which the layer computed over
+      [path | row] from the cache's offsets: the same distances as on the sequence alone), within a sliding window;
+    - attention sinks, one more logit of the softmax per head (HY-V4) or per query (Inkling2).
+    Exact (the flash-MLA kernel is for CUDA); the path's K/V gradient goes to the path store, what descendants sent to
+    this unit's K/V is added."""
     rows, heads, width, _ = q.shape
     end = layout.path_end
-    _check_sparse_spec(layer.spec, index[0])
-    if layer.mask is not None and (layer.mask.dtype != torch.bool or layer.mask.shape != (rows, 1, width, end + width)):
-        raise UnsupportedModel(f"layer {index[0]}: an attention mask of shape {tuple(layer.mask.shape)} "
-                               f"({layer.mask.dtype}) is not a choice among [path | row] (expected {(rows, 1, width, end + width)}, bool)")
+    _check_dense_call(layer, index[0], layout, rows, width)
     groups = heads // k.shape[1]
+    k, k_appended = k[:, :, :width], k[:, :, width:]  # appended: a compressor's entries, the row's own (not the path's)
+    v, v_appended = v[:, :, :width], v[:, :, width:]
     unit.keys[index], unit.values[index] = _one_row(k), _one_row(v)  # the path store reads segments of them
     k, v = _WithDescendantGrads.apply(k, v, unit, index)
     if path is not None and end > 0:
         path_k, path_v = _PathRead.apply(_DIFFERENTIABLE, path, index, end, k.dtype)
         k = torch.cat([path_k.expand(rows, -1, -1, -1), k], dim=2)
         v = torch.cat([path_v.expand(rows, -1, -1, -1), v], dim=2)
-    keys = torch.arange(end + width, device=q.device)
-    allowed = keys[None, :] <= end + torch.arange(width, device=q.device)[:, None]  # causal over [path | row]
+    k, v = _expand_heads_batched(k, groups), _expand_heads_batched(v, groups)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * layer.spec.scale
+    if layer.bias is not None:  # a bias per query and key (Inkling's distances), over [path | row] like the scores
+        scores = scores + layer.bias.to(scores.dtype)
+    scores = scores.masked_fill(~_allowed_keys(layer, rows, width, end, q.device), float("-inf"))
+    if layer.appended:  # DeepSeek-V4's compressed entries: each query's causal (and top-k) choice, an additive bias
+        k_appended, v_appended = _expand_heads_batched(k_appended, groups), _expand_heads_batched(v_appended, groups)
+        more = torch.matmul(q, k_appended.transpose(-1, -2)) * layer.spec.scale
+        if layer.appended_bias is not None:
+            more = more + layer.appended_bias.to(more.dtype)
+        scores, v = torch.cat([scores, more], dim=-1), torch.cat([v, v_appended], dim=2)
+    scores = scores.to(torch.promote_types(q.dtype, torch.float32))
+    if layer.sinks is not None:  # a learned logit that takes its share of the softmax and gives no value
+        scores = torch.cat([scores, _sink_logits(layer.sinks, rows, heads, width).to(scores.dtype)], dim=-1)
+    weights = torch.softmax(scores, dim=-1)[..., : v.shape[2]].to(q.dtype)
+    return torch.matmul(weights, v).transpose(1, 2).contiguous()
+
+
+def _allowed_keys(layer: LayerAttention, rows: int, width: int, end: int, device: torch.device) -> torch.Tensor:
+    """Which keys of [path | row] each query may see: causal, within the sliding window, among the indexer's choice."""
+    keys = torch.arange(end + width, device=device)[None, :]
+    queries = end + torch.arange(width, device=device)[:, None]
+    allowed = keys <= queries  # causal over [path | row]
+    if layer.spec.window is not None:  # key k visible to query q while q - k < window (transformers' sliding mask)
+        allowed = allowed & (keys > queries - layer.spec.window)
     allowed = allowed[None, None]
     if layer.indices is not None:
-        chosen = torch.zeros(rows, width, end + width, dtype=torch.bool, device=q.device)
+        chosen = torch.zeros(rows, width, end + width, dtype=torch.bool, device=device)
         allowed = allowed & chosen.scatter_(-1, layer.indices.long(), True)[:, None]
     if layer.mask is not None:
         allowed = allowed & layer.mask
-    k, v = _expand_heads_batched(k, groups), _expand_heads_batched(v, groups)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * layer.spec.scale
-    scores = scores.masked_fill(~allowed, float("-inf")).to(torch.promote_types(q.dtype, torch.float32))
-    if layer.sinks is not None:  # a learned logit per head that takes its share of the softmax and gives no value
-        sinks = layer.sinks.to(scores.dtype).view(1, heads, 1, 1).expand(rows, heads, width, 1)
-        scores = torch.cat([scores, sinks], dim=-1)
-    weights = torch.softmax(scores, dim=-1)[..., : end + width].to(q.dtype)
-    return torch.matmul(weights, v).transpose(1, 2).contiguous()
+    return allowed
+
+
+def _sink_logits(sinks: torch.Tensor, rows: int, heads: int, width: int) -> torch.Tensor:
+    """Sink logits `[rows, heads, width, 1]`: one per head (`[heads]`, HY-V4) or one per query (`[rows, heads, width,
+    1]`, Inkling2's, projected from each token's hidden state)."""
+    per_query = sinks.view(1, heads, 1, 1) if sinks.dim() == 1 else sinks
+    return per_query.expand(rows, heads, width, 1)
+
+
+def _check_dense_call(layer: LayerAttention, index: int | None, layout: UnitLayout, rows: int, width: int) -> None:
+    """What the dense attention assumes: its rows each a chain from the path's end, a mask or bias over [path | row],
+    and nothing it does not apply (a window or soft-cap over an indexer's choice, soft-capping, chunks)."""
+    end = layout.path_end
+    chains = not layout.blocks and len(layout.segments) == rows and all(
+        s.row == r * width and s.length == width and s.position == end for r, s in enumerate(layout.segments))
+    if not chains:
+        raise UnsupportedModel(f"layer {index}: its attention (an indexer's choice, a bias per query and key, a sink "
+                               "per query or appended keys) is computed over [path | row], which needs each row of a "
+                               "call to be one chain from the path's end; this call packs several nodes into a row")
+    if layer.indices is not None or layer.mask is not None:
+        _check_sparse_spec(layer.spec, index)
+    else:
+        _check_dense_spec(layer.spec, index)
+    expected = (rows, 1, width, end + width)
+    if layer.mask is not None and (layer.mask.dtype != torch.bool or layer.mask.shape != expected):
+        raise UnsupportedModel(f"layer {index}: an attention mask of shape {tuple(layer.mask.shape)} "
+                               f"({layer.mask.dtype}) is not a choice among [path | row] (expected {expected}, bool)")
+    if layer.appended_bias is not None and layer.appended_bias.shape[-2:] != (width, layer.appended):
+        raise UnsupportedModel(f"layer {index}: the bias of its {layer.appended} appended keys has shape "
+                               f"{tuple(layer.appended_bias.shape)}, not one per query of the call and key")
+    if layer.bias is not None and (layer.bias.dim() != 4 or layer.bias.shape[-2:] != (width, end + width)
+                                   or layer.bias.shape[0] not in (1, rows)):
+        raise UnsupportedModel(f"layer {index}: its position_bias of shape {tuple(layer.bias.shape)} is not over "
+                               f"[path | row] (expected ({rows}, heads, {width}, {end + width})): the layer computed "
+                               "its distances without the cache's offsets, so a tree node would read them from 0")
+
+
+def _check_dense_spec(spec: AttentionSpec, index: int | None) -> None:
+    """The dense attention applies scale, biases, sinks and a sliding window: refuse what else a layer would ask."""
+    extra = [name for name, value in (("soft-capping", spec.softcap), ("chunked attention", spec.chunk)) if value]
+    if extra:
+        raise UnsupportedModel(f"layer {index}: attention with a bias per query and key, a sink per query or appended "
+                               f"keys, and with {' and '.join(extra)}; treerl's dense attention over [path | row] does "
+                               "not apply it (use FlatEngine)")
 
 
 def _check_sparse_spec(spec: AttentionSpec, index: int | None) -> None:

@@ -39,7 +39,8 @@ def flop_rates(config: PretrainedConfig) -> tuple[int, int]:
 
 # Forward FLOPs per token for each element of a state a token mixer carries: a recurrent state (the delta rule's,
 # Mamba2's SSM, lightning attention's K^T V) is decayed, given a rank-1 update and read out (three multiply-adds
-# an element); a convolution window is read once (one multiply-add an element).
+# an element); a convolution window is read once (one multiply-add an element). DeepSeek-V4's compressed entries and
+# open windows count nothing here: they are keys a query reads, not a state each token updates.
 STATE_FLOPS = {"recurrent": 6, "linear": 6, "conv": 2}
 
 
@@ -49,12 +50,12 @@ def state_flops(model: torch.nn.Module) -> int:
     mixers = find_mixers(model)
     if not mixers:
         return 0
-    cache = mixers.cache_class(None, 1, 0)
+    cache = mixers.new_cache(None, 1, 0)
     ids = torch.zeros(1, 2, dtype=torch.long, device="meta")
     with torch.no_grad():
         final_hidden(model, input_ids=ids, **{mixers.cache_kwarg: cache, "use_cache": True})
     cache.finish()
-    return sum(STATE_FLOPS[kind] * state.numel() for (_, kind, _), state in cache.final.items())
+    return sum(STATE_FLOPS.get(kind, 0) * state.numel() for (_, kind, _), state in cache.final.items())
 
 
 def tree_flops(tree: PrefixTree, config: PretrainedConfig) -> tuple[int, int]:

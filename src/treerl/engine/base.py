@@ -25,7 +25,7 @@ from treerl.attention import (
     engine_attention,
     routed_call,
 )
-from treerl.engine.recurrent import Mixers, check_checkpointing, find_mixers
+from treerl.engine.recurrent import Mixers, check_checkpointing, compressed_entries, find_mixers
 from treerl.engine.support import (
     attention_layers,
     check_all_layers_routed,
@@ -231,7 +231,8 @@ def check_tree_engine(model: PreTrainedModel, carries_state: bool) -> Mixers:
         kinds = ", ".join(sorted({kind.name for kind in mixers.layers.values()}))
         raise UnsupportedModel(
             f"{model_name(model)}: its {kinds} layers read each row as one sequence (a recurrent state carried "
-            "along it, or an indexer scoring every earlier key), and this engine packs several nodes or sequences "
+            "along it, an indexer scoring every earlier key, or entries compressed from its earlier windows), and "
+            "this engine packs several nodes or sequences "
             "into one row, which would run one into the next; DfsEngine hands each node's state (and keys) to its "
             "children (or use FlatEngine's layout='sequences')"
         )
@@ -269,9 +270,12 @@ def _probe(model: PreTrainedModel, mixers: Mixers) -> str | None:
     if "position_ids" in inspect.signature(decoder_module(model).forward).parameters:
         inputs["position_ids"] = positions[None]
     if mixers:
-        inputs.update({mixers.cache_kwarg: mixers.cache_class(None, 1, 0), "use_cache": True})
+        cache = mixers.new_cache(None, 1, 0)
+        inputs.update({mixers.cache_kwarg: cache, "use_cache": True})
+        call.appended = cache.appended
     try:
-        with torch.no_grad(), engine_attention(model), idle_modules_that_run(model) as idle_ran:
+        with torch.no_grad(), engine_attention(model), idle_modules_that_run(model) as idle_ran, \
+                compressed_entries(model):
             final_hidden(model, **inputs)
             check_all_layers_routed(model, call.layers_called, attention_layers(model, mixers.mixer_classes))
         _SLOTS[model] = sum(call.calls.values())

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -59,6 +59,7 @@ from treerl.engine.recurrent import (
     PathIndexKeys,
     PathStates,
     cache_under_checkpointing,
+    compressed_entries,
     find_mixers,
     iter_state_grads,
 )
@@ -166,10 +167,14 @@ class _Walk:
         self.outputs = WalkOutputs(tree, self.head.outputs, slots, output_dtype(model), device, loss_fn)
         self.inputs, self.all_slots = build_unit_inputs(tree, plan, slots, device)
 
-    def continued_scans(self) -> contextlib.AbstractContextManager:
-        """Mamba layers' zero-start scans continue the state each call hands them, in the forward and in the
-        backward (gradient checkpointing replays a layer there)."""
-        return continued_scans(self.mixers.scans)
+    @contextlib.contextmanager
+    def continued_scans(self) -> Iterator[None]:
+        """Mamba layers' zero-start scans continue the state each call hands them, and compressors report the entries
+        they append to their attention's keys, in the forward and in the backward (gradient checkpointing replays a
+        layer there)."""
+        with continued_scans(self.mixers.scans), compressed_entries(self.model) if self.mixers.compression \
+                else contextlib.nullcontext():
+            yield
 
     def run(self) -> None:
         """Visit every unit in plan order; backward (when training) on the way back up."""
@@ -223,8 +228,9 @@ class _Walk:
             del inputs["position_ids"]
         with torch.set_grad_enabled(grad):
             if self.states is not None:
-                data.cache = self.mixers.cache_class(self.states.leaves(), data.shape[0], data.layout.path_end,
-                                                     self.index_path, data.ids.device, self.mixers.scan_layers)
+                data.cache = self.mixers.new_cache(self.states.leaves(), data.shape[0], data.layout.path_end,
+                                                   self.index_path, data.ids.device)
+                call.appended = data.cache.appended  # what compressors append to their attention's keys
                 inputs.update({self.mixers.cache_kwarg: data.cache, "use_cache": True})
             hidden = final_hidden(self.model, **inputs).flatten(0, 1)
             if data.cache is not None:

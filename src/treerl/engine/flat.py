@@ -9,6 +9,9 @@ Two layouts compute the same thing:
 - `"sequences"`: one model call per sequence through the model's own attention, whatever
   implementation it was loaded with: literally the model's forward on each sequence alone. The
   exactness oracle, and the layout for every model the tree engines cannot route.
+Either way a DeepSeek-sparse-attention indexer (treerl.engine.recurrent.WHOLE_ROW_TOPK_INDEXERS) takes, of keys
+tied at its k-th index score, the earliest, as torch.topk does on CUDA and DfsEngine does everywhere: on CPU the
+model's own forward picks among them by the width of the call, which no engine that computes a prefix once can match.
 `"auto"` (default) is whichever is faster on the device: on CUDA packed rows where treerl can route
 the model's attention (one call instead of one per sequence); on CPU one call per sequence, which
 `treerl bench` measured faster on every workload (packed rows run treerl's attention node by node,
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -40,6 +43,7 @@ from treerl.engine.base import (
 )
 from treerl.engine.head import PolicyHead
 from treerl.engine.memory import flat_micro_batches
+from treerl.engine.recurrent import earliest_index_ties
 from treerl.engine.support import check_all_layers_routed
 from treerl.tree import TokenSequence
 
@@ -58,7 +62,7 @@ class FlatEngine:
         check_batch(model, self.head, sequences, tree=self.layout == "packed")
         packed = self.chosen_layout(model) == "packed"
         results: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
-        with torch.no_grad(), engine_attention(model) if packed else contextlib.nullcontext():
+        with torch.no_grad(), self._routed(model, packed):
             for batch in self.micro_batches(sequences, packed):
                 for i, out in zip(batch, self._run(model, [sequences[i] for i in batch], packed)):
                     results[i] = out
@@ -71,7 +75,7 @@ class FlatEngine:
         started = time.perf_counter()
         shift = 1 if self.head.shifted else 0
         total = torch.zeros((), dtype=torch.float64)
-        with engine_attention(model) if packed else contextlib.nullcontext():  # backward too: checkpointing recomputes
+        with self._routed(model, packed):  # backward too: gradient checkpointing recomputes the layers
             for batch in self.micro_batches(sequences, packed):
                 outputs = self._run(model, [sequences[i] for i in batch], packed)
                 stats.model_tokens += sum(len(sequences[i]) - shift for i in batch)
@@ -97,6 +101,13 @@ class FlatEngine:
                 raise
             return "sequences"
         return "packed"
+
+    @contextlib.contextmanager
+    def _routed(self, model: PreTrainedModel, packed: bool) -> Iterator[None]:
+        """The model's attention routed through treerl for packed rows; either way, keys tied at the k-th score of a
+        DeepSeek-sparse-attention indexer go to the earliest, as DfsEngine takes them (`earliest_index_ties`)."""
+        with engine_attention(model) if packed else contextlib.nullcontext(), earliest_index_ties(model):
+            yield
 
     def micro_batches(self, sequences: Sequence[TokenSequence], packed: bool = True) -> list[list[int]]:
         """One sequence per call, or (packed) sequences in order, a row growing within `max_tokens` tokens."""

@@ -16,7 +16,10 @@ the DFS walk: it hands out the parent's final state and keeps each layer's final
 autograd connects them (transformers' own caches copy states in place, which breaks backward through
 them). A layer's one-token step writes its state in place (`state.copy_(new)`); the state treerl hands
 it records that write instead of doing it (`_HandedState`). A Mamba layer's scan starts from zero whatever the cache
-holds: its state goes to the scan, which treerl continues from it (treerl.engine.selective_scan).
+holds: its state goes to the scan, which treerl continues from it (treerl.engine.selective_scan). DeepSeek-V4's
+compressed attention keeps its compressed entries, open window and overlap slice in per-layer cache layers: a node
+hands them on as states too (`CompressionState`), and its attention reads the entries appended to its keys
+(`compressed_entries`).
 
 `MIXERS` is the one table of token mixers treerl knows: how each one's state is read, handed on and given
 its gradient, or why it is refused. A mixer the table does not know is refused before compute, naming
@@ -26,11 +29,12 @@ the layer.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import re
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -60,6 +64,7 @@ class MixerKind:
     chunk: int | str = 1  # its torch path pads each row to a multiple of this (or of the module attribute it names)
     scan: str | None = None  # its module's function that scans every multi-token call from a zero state: continued
     # from the parent's state by treerl (treerl.engine.selective_scan)
+    compressor: bool = False  # appends compressed entries of the path to its attention's keys (`CompressionState`)
 
 
 # DeepSeek sparse attention's indexer (DeepSeek-V3.2) and the models that ship it under their own class names: GLM-DSA,
@@ -78,7 +83,8 @@ MIXERS: tuple[MixerKind, ...] = (
                          "GraniteMoeHybridMambaLayer"),
               "the convolution window and the SSM state", _CACHE, chunk="chunk_size"),
     MixerKind("short convolution", ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv", "InklingShortConvolution",
-                                    "Inkling2ShortConvolution", "Inkling2DynamicShortConvolution"),
+                                    "Inkling2ShortConvolution", "Inkling2DynamicShortConvolution",
+                                    "Inkling2LoopShortConvolution", "Inkling2LoopDynamicShortConvolution"),
               "the convolution window", "cache `get_conv_state` / `update_conv_state`"),
     MixerKind("lightning attention", ("MiniMaxLightningAttention",), "the decayed K^T V state",
               "cache `get_linear_cache` / `set_linear_cache`", cache_class="MiniMaxCache"),
@@ -90,6 +96,13 @@ MIXERS: tuple[MixerKind, ...] = (
     MixerKind("convolutional attention projection", ("ZayaCCAProjection",),
               "the queries' and keys' convolution window and the previous token's delayed value projection", _CACHE,
               in_attention=True),
+    MixerKind("compressed attention", ("DeepseekV4HCACompressor", "DeepseekV4CSACompressor"),
+              "the path's compressed entries (one per complete window of m tokens, with a gradient, like K/V), the "
+              "unfinished window's raw K/V and gates, the previous window's overlap slice (CSA) and the indexer's "
+              "compressed keys, kept alike",
+              "the cache layer's `store_compression_weights` / `update_overlap_state` / `update_compressor_states` "
+              "(transformers' V4 cache layers), and the entries appended to its attention's keys", in_attention=True,
+              compressor=True),
     MixerKind("Mamba (selective scan)", ("MambaMixer", "FalconMambaMixer", "ZambaMambaMixer", "JambaMambaMixer"),
               "the convolution window and the SSM state (the scan, which starts from zero, continued from it)",
               "cache `get_conv_state` / `update_conv_state`, `get_recurrent_state` / `update_recurrent_state`, and the "
@@ -111,10 +124,11 @@ MIXERS: tuple[MixerKind, ...] = (
 )
 _BY_CLASS = {cls: kind for kind in MIXERS for cls in kind.classes}
 # Indexers whose top-k ranks the call's whole key row (DeepSeek sparse attention: a query's earlier keys, then -inf up
-# to the call's width), so which of several keys tied at the k-th score torch.topk returns depends on that width on
-# CPU; the tree takes the earliest (`EarliestTies`). Qwen4-Exp's ranks only the query's own complete key blocks: the
-# same row in the tree as in one flat call, so its choice is the flat one already.
-WHOLE_ROW_TOPK_INDEXERS = _DSA_INDEXERS
+# to the call's width; DeepSeek-V4's, the call's compressed entries), so which of several keys tied at the k-th score
+# torch.topk returns depends on that width on CPU; every engine takes the earliest (`EarliestTies`: DfsEngine through
+# the keys it hands the indexer, FlatEngine through `earliest_index_ties`). Qwen4-Exp's ranks only the query's own
+# complete key blocks: the same row in the tree as in one flat call, so its choice is the flat one already.
+WHOLE_ROW_TOPK_INDEXERS = (*_DSA_INDEXERS, "DeepseekV4Indexer")  # V4's ranks the call's compressed entries
 
 # Class-name words of modules that carry state along the sequence outside attention, in any case (RWKV's are "Rwkv...").
 _STATEFUL = re.compile(r"Mamba|RWKV|Recurrent|DeltaNet|DeltaAttention|ShortConv|xLSTM|Mixer|Lightning|Rglru",
@@ -136,9 +150,15 @@ class Mixers:
     whole_row_topk: frozenset[int] = frozenset()  # layers whose indexer ranks the call's whole key row (ties: earliest)
     scan_layers: frozenset[int] = frozenset()  # layers whose zero-start scan treerl continues (MixerKind.scan)
     scans: frozenset[tuple[str, str]] = frozenset()  # (module, function) of those scans
+    compression: dict[int, int] = field(default_factory=dict)  # compressed-attention layer -> its compress rate m
 
     def __bool__(self) -> bool:
         return bool(self.layers)
+
+    def new_cache(self, initial: dict[StateKey, torch.Tensor] | None, rows: int, past: int,
+                  index_path: PathIndexKeys | None = None, device: torch.device | str = "cpu") -> TreeStateCache:
+        """A call's TreeStateCache for this model: its class, the scans it continues, its compressed attention."""
+        return self.cache_class(initial, rows, past, index_path, device, self.scan_layers, self.compression)
 
 
 def find_mixers(model: PreTrainedModel) -> Mixers:
@@ -152,14 +172,16 @@ def find_mixers(model: PreTrainedModel) -> Mixers:
     scan_layers: set[int] = set()
     scans: set[tuple[str, str]] = set()
     chunk = 1
+    compression: dict[int, int] = {}
     base: type[Cache] = DynamicCache
-    for path, module in text_modules(model):
+    modules = text_modules(model)
+    for path, module in modules:
         kind = _BY_CLASS.get(type(module).__name__)
         if kind is None:
             continue
         if kind.refused is not None:
             raise UnsupportedModel(f"{model_name(model)}: {path} ({type(module).__name__}, {kind.name}): {kind.refused}")
-        index = getattr(module, "layer_idx", None)
+        index = _layer_index(modules, path, module) if kind.in_attention else getattr(module, "layer_idx", None)
         if not isinstance(index, int):
             raise UnsupportedModel(f"{model_name(model)}: {path} ({type(module).__name__}) has no layer_idx; treerl "
                                    "cannot tell which layer's state it reads")
@@ -179,9 +201,24 @@ def find_mixers(model: PreTrainedModel) -> Mixers:
         if kind.scan is not None:
             scan_layers.add(index)
             scans.add((type(module).__module__, kind.scan))
+        if kind.compressor:
+            compression[index] = int(module.compress_rate)
     _refuse_unknown_mixers(model, known, set(layers), indexed)
     return Mixers(layers, _cache_class(base), cache_kwarg(body), frozenset(classes), indexed, chunk,
-                  whole_row_topk=frozenset(whole_row_topk), scan_layers=frozenset(scan_layers), scans=frozenset(scans))
+                  whole_row_topk=frozenset(whole_row_topk), scan_layers=frozenset(scan_layers), scans=frozenset(scans),
+                  compression=compression)
+
+
+def _layer_index(modules: list[tuple[str, torch.nn.Module]], path: str, module: torch.nn.Module) -> int | None:
+    """A mixer's layer: its own layer_idx, else that of the innermost module around it that has one (DeepSeek-V4's
+    compressor is told its layer by the attention that holds it)."""
+    by_path = dict(modules)
+    while True:
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int) or not path:
+            return index
+        path = path.rpartition(".")[0]
+        module = by_path[path]
 
 
 def cache_kwarg(module: torch.nn.Module) -> str:
@@ -240,18 +277,80 @@ def _cache_class(base: type[Cache]) -> type[Cache]:
     return _CACHE_CLASSES[base]
 
 
-class _PositionHistory(list):
-    """Stands in for a cache's (empty) list of layers, where a model keeps the positions of the tokens before this
-    call (Qwen4-Exp's indexer rotates its pooled keys by them): on the tree, the path's positions 0 .. past - 1."""
+class _LayerStates(list):
+    """Stands in for a cache's (empty) list of layers, where a model keeps per-layer state: a compressed-attention
+    layer's `CompressionState`, else the positions of the tokens before this call (Qwen4-Exp's indexer rotates its
+    pooled keys by them): on the tree, the path's positions 0 .. past - 1."""
 
-    def __init__(self, rows: int, past: int, device: torch.device | str):
+    def __init__(self, rows: int, past: int, device: torch.device | str,
+                 compression: dict[int, CompressionState] | None = None):
         super().__init__()
+        self.compression = compression or {}
         self.indexer_position_ids = None
         if past:
             self.indexer_position_ids = torch.arange(past, device=device).expand(3, rows, past)
 
     def __getitem__(self, layer):
-        return self if isinstance(layer, int) else super().__getitem__(layer)
+        if isinstance(layer, int):
+            return self.compression.get(layer, self)
+        return super().__getitem__(layer)
+
+
+class CompressionState:
+    """A DeepSeek-V4 compressed-attention layer's cache layer for one call of the walk: the interface of transformers'
+    DeepseekV4HCACache / DeepseekV4CSACache (`store_compression_weights`, `update_overlap_state`,
+    `update_compressor_states`), answered from the parent's final states and keeping this call's as its own.
+
+    For each of its compressors ("compressor", and a CSA layer's "indexer") a node hands its children the path's
+    compressed entries (one per complete window of m tokens), the raw K/V and gates of the window still open at its
+    end, and (CSA) the first half of the last complete window's projections, which the next window's entry overlaps.
+    Windows are aligned to absolute positions: the path holds `past // m` complete windows, its open window starts at
+    `past // m * m`. All of them enter as the cache's states (leaves with `requires_grad`), so their gradient travels
+    back up the tree like K/V's."""
+
+    def __init__(self, cache: TreeStateCache, layer: int, rate: int):
+        self.cache, self.layer, self.rate = cache, layer, rate
+
+    def _key(self, name: str, part: str) -> StateKey:
+        return self.layer, f"{name} {part}", 0
+
+    def store_compression_weights(self, name: str, kv: torch.Tensor,
+                                  gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The open window's K/V and gates before this call's; the complete windows to compress and where the first
+        starts; keep what is left open for the children."""
+        kv, gate = self._behind_open_window(name, "buffer kv", kv), self._behind_open_window(name, "buffer gate", gate)
+        usable = kv.shape[1] // self.rate * self.rate
+        self.cache._keep(self._key(name, "buffer kv"), kv[:, usable:])
+        self.cache._keep(self._key(name, "buffer gate"), gate[:, usable:])
+        return kv[:, :usable], gate[:, :usable], self.cache.past // self.rate * self.rate
+
+    def _behind_open_window(self, name: str, part: str, new: torch.Tensor) -> torch.Tensor:
+        """This call's projections behind the parent's open window's (the path's tokens since its last full window)."""
+        start = self.cache._start(self._key(name, part))
+        return new if start is None else torch.cat([start.to(new.dtype), new], dim=1)
+
+    def update_overlap_state(self, name: str, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor,
+                             head_dim: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The path's last complete window's overlap slice (None at the root); keep this call's last one."""
+        prior = self.cache._start(self._key(name, "overlap kv")), self.cache._start(self._key(name, "overlap gate"))
+        self.cache._keep(self._key(name, "overlap kv"), chunk_kv[:, -1, :, :head_dim])
+        self.cache._keep(self._key(name, "overlap gate"), chunk_gate[:, -1, :, :head_dim])
+        return prior
+
+    def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
+        """The path's compressed entries, then this call's; all of them are what the children continue. The indexer's
+        keys choose, of entries tied at the k-th score, the earliest, as in one flat call (`EarliestTies`)."""
+        start = self.cache._start(self._key(name, "entries"))
+        entries = compressed if start is None else torch.cat([start.to(compressed.dtype), compressed], dim=1)
+        if entries.shape[1]:  # none yet (no window closed on the path): nothing to hand on, nor a gradient to take
+            self.cache._keep(self._key(name, "entries"), entries)
+        return entries.as_subclass(EarliestTies) if name == "indexer" else entries
+
+    def finish(self) -> None:
+        """A state this call did not renew (no window closed: the overlap slice) is handed on as the parent's."""
+        for key in self.cache.initial or {}:
+            if key[0] == self.layer and key not in self.cache.final:
+                self.cache._keep(key, self.cache._start(key))
 
 
 class _HandedState(torch.Tensor):
@@ -302,6 +401,63 @@ class EarliestTies(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs)
 
 
+_EARLIEST_TIES: contextvars.ContextVar[bool] = contextvars.ContextVar("treerl_earliest_index_ties", default=False)
+
+
+@contextlib.contextmanager
+def earliest_index_ties(model: torch.nn.Module) -> Iterator[None]:
+    """The model's own forward with the tree's rule for its whole-row indexers (WHOLE_ROW_TOPK_INDEXERS): of keys tied
+    at the k-th index score, the earliest, as DfsEngine takes them, whatever the width of the call.
+
+    Scoped to this block and this context (thread or task): each indexer's hidden states enter it as `EarliestTies`,
+    so its own `index_scores.topk(...)` takes the earliest; the model and torch are otherwise untouched."""
+    indexers = [m for m in model.modules() if type(m).__name__ in WHOLE_ROW_TOPK_INDEXERS]
+    hooks = [m.register_forward_pre_hook(_earliest_ties_inputs, with_kwargs=True) for m in indexers]
+    token = _EARLIEST_TIES.set(True)
+    try:
+        yield
+    finally:
+        _EARLIEST_TIES.reset(token)
+        for hook in hooks:
+            hook.remove()
+
+
+def _earliest_ties_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """An indexer's hidden states as EarliestTies (every index score derives from them), in `earliest_index_ties`."""
+    if not _EARLIEST_TIES.get():
+        return None
+    if args and isinstance(args[0], torch.Tensor):
+        return (args[0].as_subclass(EarliestTies), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"].as_subclass(EarliestTies)}
+    raise UnsupportedModel(f"{type(module).__name__}: an indexer called without its hidden states; treerl cannot "
+                           "hold its top-k to the earliest of tied keys")
+
+
+@contextlib.contextmanager
+def compressed_entries(model: torch.nn.Module) -> Iterator[None]:
+    """While the block runs, each compressor of a compressed-attention layer (MixerKind.compressor) reports to its
+    call's TreeStateCache what it appends to its attention's keys: how many entries, and their additive bias (each
+    query's causal and top-k choice among them; None: every one visible), which treerl's attention applies to them."""
+    compressors = [m for _, m in text_modules(model) if getattr(_BY_CLASS.get(type(m).__name__), "compressor", False)]
+    hooks = [m.register_forward_hook(_report_appended, with_kwargs=True) for m in compressors]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _report_appended(module: torch.nn.Module, args: tuple, kwargs: dict, output: tuple) -> None:
+    """A compressor's (entries, bias) into its call's cache, under its layer (`forward(hidden, q, positions, cache,
+    layer_idx)`)."""
+    cache = args[3] if len(args) > 3 else kwargs.get("cache")
+    layer = args[4] if len(args) > 4 else kwargs.get("layer_idx")
+    if isinstance(cache, TreeStateCache):
+        entries, bias = output
+        cache.appended[layer] = (entries.shape[2], bias)
+
+
 class TreeStateCache(DynamicCache):
     """transformers' cache interface for one call of the DFS walk: every row starts from the parent's final
     state (`initial`, None at the root) and each layer's final state is kept by reference (`final`).
@@ -311,12 +467,15 @@ class TreeStateCache(DynamicCache):
 
     def __init__(self, initial: dict[StateKey, torch.Tensor] | None, rows: int, past: int,
                  index_path: PathIndexKeys | None = None, device: torch.device | str = "cpu",
-                 scan_layers: frozenset[int] = frozenset()):
+                 scan_layers: frozenset[int] = frozenset(), compression: dict[int, int] | None = None):
         Cache.__init__(self, layers=[])
         self.initial, self.rows, self.past, self.index_path = initial, rows, past, index_path
         self.scan_layers = scan_layers  # layers whose scan continues the state (Mixers.scan_layers)
         self.index_keys: dict[int, torch.Tensor] = {}  # layer -> this call's indexer keys [rows, width, D]
-        self.layers = _PositionHistory(rows, past, device)  # Qwen4-Exp's indexer reads the path's positions
+        # compressed-attention layer -> (entries its compressor appended to the attention's keys, their additive bias)
+        self.appended: dict[int, tuple[int, torch.Tensor | None]] = {}
+        compressed = {layer: CompressionState(self, layer, rate) for layer, rate in (compression or {}).items()}
+        self.layers = _LayerStates(rows, past, device, compressed)  # Qwen4-Exp's indexer reads the path's positions
         self.final: dict[StateKey, torch.Tensor] = {}
         self.handed: dict[StateKey, _HandedState] = {}
         self.read: set[StateKey] = set()
@@ -422,6 +581,8 @@ class TreeStateCache(DynamicCache):
         for key, handed in self.handed.items():
             if handed.written is not None and key not in self.final:
                 self._keep(key, handed.written)
+        for state in self.layers.compression.values():
+            state.finish()
         self.replaying = True
 
     def check_handed_on(self, layers: dict[int, MixerKind], open_rows: list[int]) -> None:
