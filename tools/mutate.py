@@ -35,6 +35,11 @@ class Mutation:
 
 
 MUTATIONS = [
+    # ------------------------------------------------------------------ positions from the call's length (issue 32)
+    Mutation("positions-from-the-call", "src/treerl/engine/support.py",
+             '"position_ids": row}', '"position_ids": row - row[0]}',
+             ("tests/engine/test_model_features.py::test_every_engine_equals_the_models_own_forward",),
+             "BART's family: a tree node's tokens get the position embeddings of a sequence's first tokens"),
     # ------------------------------------------------------------------ trainer (issue 26's three survivors)
     Mutation("staleness-off-by-one", "src/treerl/trainer/asynchronous/pool.py",
              "if version - g.oldest > self.max_staleness]", "if version - g.oldest > self.max_staleness + 1]",

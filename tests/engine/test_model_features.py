@@ -1,5 +1,8 @@
 """Exact or refused on the attention and output features real architectures add.
 
+Absolute positions that the body computes from the call's length, not from position_ids (BART's decoder family:
+learned with an offset, Marian: sinusoidal): treerl hands the tokens' depths to the position embeddings.
+
 Sliding windows (Mistral; Qwen2 on some layers), soft-capped scores and logits (Gemma-2), attention sinks (gpt-oss),
 logit scaling (Cohere, Granite), key and value heads of different sizes (DeepSeek-V3 MLA), no
 `intermediate_size` (GPT-2), and RoPE whose frequencies depend on the call's length (Phi-3
@@ -27,6 +30,8 @@ from transformers import (
     GptOssConfig,
     GraniteConfig,
     MistralConfig,
+    BartConfig,
+    MarianConfig,
     Phi3Config,
     Qwen2Config,
 )
@@ -43,6 +48,11 @@ VOCAB = 64
 SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "bos_token_id": 1,
          "eos_token_id": 2, "pad_token_id": 0}
+# an encoder-decoder's decoder as a causal LM: no dropout, positions made from the call's length
+BART = {"vocab_size": VOCAB, "d_model": 32, "decoder_layers": 2, "decoder_attention_heads": 4, "decoder_ffn_dim": 64,
+        "encoder_layers": 1, "encoder_attention_heads": 4, "encoder_ffn_dim": 64, "max_position_embeddings": 256,
+        "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+        "pad_token_id": 0, "decoder_start_token_id": 1}
 FEATURES = {
     "mistral-window": lambda: MistralConfig(**SMALL, sliding_window=5),
     "qwen2-window-layers": lambda: Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=5, max_window_layers=1),
@@ -57,6 +67,8 @@ FEATURES = {
                                                 qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=4,
                                                 num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
                                                 n_group=1, topk_group=1),
+    "bart-positions-from-length": lambda: BartConfig(**BART),
+    "marian-sinusoidal-from-length": lambda: MarianConfig(**BART),
     "gpt2-no-intermediate-size": lambda: GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256,
                                                     bos_token_id=1, eos_token_id=2),
 }
@@ -64,7 +76,7 @@ EAGER_ONLY = {"gemma2-softcap-window", "gpt-oss-sinks-window"}  # transformers o
 # How close the flat reference itself can be: 1e-9 where every op runs in float64 (norms patched),
 # the 1e-6 contract where the model keeps float32 pieces (LayerNorm, MoE router), 1e-5 for eager
 # attention (transformers takes its softmax in float32).
-TOL = {"mistral-window": 1e-9, "qwen2-window-layers": 1e-9, "granite-logits-scaling": 1e-9, "gpt2-no-intermediate-size": 1e-9,
+TOL = {"mistral-window": 1e-9, "bart-positions-from-length": 1e-9, "marian-sinusoidal-from-length": 1e-9, "qwen2-window-layers": 1e-9, "granite-logits-scaling": 1e-9, "gpt2-no-intermediate-size": 1e-9,
        "gemma2-softcap-window": 1e-5, "gpt-oss-sinks-window": 1e-5}
 _MODELS: dict[str, torch.nn.Module] = {}
 
@@ -96,7 +108,9 @@ def _grpo_like(seed: int) -> list[TokenSequence]:
     return _sequences(lists + [[rng.randrange(VOCAB) for _ in range(13)]], seed)
 
 
-ENGINES = {"flat": FlatEngine(), "dfs": DfsEngine(chunk_tokens=3), "dfs-batched": DfsEngine(), "packed": PackedEngine()}
+# dfs-per-node: each call below the path (a tree of one call has no path: every position starts from its prompt's)
+ENGINES = {"flat": FlatEngine(), "dfs": DfsEngine(chunk_tokens=3), "dfs-batched": DfsEngine(),
+           "dfs-per-node": DfsEngine(chunk_tokens=3, batch_tokens=0), "packed": PackedEngine()}
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -112,7 +126,8 @@ def test_every_engine_equals_the_models_own_forward(name, engine):
 @pytest.mark.slow  # ~5 s on 2 cores
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    name=st.sampled_from(["mistral-window", "qwen2-window-layers", "gemma2-softcap-window", "gpt-oss-sinks-window"]),
+    name=st.sampled_from(["mistral-window", "qwen2-window-layers", "gemma2-softcap-window", "gpt-oss-sinks-window",
+                          "bart-positions-from-length", "marian-sinusoidal-from-length"]),
     lists=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=16), min_size=1, max_size=6),
     chunk=st.sampled_from([1, 2, 3, 5, 2048]),
     batch_tokens=st.sampled_from([0, 64]),

@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 from support import fresh_model
+from zoo import build_tiny
 
 from treerl.attention import UnsupportedModel, kernels
 from treerl.engine import AutocastEngine, DfsEngine, FlatEngine, PackedEngine
@@ -80,6 +81,15 @@ def test_dropout_in_training_is_refused_before_the_model_runs(name):
     assert calls == [] and all(p.grad is None for p in model.parameters())
     model.eval()  # dropout off: exact again
     assert_engines_agree(model, _batch(), _loss, TREE_ENGINES[name], ORACLE, tol=1e-10)
+
+
+def test_layerdrop_in_training_is_refused():
+    """BART's family skips whole decoder layers at random in training (decoder_layerdrop): a shared prefix computed
+    once would skip other layers than each sequence alone."""
+    model = build_tiny("bart").train()
+    model.config.decoder_layerdrop = 0.5
+    with pytest.raises(UnsupportedModel, match="decoder_layerdrop=0.5"):
+        DfsEngine().forward(model, _batch())
 
 
 def test_dropout_modules_are_refused_too():

@@ -6,7 +6,6 @@ Step 5 (docs/architecture.md): the interface, statistics and checks every engine
 from __future__ import annotations
 
 import contextlib
-import inspect
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from treerl.engine.support import (
     idle_modules_that_run,
     last_hidden,
     model_name,
+    placed_at,
 )
 from treerl.tree import Node, PrefixTree, TokenSequence, validate_sequences
 
@@ -266,9 +266,8 @@ def _probe(model: PreTrainedModel, mixers: Mixers) -> str | None:
     device = model.get_input_embeddings().weight.device
     positions = torch.arange(2, device=device)
     call = TreeCall(None, UnitKV(), UnitLayout([Segment(0, 2, 0)], [], positions, 0), wants_mask=mixers.indexed)
-    inputs = {"input_ids": torch.zeros(1, 2, dtype=torch.long, device=device), CALL_KWARG: call}
-    if "position_ids" in inspect.signature(decoder_module(model).forward).parameters:
-        inputs["position_ids"] = positions[None]
+    inputs = {"input_ids": torch.zeros(1, 2, dtype=torch.long, device=device), "position_ids": positions[None],
+              CALL_KWARG: call}
     if mixers:
         cache = mixers.new_cache(None, 1, 0)
         inputs.update({mixers.cache_kwarg: cache, "use_cache": True})
@@ -309,10 +308,13 @@ def final_hidden(model: PreTrainedModel, **inputs) -> torch.Tensor:
     """The body's final hidden states `[B, L, d]`, whatever output class (or tuple) the model returns.
 
     No cache unless the inputs bring one (a recurrent model's state, treerl.engine.recurrent). A treerl call
-    in the inputs is also the running call, for layers that do not pass attention kwargs on."""
+    in the inputs is also the running call, for layers that do not pass attention kwargs on. `position_ids` reach the
+    body however it reads positions (`placed_at`)."""
     call = inputs.get(CALL_KWARG)
-    with routed_call(call, gradient_checkpointing(model)) if call is not None else contextlib.nullcontext():
-        return last_hidden(decoder_module(model)(**{"use_cache": False, **inputs}, return_dict=True))
+    body = decoder_module(model)
+    with routed_call(call, gradient_checkpointing(model)) if call is not None else contextlib.nullcontext(), \
+            placed_at(body, inputs.pop("position_ids", None)) as positions:
+        return last_hidden(body(**{"use_cache": False, **inputs, **positions}, return_dict=True))
 
 
 def gradient_checkpointing(model: PreTrainedModel) -> bool:

@@ -32,7 +32,6 @@ This module is the engine and the traversal; `unit_inputs` builds what each unit
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -64,7 +63,7 @@ from treerl.engine.recurrent import (
     iter_state_grads,
 )
 from treerl.engine.selective_scan import continued_scans
-from treerl.engine.support import attention_layers, check_all_layers_routed, decoder_module
+from treerl.engine.support import attention_layers, check_all_layers_routed
 from treerl.engine.unit_inputs import UnitInputs, build_unit_inputs
 from treerl.engine.walk_outputs import WalkOutputs
 from treerl.tree import ROOT, PrefixTree, TokenSequence
@@ -161,7 +160,6 @@ class _Walk:
         self.states = PathStates(with_grads=loss_fn is not None) if self.mixers else None  # recurrent state
         # sparse attention: the path's indexer keys
         self.index_path = PathIndexKeys(self.path.capacity, self.mixers.whole_row_topk) if self.mixers.indexed else None
-        self.positions = "position_ids" in inspect.signature(decoder_module(model).forward).parameters  # not Mamba2
         slots = OutputSlots(tree, self.head.shifted)  # where each token's outputs land, the fork rows' included
         device = _device(model)
         self.outputs = WalkOutputs(tree, self.head.outputs, slots, output_dtype(model), device, loss_fn)
@@ -224,8 +222,6 @@ class _Walk:
         inputs = {"input_ids": data.ids[None], "position_ids": data.positions[None], "treerl_call": call}
         if data.shape is not None:  # a row unit: rows x width, each row from the parent's recurrent state
             inputs["input_ids"], inputs["position_ids"] = data.ids.view(data.shape), data.positions.view(data.shape)
-        if not self.positions:
-            del inputs["position_ids"]
         with torch.set_grad_enabled(grad):
             if self.states is not None:
                 data.cache = self.mixers.new_cache(self.states.leaves(), data.shape[0], data.layout.path_end,

@@ -20,8 +20,9 @@ from transformers import PreTrainedModel
 
 from treerl.attention import UnsupportedModel, all_configs
 
-# Config keys of dropout probabilities a model applies in training mode (hidden, attention, embeddings...).
-_DROPOUT_WORDS = ("dropout", "pdrop")
+# Config keys of dropout probabilities a model applies in training mode (hidden, attention, embeddings...), and of
+# LayerDrop (BART's family skips whole layers at random in training).
+_DROPOUT_WORDS = ("dropout", "pdrop", "layerdrop")
 _DROPOUT_IGNORED = {"classifier_dropout", "summary_first_dropout", "summary_last_dropout"}  # heads treerl never runs
 
 
@@ -140,15 +141,52 @@ def check_layer_indices(model: PreTrainedModel) -> None:
 
 
 def check_positions(model: PreTrainedModel, attention_free: bool = False) -> None:
-    """A tree node runs at its depth: the body takes position_ids (checked once its attention is known to be routed:
-    a model that computes attention in its own code is refused for that). `attention_free`: no layer attends (pure
-    state-space models), so positions do not matter."""
-    takes_positions = "position_ids" in inspect.signature(decoder_module(model).forward).parameters
-    if not takes_positions and not attention_free:
-        raise UnsupportedModel(
-            f"{model_name(model)}: its body takes no position_ids (positions come from the input length), so a tree "
-            "node cannot run at its depth (use FlatEngine)"
-        )
+    """A tree node runs at its depth: the body takes position_ids, or its absolute position embeddings do
+    (`position_embeddings`; checked once its attention is known to be routed: a model that computes attention in its
+    own code is refused for that). `attention_free`: no layer attends (pure state-space models), so positions do not
+    matter."""
+    body = decoder_module(model)
+    if attention_free or takes_position_ids(body) or position_embeddings(body):
+        return
+    named = [f"{path} ({type(m).__name__})" for path, m in body.named_modules() if path.endswith("embed_positions")]
+    where = (f": its position embeddings {', '.join(named)} take no position_ids either" if named else "")
+    raise UnsupportedModel(
+        f"{model_name(model)}: its body takes no position_ids (positions come from the input length){where}, so a "
+        "tree node cannot run at its depth (use FlatEngine)"
+    )
+
+
+def takes_position_ids(body: torch.nn.Module) -> bool:
+    return "position_ids" in inspect.signature(body.forward).parameters
+
+
+def position_embeddings(body: torch.nn.Module) -> list[torch.nn.Module]:
+    """A body that takes no position_ids (BART's decoder family: the position of token i is the cache's length + i)
+    computes absolute position embeddings in modules named `embed_positions` that do take them: treerl places a call's
+    tokens at their depths through those."""
+    return [m for path, m in body.named_modules()
+            if path.rsplit(".", 1)[-1] == "embed_positions" and takes_position_ids(m)]
+
+
+@contextlib.contextmanager
+def placed_at(body: torch.nn.Module, positions: torch.Tensor | None) -> Iterator[dict[str, torch.Tensor]]:
+    """The body's inputs that place a call's tokens at `positions` (`[rows, width]`): its position_ids; or, for a
+    body without them, the same positions handed to its position embeddings for the call (every row of a call
+    starts at one depth, or the call is one row); or none where nothing reads positions (attention-free bodies)."""
+    if positions is None or takes_position_ids(body):
+        yield {} if positions is None else {"position_ids": positions}
+        return
+    row = positions[0]
+
+    def give(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, "position_ids": row}  # 1-D, as the body's own arange(width) + cache length
+
+    hooks = [m.register_forward_pre_hook(give, with_kwargs=True) for m in position_embeddings(body)]
+    try:
+        yield {}
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def check_no_dropout(model: PreTrainedModel) -> None:
