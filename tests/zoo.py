@@ -66,6 +66,8 @@ _SMALL: dict[str, int] = {
     # sparse attention (DeepSeek-V3.2, GLM-DSA ...): each query keeps its top-4 keys, so the indexer's choice matters on
     # a test's ~20 tokens (the default, 2048, keeps every key there)
     "index_topk": 4,
+    # Doge's dynamic mask keeps each query's top keys by a learned per-key score once a call has more keys than this
+    "keep_window_size": 4,
     # partial rotary of a fixed width (GPT-J, CodeGen): half the head
     "rotary_dim": HEAD_DIM // 2,
     # state-space / linear attention / recurrent widths
@@ -319,7 +321,18 @@ def _keep_in_fp32_strict(model: PreTrainedModel, dtype: torch.dtype) -> None:
 
 
 # Set-up a built model needs before a text-only forward.
+def _trained_dynamic_mask(model: PreTrainedModel, dtype: torch.dtype) -> None:
+    """Doge initialises its dynamic mask's A to zero, so every key scores exp(0) = 1 and its top-k (keep_window_size)
+    picks among ties, by the CPU kernel's whim (it differs with the call's width); trained, A is spread: draw it so."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a = layer.self_attn.A
+            a.copy_(torch.randn(a.shape, generator=generator, dtype=torch.float64).to(a.dtype))
+
+
 _AFTER_BUILD: dict[str, Callable[[PreTrainedModel, torch.dtype], None]] = {
+    "doge": _trained_dynamic_mask,
     "xmod": lambda model, dtype: model.set_default_language("en_XX"),  # language adapters need a language
     # XLNet makes its attention weights with torch.FloatTensor, which ignores the dtype the model is built in
     "xlnet": lambda model, dtype: model.to(dtype),

@@ -317,32 +317,47 @@ def test_a_mixer_the_table_does_not_know_is_refused_naming_the_layer(name):
 
 def test_an_attention_layer_holding_a_mixer_is_still_checked_for_routing():
     """A known mixer inside an attention module (as ZAYA's convolutional projections) leaves that module an attention
-    layer: when it computes its attention without treerl, the layer is refused as unrouted, not dropped from the check
-    with the blocks around the mixer (its mixer hands its state on; only its attention misses the ancestors)."""
+    layer: when it computes its attention without treerl and without the cache's K/V, the layer is refused as
+    unrouted, not dropped from the check with the blocks around the mixer (its mixer hands its state on; only its
+    attention misses the ancestors). One that attends in its own code over the K/V its cache returns is served that
+    way (treerl.engine.base.attends_in_own_code), the mixer's state and the path's K/V both through the cache: exact."""
+    for through_cache in (False, True):
+        model = _with_mixing_attention(through_cache)
+        if not through_cache:
+            with pytest.raises(UnsupportedModel, match="no attention layer ran treerl's attention"):
+                DfsEngine().forward_backward(model, _every_shape(), token_loss)
+            assert all(p.grad is None for p in model.parameters())
+            continue
+        with float64_throughout():
+            assert_engines_agree(model, _every_shape(), token_loss, DfsEngine(chunk_tokens=3), ORACLE, tol=EXACT)
+
+
+def _with_mixing_attention(through_cache: bool) -> torch.nn.Module:
+    """tiny-qwen3.5 whose full-attention layer is a `_MixingAttention` (the stock layer's weights, layer 0's mixer's)."""
     model = fresh_model("tiny-qwen3.5", VOCAB)
     full = model.config.layer_types.index("full_attention")
     attention = model.model.layers[full].self_attn
-    mixing = _MixingAttention(model.config, full).to(torch.float64)
+    mixing = _MixingAttention(model.config, full, through_cache).to(torch.float64)
     mixing.load_state_dict({**attention.state_dict(), **{f"mixer.{k}": v for k, v in
                                                          model.model.layers[0].linear_attn.state_dict().items()}})
     model.model.layers[full].self_attn = mixing
-    with pytest.raises(UnsupportedModel, match="no attention layer ran treerl's attention"):
-        DfsEngine().forward_backward(model, _every_shape(), token_loss)
-    assert all(p.grad is None for p in model.parameters())
+    return model
 
 
 class _MixingAttention(Qwen3_5Attention):
     """Qwen3.5's attention with a Gated DeltaNet of its own layer inside, run on its input first; its attention reads a
-    copy of the config, which keeps SDPA where treerl routes the model's: it never runs treerl's attention."""
+    copy of the config, which keeps SDPA where treerl routes the model's: it never runs treerl's attention. Its K/V go
+    through the cache (`through_cache`) or not (a cache holding only the mixer's state)."""
 
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, through_cache: bool):
         super().__init__(config, layer_idx)
         self.mixer = Qwen3_5GatedDeltaNet(config, layer_idx)
         self.config = copy.copy(config)
+        self.through_cache = through_cache
 
     def forward(self, hidden_states, cache=None, **kwargs):
-        return super().forward(hidden_states + self.mixer(hidden_states=hidden_states, cache=cache), cache=cache,
-                               **kwargs)
+        mixed = hidden_states + self.mixer(hidden_states=hidden_states, cache=cache)
+        return super().forward(mixed, cache=cache if self.through_cache else None, **kwargs)
 
 
 def test_the_table_names_how_each_kind_carries_its_state():

@@ -20,6 +20,10 @@ still see); attention sinks are one more log-sum-exp term.
 
 The flat reference's packed layout is a unit of whole sequences with no path: only the own parts.
 
+A model that computes attention in its own code over the K/V its cache returns (Bloom, Falcon, GPT-Neo) gets
+[path | own row] K/V from the cache instead (`TreeCall.keys_over_path`), each row of its calls a chain from the path's
+end, and builds its own causal mask over them.
+
 The path's K/V gradient is added to a matching gradient store, which each ancestor collects when
 its subtree is finished; what descendants sent to a unit's own K/V is collected into the unit
 (`UnitKV.key_grads`) and added in its backward. That is how K/V gradients travel up the tree
@@ -336,24 +340,37 @@ class TreeCall:
     def slot(self, module: torch.nn.Module) -> Slot:
         """The path K/V slot of this attention call: the layer's n-th of the forward; in a recomputation (after the
         forward), the layer's one slot."""
-        index = getattr(module, "layer_idx", None)
+        return self.slot_of(getattr(module, "layer_idx", None), type(module).__name__)
+
+    def slot_of(self, index: int | None, who: str) -> Slot:
+        """`slot`, for an attention call of layer `index` (`who` names it in a refusal)."""
         if index is not None and not isinstance(index, int):
-            raise UnsupportedModel(f"{type(module).__name__}: its layer_idx {index!r} is no layer index; treerl "
+            raise UnsupportedModel(f"{who}: its layer_idx {index!r} is no layer index; treerl "
                                    "cannot tell which layer's keys and values the path holds for it")
         self.layers_called.add(index)
         if self.forward_done:
             return index, 0
         n = self.calls.get(index, 0)
         if n and self.replays:
-            who = "modules without a layer index call" if index is None else f"layer {index} calls"
+            what = "modules without a layer index call" if index is None else f"layer {index} calls"
             raise UnsupportedModel(
-                f"{type(module).__name__}: {who} attention more than once per forward (differential, looped or shared "
+                f"{who}: {what} attention more than once per forward (differential, looped or shared "
                 "attention), and gradient checkpointing's recomputation in backward replays one layer at a time, "
                 "which cannot tell which of those calls (and so which keys on the path) it replays; turn gradient "
                 "checkpointing off for this model"
             )
         self.calls[index] = n + 1
         return index, n
+
+    def keys_over_path(self, key: torch.Tensor, value: torch.Tensor, index: int | None) -> tuple[torch.Tensor, ...]:
+        """For a layer that computes attention in its own code over the K/V its cache returns (Bloom, MVP, TrOCR):
+        [path | own row] K/V (`[rows, kv_heads, path + width, D]`), each row of the call one chain from the path's
+        end, so that the model's own causal mask over them (the cache says the path's length) is the sequence's. The
+        row's K/V are kept for the path; the path's K/V gradient goes to its store."""
+        slot = self.slot_of(index, f"layer {index}")
+        rows, _, width, _ = key.shape
+        _check_chains(self.layout, rows, width, index, "computed by the model over the K/V its cache returns")
+        return _over_path(key, value, self.path, self.unit, self.layout.path_end, slot)
 
     def __call__(self, module, query, key, value, layer: LayerAttention) -> torch.Tensor:
         slot = self.slot(module)
@@ -408,12 +425,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: La
     groups = heads // k.shape[1]
     k, k_appended = k[:, :, :width], k[:, :, width:]  # appended: a compressor's entries, the row's own (not the path's)
     v, v_appended = v[:, :, :width], v[:, :, width:]
-    unit.keys[index], unit.values[index] = _one_row(k), _one_row(v)  # the path store reads segments of them
-    k, v = _WithDescendantGrads.apply(k, v, unit, index)
-    if path is not None and end > 0:
-        path_k, path_v = _PathRead.apply(_DIFFERENTIABLE, path, index, end, k.dtype)
-        k = torch.cat([path_k.expand(rows, -1, -1, -1), k], dim=2)
-        v = torch.cat([path_v.expand(rows, -1, -1, -1), v], dim=2)
+    k, v = _over_path(k, v, path, unit, end, index)
     k, v = _expand_heads_batched(k, groups), _expand_heads_batched(v, groups)
     scores = torch.matmul(q, k.transpose(-1, -2)) * layer.spec.scale
     if layer.bias is not None:  # a bias per query and key (Inkling's distances), over [path | row] like the scores
@@ -430,6 +442,31 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: La
         scores = torch.cat([scores, _sink_logits(layer.sinks, rows, heads, width).to(scores.dtype)], dim=-1)
     weights = torch.softmax(scores, dim=-1)[..., : v.shape[2]].to(q.dtype)
     return torch.matmul(weights, v).transpose(1, 2).contiguous()
+
+
+def _over_path(k: torch.Tensor, v: torch.Tensor, path: PathKV | None, unit: UnitKV, end: int,
+               slot: Slot) -> tuple[torch.Tensor, torch.Tensor]:
+    """The call's own K/V (`[rows, kv_heads, width, D]`, kept for the path) behind the path's: [path | row]. Backward
+    adds what descendants sent to the own K/V, and sends the path's share to its store."""
+    rows = k.shape[0]
+    unit.keys[slot], unit.values[slot] = _one_row(k), _one_row(v)  # the path store reads segments of them
+    k, v = _WithDescendantGrads.apply(k, v, unit, slot)
+    if path is not None and end > 0:
+        path_k, path_v = _PathRead.apply(_DIFFERENTIABLE, path, slot, end, k.dtype)
+        k = torch.cat([path_k.expand(rows, -1, -1, -1), k], dim=2)
+        v = torch.cat([path_v.expand(rows, -1, -1, -1), v], dim=2)
+    return k, v
+
+
+def _check_chains(layout: UnitLayout, rows: int, width: int, index: int | None, what: str) -> None:
+    """Attention over [path | row] needs each row of the call to be one chain of nodes from the path's end."""
+    end = layout.path_end
+    chains = not layout.blocks and len(layout.segments) == rows and all(
+        s.row == r * width and s.length == width and s.position == end for r, s in enumerate(layout.segments))
+    if not chains:
+        raise UnsupportedModel(f"layer {index}: its attention ({what}) is computed over [path | row], which needs each "
+                               "row of a call to be one chain from the path's end; this call packs several nodes into "
+                               "a row")
 
 
 def _allowed_keys(layer: LayerAttention, rows: int, width: int, end: int, device: torch.device) -> torch.Tensor:
@@ -459,12 +496,8 @@ def _check_dense_call(layer: LayerAttention, index: int | None, layout: UnitLayo
     """What the dense attention assumes: its rows each a chain from the path's end, a mask or bias over [path | row],
     and nothing it does not apply (a window or soft-cap over an indexer's choice, soft-capping, chunks)."""
     end = layout.path_end
-    chains = not layout.blocks and len(layout.segments) == rows and all(
-        s.row == r * width and s.length == width and s.position == end for r, s in enumerate(layout.segments))
-    if not chains:
-        raise UnsupportedModel(f"layer {index}: its attention (an indexer's choice, a bias per query and key, a sink "
-                               "per query or appended keys) is computed over [path | row], which needs each row of a "
-                               "call to be one chain from the path's end; this call packs several nodes into a row")
+    _check_chains(layout, rows, width, index, "an indexer's choice, a bias per query and key, a sink per query or "
+                  "appended keys")
     if layer.indices is not None or layer.mask is not None:
         _check_sparse_spec(layer.spec, index)
     else:

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from treerl.attention import (
     CALL_KWARG,
+    PathKV,
     Segment,
     TreeCall,
     UnitKV,
@@ -222,9 +223,17 @@ def check_tree_engine(model: PreTrainedModel, carries_state: bool) -> Mixers:
     FlatEngine's packed rows) cannot serve a recurrent layer: the state would run on across them."""
     mixers = find_mixers(model)
     check_tree_model(model)
-    check_routed(model, mixers)  # before positions: Bloom and MPT (ALiBi) compute attention in their own code
+    check_routed(model, mixers)  # before positions: MPT (ALiBi) computes attention in its own code
     check_layer_indices(model)
-    check_positions(model, attention_free=bool(mixers) and not attention_layers(model, mixers.mixer_classes))
+    own_code = attends_in_own_code(model)  # positions from the cache's length, every row of a call at the path's end
+    check_positions(model, attention_free=own_code or (bool(mixers) and not attention_layers(model, mixers.mixer_classes)))
+    if own_code and not carries_state:
+        raise UnsupportedModel(
+            f"{model_name(model)}: its layers attend over the K/V their cache returns under a causal mask they build "
+            "themselves (attention in the model's own code, or a mask outside transformers' mask interface), and "
+            "this engine packs several nodes or sequences into one row, which that mask would run one into the next; "
+            "DfsEngine runs each row from the path's end (or use FlatEngine)"
+        )
     if mixers and carries_state:
         check_checkpointing(model)
     if mixers and not carries_state:
@@ -243,7 +252,8 @@ _ROUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Non
 
 
 def check_routed(model: PreTrainedModel, mixers: Mixers) -> None:
-    """Every attention layer runs treerl's attention: one two-token probe per model, without gradients.
+    """Every attention layer runs treerl's attention, or (`attends_in_own_code`) every one takes its K/V from the
+    cache's `update`: one two-token probe per model, without gradients.
 
     A model that computes attention in its own module code (Falcon) never calls the attention interface,
     and may fail on the mask treerl withholds before the first call could say so."""
@@ -251,6 +261,22 @@ def check_routed(model: PreTrainedModel, mixers: Mixers) -> None:
         _ROUTED[model] = _probe(model, mixers)
     if _ROUTED[model] is not None:
         raise UnsupportedModel(_ROUTED[model])
+
+
+def attends_in_own_code(model: PreTrainedModel) -> bool:
+    """Whether the model's layers compute attention in their own code over the K/V that the cache's `update` returns
+    (Bloom, MVP, TrOCR), or under a mask they build themselves (Doge's dynamic mask), as the routing probe found: DfsEngine hands them [path | own] K/V through the cache and runs
+    every row of a call from the path's end, so that their own causal mask is the sequence's."""
+    return _OWN_CODE.get(model, False)
+
+
+def runs_in_rows(model: PreTrainedModel) -> bool:
+    """Whether DfsEngine's calls are rows that each start at the path's end (a recurrent state handed from the
+    parent, or attention the model computes in its own code over [path | row]), not nodes packed into one row."""
+    return bool(find_mixers(model)) or attends_in_own_code(model)
+
+
+_OWN_CODE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> True: attention in its own code
 
 
 def attention_slots(model: PreTrainedModel) -> int | None:
@@ -282,9 +308,55 @@ def _probe(model: PreTrainedModel, mixers: Mixers) -> str | None:
             return (f"{model_name(model)}: {idle_ran[0]} ran on a text-only batch, which treerl takes for idle there "
                     "and leaves unrouted (use FlatEngine)")
     except UnsupportedModel as refusal:
-        return str(refusal)
+        return _probe_own_code(model, mixers, str(refusal)) if not call.layers_called else str(refusal)
     except Exception as error:  # noqa: BLE001 - any failure of the probe is a refusal, with its cause
-        return _probe_failure(model, call, error)
+        return _probe_own_code(model, mixers, _probe_failure(model, call, error)) if not call.layers_called \
+            else _probe_failure(model, call, error)
+    return None
+
+
+def _probe_own_code(model: PreTrainedModel, mixers: Mixers, refusal: str) -> str | None:
+    """No layer ran treerl's attention: the model's own attention, probed with a cache that returns the path's K/V
+    (`attends_in_own_code`). Three tokens, as a tree runs them: two from the root, then the third below them over
+    their K/V (and state), which must equal the model's own forward on all three (a body that reads the cache some
+    other way, XLM slicing its input by the cache's length, does not). None if every attention layer took its K/V
+    from the cache and the third token is the model's, else the interface probe's `refusal`, or why not."""
+    device = model.get_input_embeddings().weight.device
+    ids = (torch.arange(3, device=device) + 3) % model.get_input_embeddings().num_embeddings
+    positions = torch.arange(3, device=device)
+    first = TreeCall(None, UnitKV(), UnitLayout([Segment(0, 2, 0)], [], positions[:2], 0))
+    try:
+        with torch.no_grad(), idle_modules_that_run(model) as idle_ran:
+            whole = final_hidden(model, input_ids=ids[None], position_ids=positions[None])
+            cache = mixers.new_cache(None, 1, 0, device=device, attention=first)
+            head = final_hidden(model, input_ids=ids[None, :2], position_ids=positions[None, :2],
+                                **{mixers.cache_kwarg: cache, "use_cache": True})
+            if idle_ran or not first.layers_called:
+                return refusal
+            check_all_layers_routed(model, first.layers_called, attention_layers(model, mixers.mixer_classes))
+    except UnsupportedModel as own:
+        return refusal if not first.layers_called else str(own)
+    except Exception as error:  # noqa: BLE001 - as in `_probe`
+        return refusal if not first.layers_called else _probe_failure(model, first, error)
+    cache.finish()
+    path = PathKV(3, with_grads=False)
+    path.push(first.unit, [Segment(0, 2, 0)])
+    below = TreeCall(path, UnitKV(), UnitLayout([Segment(0, 1, 2)], [], positions[2:], 2))
+    cache = mixers.new_cache(cache.row_states(0) or None, 1, 2, device=device, attention=below)
+    wrong = (f"{model_name(model)}: its layers compute attention in their own module code over the K/V their cache "
+             "returns, but a token run over its prefix's K/V from the cache")
+    try:
+        with torch.no_grad():
+            tail = final_hidden(model, input_ids=ids[None, 2:], position_ids=positions[None, 2:],
+                                **{mixers.cache_kwarg: cache, "use_cache": True})
+    except Exception as error:  # noqa: BLE001 - the body reads the cache some other way
+        return f"{wrong} failed ({type(error).__name__}: {error}): the body reads the cache some other way (use FlatEngine)"
+    off = (torch.cat([head, tail], dim=1) - whole).abs().max() / whole.abs().max().clamp_min(1e-30)
+    if tail.shape[1] != 1 or not off <= 1e-2:
+        return (f"{wrong} is not the token of the model's own forward (off by {float(off):.2g} of the hidden state's "
+                "scale): the body reads the cache some other way (use FlatEngine)")
+    _OWN_CODE[model] = True
+    _SLOTS[model] = sum(first.calls.values())
     return None
 
 

@@ -46,11 +46,13 @@ from treerl.engine.base import (
     LossFn,
     OutputSlots,
     StepStats,
+    attends_in_own_code,
     check_batch,
     final_hidden,
     gradient_checkpointing,
     output_dtype,
     run_length,
+    runs_in_rows,
 )
 from treerl.engine.head import PolicyHead
 from treerl.engine.memory import MemoryMode, check_memory_settings, graph_budget_tokens, graph_bytes, micro_batch_tokens
@@ -59,6 +61,7 @@ from treerl.engine.recurrent import (
     PathStates,
     cache_under_checkpointing,
     compressed_entries,
+    earliest_mask_ties,
     find_mixers,
     iter_state_grads,
 )
@@ -93,7 +96,7 @@ class DfsEngine:
         # proximal, reference) must be bit-identical to the ones the update computes, or the on-policy ratio is
         # off by low-precision rounding (bf16 matmuls round differently when the rows of a call change).
         walk = _Walk(self, model, tree, self.plan(model, tree), loss_fn=None)
-        with torch.no_grad(), engine_attention(model), cache_under_checkpointing(model), walk.continued_scans():
+        with torch.no_grad(), walk.attention(), cache_under_checkpointing(model), walk.continued_scans():
             walk.run()
         return walk.outputs.per_sequence(walk.all_slots)
 
@@ -101,7 +104,7 @@ class DfsEngine:
         started = time.perf_counter()
         tree = self._tree(model, sequences)
         walk = _Walk(self, model, tree, self.plan(model, tree), loss_fn=loss_fn)
-        with engine_attention(model), cache_under_checkpointing(model), walk.continued_scans():
+        with walk.attention(), cache_under_checkpointing(model), walk.continued_scans():
             walk.run()
         stats = walk.outputs.stats
         stats.loss = float(walk.outputs.total_loss)
@@ -123,7 +126,7 @@ class DfsEngine:
         run = [run_length(node, self.head.shifted) for node in tree.nodes]
         run[ROOT] = 0
         cost = self.plan_cost or PlanCost.for_device(_device(model).type)
-        rows = bool(find_mixers(model))  # a recurrent state: calls of rows that each start from the parent's state
+        rows = runs_in_rows(model)
         return WalkPlan(tree, run, self.graph_budget_tokens(model, tree), self.batch_tokens, self.recompute, cost, rows,
                         graph_bytes(model).row_tokens if rows else None)
 
@@ -132,7 +135,7 @@ class DfsEngine:
         largest = max(run_length(node, self.head.shifted) for node in tree.nodes[1:])
         shift = 1 if self.head.shifted else 0
         lengths = [len(s) - shift for s in tree.sequences]
-        if find_mixers(model):
+        if runs_in_rows(model):
             # flat cannot pack a model whose layers carry a state (one sequence would run into the next): its
             # micro-batch is then one sequence, and so is the contract's; a row holds its chunk padding too
             row_tokens = graph_bytes(model).row_tokens
@@ -155,6 +158,7 @@ class _Walk:
         self.model, self.tree, self.plan, self.loss_fn = model, tree, plan, loss_fn
         self.head = engine.head
         self.mixers = find_mixers(model)
+        self.own_code = attends_in_own_code(model)  # its layers attend over the K/V the cache returns
         self.layers = attention_layers(model, self.mixers.mixer_classes)
         self.path = PathKV(max(len(s) for s in tree.sequences), with_grads=loss_fn is not None)
         self.states = PathStates(with_grads=loss_fn is not None) if self.mixers else None  # recurrent state
@@ -165,13 +169,18 @@ class _Walk:
         self.outputs = WalkOutputs(tree, self.head.outputs, slots, output_dtype(model), device, loss_fn)
         self.inputs, self.all_slots = build_unit_inputs(tree, plan, slots, device)
 
+    def attention(self) -> contextlib.AbstractContextManager:
+        """The model's attention routed through treerl's for the walk, or left to a model that attends in its own code
+        (its cache hands it the path's K/V)."""
+        return contextlib.nullcontext() if self.own_code else engine_attention(self.model)
+
     @contextlib.contextmanager
     def continued_scans(self) -> Iterator[None]:
         """Mamba layers' zero-start scans continue the state each call hands them, and compressors report the entries
         they append to their attention's keys, in the forward and in the backward (gradient checkpointing replays a
-        layer there)."""
+        layer there); a dynamic mask's top-k (Doge) takes the earliest of tied keys, as in every engine."""
         with continued_scans(self.mixers.scans), compressed_entries(self.model) if self.mixers.compression \
-                else contextlib.nullcontext():
+                else contextlib.nullcontext(), earliest_mask_ties(self.model):
             yield
 
     def run(self) -> None:
@@ -219,13 +228,16 @@ class _Walk:
         self.outputs.stats.model_tokens += data.layout.rows
         call = TreeCall(self.path, data.kv, data.layout, wants_mask=self.index_path is not None,
                         replays=self.loss_fn is not None and gradient_checkpointing(self.model))
-        inputs = {"input_ids": data.ids[None], "position_ids": data.positions[None], "treerl_call": call}
+        inputs = {"input_ids": data.ids[None], "position_ids": data.positions[None]}
+        if not self.own_code:
+            inputs["treerl_call"] = call
         if data.shape is not None:  # a row unit: rows x width, each row from the parent's recurrent state
             inputs["input_ids"], inputs["position_ids"] = data.ids.view(data.shape), data.positions.view(data.shape)
         with torch.set_grad_enabled(grad):
-            if self.states is not None:
-                data.cache = self.mixers.new_cache(self.states.leaves(), data.shape[0], data.layout.path_end,
-                                                   self.index_path, data.ids.device)
+            if self.states is not None or self.own_code:
+                data.cache = self.mixers.new_cache(self.states.leaves() if self.states else None, data.shape[0],
+                                                   data.layout.path_end, self.index_path, data.ids.device,
+                                                   attention=call if self.own_code else None)
                 call.appended = data.cache.appended  # what compressors append to their attention's keys
                 inputs.update({self.mixers.cache_kwarg: data.cache, "use_cache": True})
             hidden = final_hidden(self.model, **inputs).flatten(0, 1)

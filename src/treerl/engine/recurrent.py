@@ -33,6 +33,7 @@ import contextvars
 import inspect
 import re
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -41,7 +42,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from treerl.attention import UnsupportedModel
+from treerl.attention import TreeCall, UnsupportedModel
 from treerl.engine import selective_scan
 from treerl.engine.selective_scan import ScanStart
 from treerl.engine.support import decoder_module, model_name, text_modules
@@ -129,6 +130,10 @@ _BY_CLASS = {cls: kind for kind in MIXERS for cls in kind.classes}
 # the keys it hands the indexer, FlatEngine through `earliest_index_ties`). Qwen4-Exp's ranks only the query's own
 # complete key blocks: the same row in the tree as in one flat call, so its choice is the flat one already.
 WHOLE_ROW_TOPK_INDEXERS = (*_DSA_INDEXERS, "DeepseekV4Indexer")  # V4's ranks the call's compressed entries
+# Attention modules whose own code keeps each query's top keys by a learned per-key score over the whole key row, and
+# the method (and its score argument) that ranks them: Doge's dynamic mask (keep_window_size keys; repeated tokens tie
+# at its first layer). Held to the earliest of tied keys in every engine, like the indexers (`earliest_mask_ties`).
+TOPK_MASK_METHODS = {"DogeAttention": ("prepare_dynamic_mask", "dt_states")}
 
 # Class-name words of modules that carry state along the sequence outside attention, in any case (RWKV's are "Rwkv...").
 _STATEFUL = re.compile(r"Mamba|RWKV|Recurrent|DeltaNet|DeltaAttention|ShortConv|xLSTM|Mixer|Lightning|Rglru",
@@ -156,9 +161,11 @@ class Mixers:
         return bool(self.layers)
 
     def new_cache(self, initial: dict[StateKey, torch.Tensor] | None, rows: int, past: int,
-                  index_path: PathIndexKeys | None = None, device: torch.device | str = "cpu") -> TreeStateCache:
-        """A call's TreeStateCache for this model: its class, the scans it continues, its compressed attention."""
-        return self.cache_class(initial, rows, past, index_path, device, self.scan_layers, self.compression)
+                  index_path: PathIndexKeys | None = None, device: torch.device | str = "cpu",
+                  attention: TreeCall | None = None) -> TreeStateCache:
+        """A call's TreeStateCache for this model: its class, the scans it continues, its compressed attention, and
+        (`attention`) the call whose path K/V it returns to layers that attend in their own code."""
+        return self.cache_class(initial, rows, past, index_path, device, self.scan_layers, self.compression, attention)
 
 
 def find_mixers(model: PreTrainedModel) -> Mixers:
@@ -413,13 +420,50 @@ def earliest_index_ties(model: torch.nn.Module) -> Iterator[None]:
     so its own `index_scores.topk(...)` takes the earliest; the model and torch are otherwise untouched."""
     indexers = [m for m in model.modules() if type(m).__name__ in WHOLE_ROW_TOPK_INDEXERS]
     hooks = [m.register_forward_pre_hook(_earliest_ties_inputs, with_kwargs=True) for m in indexers]
+    try:
+        with earliest_mask_ties(model):
+            yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+_MASK_TIES_LOCK = threading.Lock()
+_MASK_TIES_USERS: dict[int, int] = {}  # id(module) -> blocks that hold its ranking method to the earliest of ties
+
+
+@contextlib.contextmanager
+def earliest_mask_ties(model: torch.nn.Module) -> Iterator[None]:
+    """The ranking methods of TOPK_MASK_METHODS take, of keys tied at the k-th score, the earliest while the block runs
+    in this context: the module's method is wrapped (for this model only, counted across threads) so that its score
+    argument enters as `EarliestTies` and its mask leaves as a plain tensor."""
+    modules = [m for m in model.modules() if type(m).__name__ in TOPK_MASK_METHODS]
+    with _MASK_TIES_LOCK:
+        for module in modules:
+            if _MASK_TIES_USERS.get(id(module), 0) == 0:
+                name, argument = TOPK_MASK_METHODS[type(module).__name__]
+                setattr(module, name, _earliest_ties_method(getattr(type(module), name).__get__(module), argument))
+            _MASK_TIES_USERS[id(module)] = _MASK_TIES_USERS.get(id(module), 0) + 1
     token = _EARLIEST_TIES.set(True)
     try:
         yield
     finally:
         _EARLIEST_TIES.reset(token)
-        for hook in hooks:
-            hook.remove()
+        with _MASK_TIES_LOCK:
+            for module in modules:
+                _MASK_TIES_USERS[id(module)] -= 1
+                if _MASK_TIES_USERS[id(module)] == 0:
+                    del _MASK_TIES_USERS[id(module)]
+                    delattr(module, TOPK_MASK_METHODS[type(module).__name__][0])
+
+
+def _earliest_ties_method(method, argument: str):
+    def ranked(*args, **kwargs):
+        if not _EARLIEST_TIES.get() or not isinstance(kwargs.get(argument), torch.Tensor):
+            return method(*args, **kwargs)
+        result = method(*args, **{**kwargs, argument: kwargs[argument].as_subclass(EarliestTies)})
+        return result.as_subclass(torch.Tensor)
+    return ranked
 
 
 def _earliest_ties_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -462,14 +506,17 @@ class TreeStateCache(DynamicCache):
     """transformers' cache interface for one call of the DFS walk: every row starts from the parent's final
     state (`initial`, None at the root) and each layer's final state is kept by reference (`final`).
 
-    Attention layers get their own K/V back unchanged from `update`: treerl's attention adds the path's.
+    Attention layers get their own K/V back unchanged from `update`: treerl's attention adds the path's. Layers that
+    attend in their own code over what `update` returns (`attention`: the call) get [path | own] K/V.
     """
 
     def __init__(self, initial: dict[StateKey, torch.Tensor] | None, rows: int, past: int,
                  index_path: PathIndexKeys | None = None, device: torch.device | str = "cpu",
-                 scan_layers: frozenset[int] = frozenset(), compression: dict[int, int] | None = None):
+                 scan_layers: frozenset[int] = frozenset(), compression: dict[int, int] | None = None,
+                 attention: TreeCall | None = None):
         Cache.__init__(self, layers=[])
         self.initial, self.rows, self.past, self.index_path = initial, rows, past, index_path
+        self.attention = attention
         self.scan_layers = scan_layers  # layers whose scan continues the state (Mixers.scan_layers)
         self.index_keys: dict[int, torch.Tensor] = {}  # layer -> this call's indexer keys [rows, width, D]
         # compressed-attention layer -> (entries its compressor appended to the attention's keys, their additive bias)
@@ -481,8 +528,10 @@ class TreeStateCache(DynamicCache):
         self.read: set[StateKey] = set()
         self.replaying = False  # set after the forward: gradient checkpointing's recomputation writes nothing
 
-    # -- attention layers: their K/V go to treerl's attention as they are
+    # -- attention layers: their K/V go to treerl's attention as they are, or over the path's to their own code
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.attention is not None:
+            return self.attention.keys_over_path(key_states, value_states, layer_idx)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

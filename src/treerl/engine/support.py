@@ -128,8 +128,8 @@ def check_layer_indices(model: PreTrainedModel) -> None:
     calling transformers' attention interface without a layer_idx is refused: one left here computes attention in its
     own code."""
     modules = text_modules(model)
-    indexed = [path + "." for path, module in modules if isinstance(getattr(module, "layer_idx", None), int)]
-    missing = [(path, module) for path, module in modules if is_attention(module) and not hasattr(module, "layer_idx")
+    indexed = [path + "." for path, module in modules if isinstance(layer_index(module), int)]
+    missing = [(path, module) for path, module in modules if is_attention(module) and not has_layer_index(module)
                and not any(i.startswith(path + ".") for i in indexed)]
     for path, module in missing:
         if not any(other.startswith(path + ".") for other, _ in missing):  # the innermost: the attention itself
@@ -280,13 +280,25 @@ def attention_layers(model: PreTrainedModel, mixers: frozenset[str] = frozenset(
         around = any(k.startswith(path + ".") for k in skip)
         return not inside and (not around or is_attention(module))
 
-    indexed = {m.layer_idx for path, m in modules if isinstance(getattr(m, "layer_idx", None), int)
-               and m.layer_idx not in feed_forward and counted(path, m)}
-    inner = [path + "." for path, m in modules if isinstance(getattr(m, "layer_idx", None), int)]
+    indexed = {layer_index(m) for path, m in modules if isinstance(layer_index(m), int)
+               and layer_index(m) not in feed_forward and counted(path, m)}
+    inner = [path + "." for path, m in modules if isinstance(layer_index(m), int)]
     unindexed = any(is_attention(m) and hasattr(m, "layer_idx") and m.layer_idx is None and counted(path, m)
                     and not any(i.startswith(path + ".") for i in inner)  # not a wrapper of an indexed attention
                     for path, m in modules)
     return indexed | ({None} if unindexed else set())
+
+
+def layer_index(module: torch.nn.Module) -> int | None:
+    """A module's layer index: its `layer_idx`, or an attention module's `layer_id` (GPT-Neo's, which it tells its
+    cache by)."""
+    if hasattr(module, "layer_idx"):
+        return module.layer_idx
+    return getattr(module, "layer_id", None) if is_attention(module) else None
+
+
+def has_layer_index(module: torch.nn.Module) -> bool:
+    return hasattr(module, "layer_idx") or (is_attention(module) and hasattr(module, "layer_id"))
 
 
 def is_attention(module: torch.nn.Module) -> bool:
