@@ -59,6 +59,11 @@ MUTATIONS = [
              "    if tail.shape[1] != 1 or not off <= 1e-2:", "    if False:",
              ("tests/engine/test_refusals.py::test_a_body_that_reads_the_cache_some_other_way_is_refused_before_compute",),
              "a body that reads the cache some other way (XLM) is taken for own-code attention and fails mid-walk"),
+    Mutation("top-k-ties-exact-only", "src/treerl/engine/recurrent.py",
+             "    return 256 * torch.finfo(kth.dtype).eps * kth.abs()", "    return torch.zeros_like(kth)",
+             ("tests/engine/test_own_attention.py::test_random_trees_and_plans",),
+             "keys tied in exact arithmetic but a rounding unit apart are chosen by the computation's shapes: Doge's "
+             "DfsEngine gradient off by 0.16"),
     # ------------------------------------------------------------------ trainer (issue 26's three survivors)
     Mutation("staleness-off-by-one", "src/treerl/trainer/asynchronous/pool.py",
              "if version - g.oldest > self.max_staleness]", "if version - g.oldest > self.max_staleness + 1]",

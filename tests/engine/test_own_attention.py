@@ -15,8 +15,9 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from support import assert_bf16_no_worse_than_flat
 from test_exactness import HAND, ORACLE, _with_data, token_loss
 from transformers import AutoModelForCausalLM
 from zoo import build_tiny, tiny_config
@@ -65,8 +66,11 @@ def test_attention_in_the_models_own_code_is_exact(name):
 
 @pytest.mark.slow  # ~10 s on 2 cores
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# a token repeated at the start: Doge's second layer scores keys 0-3 equal in exact arithmetic, a few units of rounding
+# apart in an order that changes with the call's shapes (treerl.engine.recurrent.tie_tolerance)
+@example(name="doge", lists=[[1, 0, 0], [1, 1, 1, 1, 3, 0]], chunk=1, batch_tokens=6, recompute="auto")
 @given(
-    name=st.sampled_from(["falcon", "falcon-alibi", "mvp", "gpt_neox_japanese", "gpt_neo", "doge"]),
+    name=st.sampled_from(["falcon", "falcon-alibi", "mvp", "gpt_neox_japanese", "gpt_neo", "doge", "bloom"]),
     lists=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=14), min_size=1, max_size=6),
     chunk=st.sampled_from([1, 2, 3, 2048]),
     batch_tokens=st.sampled_from([0, 6, 8192]),
@@ -92,10 +96,6 @@ def test_gradient_checkpointing_replays_the_own_code_over_the_same_keys():
     assert model is not checkpointed
 
 
-# bf16 error from float64, DfsEngine's over FlatEngine's (as tests/engine/test_recurrent.py holds the hybrids to)
-BF16_RATIO = {"logprobs": 1.25, "entropy": 1.25, "gradient": 1.25, "loss": 2.0}
-
-
 @pytest.mark.parametrize("name", ["bart", "marian", "bloom", "falcon", "mvp"])
 def test_bfloat16_error_no_larger_than_the_flat_references(name):
     """bf16 autocast over float32 weights, as users train: the positions handed to BART's and Marian's embeddings and
@@ -103,11 +103,4 @@ def test_bfloat16_error_no_larger_than_the_flat_references(name):
     batch = _batch(HAND["grpo group"] + HAND["fork below a chain"], seed=3)
     low, high = build_tiny(name, dtype=torch.float32), build_tiny(name, dtype=torch.float64)
     high.load_state_dict({k: v.double() for k, v in low.state_dict().items()})
-    reference = run_engine(ORACLE, high, batch, token_loss)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        flat = compare_runs(run_engine(ORACLE, low, batch, token_loss), reference)
-        ours = compare_runs(run_engine(DfsEngine(chunk_tokens=3), low, batch, token_loss), reference)
-    for part, ratio in BF16_RATIO.items():
-        flat_worst = max(e for k, e in flat.items() if k.endswith(part))
-        our_worst = max(e for k, e in ours.items() if k.endswith(part))
-        assert our_worst <= ratio * flat_worst, (part, our_worst, flat_worst)
+    assert_bf16_no_worse_than_flat(low, high, batch, token_loss, DfsEngine(chunk_tokens=3), ORACLE)

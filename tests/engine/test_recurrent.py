@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import float64_throughout, fresh_model, indexer_top_k
+from support import assert_bf16_no_worse_than_flat, float64_throughout, fresh_model, indexer_top_k
 from test_exactness import HAND, ORACLE, _with_data, random_batches, sequence_loss, token_loss
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
@@ -239,27 +239,15 @@ def test_random_trees_and_plans(lists, kind, chunk, recompute, batch_tokens, bud
                              tol=EXACT)
 
 
-# bf16 error from float64, DfsEngine's over FlatEngine's (measured on these trees, every plan: log-probs, entropy and
-# the whole gradient 0.81-1.11x; the loss, one scalar sum whose rounding errors partly cancel, 0.75-1.49x).
-BF16_RATIO = {"logprobs": 1.25, "entropy": 1.25, "gradient": 1.25, "loss": 2.0}
-
-
 @pytest.mark.parametrize("kind", list(KINDS) + BF16_SCANS)
 def test_bfloat16_error_no_larger_than_the_flat_references(kind, small_scan_chunks):
     """bf16 autocast over float32 weights, as users train: DfsEngine's error from the float64 run is FlatEngine's,
-    within the scatter of rounding (BF16_RATIO), with a state handed on at every node and at chunk boundaries (of the
-    nodes, and of Mamba's selective scan)."""
+    within the scatter of rounding (support.BF16_RATIO), with a state handed on at every node and at chunk boundaries
+    (of the nodes, and of Mamba's selective scan)."""
     rng = random.Random(3)
     seqs = [_with_data(t, rng, str(i)) for i, t in enumerate(HAND["grpo group"] + HAND["fork below a chain"])]
     low, high = _float32_and_64(kind)
-    reference = run_engine(ORACLE, high, seqs, token_loss)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        flat = compare_runs(run_engine(ORACLE, low, seqs, token_loss), reference)
-        ours = compare_runs(run_engine(DfsEngine(chunk_tokens=4), low, seqs, token_loss), reference)
-    for part, ratio in BF16_RATIO.items():
-        flat_worst = max(e for k, e in flat.items() if k.endswith(part))
-        our_worst = max(e for k, e in ours.items() if k.endswith(part))
-        assert our_worst <= ratio * flat_worst, (part, our_worst, flat_worst)
+    assert_bf16_no_worse_than_flat(low, high, seqs, token_loss, DfsEngine(chunk_tokens=4), ORACLE)
 
 
 def _float32_and_64(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -380,15 +380,36 @@ def earliest_topk(scores: torch.Tensor, k: int, dim: int = -1, largest: bool = T
     """torch.topk that takes, of the keys tied at the k-th score, the earliest: the same keys whatever the row's width.
 
     On CPU torch.topk picks among such ties by the length of the row, which in the tree ([path | row]) is not the
-    length of one flat call; CUDA's takes the earliest. Without a tie at the k-th score every top-k is this one."""
+    length of one flat call; CUDA's takes the earliest. Tied means equal up to rounding (`tie_tolerance`): keys that
+    are equal in exact arithmetic (a token repeated at the start of a sequence gives Doge's first layers equal scores)
+    come out a few units of rounding apart, in an order that changes with the shapes of the computation. Keys clearly
+    above the k-th score are all taken; the rest of the k are the earliest keys within the tolerance of it. Without a
+    tie at the k-th score every top-k is this one."""
     width = scores.shape[dim]
     top = torch.topk(scores, min(k + 1, width), dim=dim, largest=largest, sorted=True)
     if 0 < k < width:
         kth, after = top.values.narrow(dim, k - 1, 1), top.values.narrow(dim, k, 1)
-        if bool(((kth == after) & kth.isfinite()).any()):  # a key left out ties with one taken
-            order = torch.sort(scores, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
-            return torch.return_types.topk((scores.gather(dim, order), order))
+        tolerance = tie_tolerance(kth)
+        if bool((((kth - after).abs() <= tolerance) & kth.isfinite()).any()):  # a key left out ties with one taken
+            sign = 1 if largest else -1
+            margin = (scores - kth) * sign
+            rank = torch.where(margin > tolerance, 2, torch.where(margin.abs() <= tolerance, 1, 0))
+            chosen = torch.sort(rank, dim=dim, descending=True, stable=True).indices.narrow(dim, 0, k)
+            values = scores.gather(dim, chosen)
+            if sorted:  # by score, the earlier of equal scores first
+                by_score = torch.sort(values, dim=dim, descending=largest, stable=True).indices
+                chosen, values = chosen.gather(dim, by_score), values.gather(dim, by_score)
+            return torch.return_types.topk((values, chosen))
     return torch.return_types.topk((top.values.narrow(dim, 0, k), top.indices.narrow(dim, 0, k)))
+
+
+def tie_tolerance(kth: torch.Tensor) -> torch.Tensor:
+    """How far apart two scores equal in exact arithmetic may come out: 256 units of rounding of the k-th score in
+    float32 and float64 (scores computed through a few layers in different shapes); exact equality in 16-bit types,
+    whose rounding unit is coarser than the gaps between distinct scores."""
+    if kth.dtype not in (torch.float32, torch.float64):
+        return torch.zeros_like(kth)
+    return 256 * torch.finfo(kth.dtype).eps * kth.abs()
 
 
 _TOPK = (torch.Tensor.topk, torch.topk)
