@@ -23,15 +23,15 @@ from support import exact_norms, float64_throughout
 from test_exactness import HAND, _with_data, token_loss
 from transformers import (
     AutoModelForCausalLM,
+    BartConfig,
     CohereConfig,
     DeepseekV3Config,
     Gemma2Config,
     GPT2Config,
     GptOssConfig,
     GraniteConfig,
-    MistralConfig,
-    BartConfig,
     MarianConfig,
+    MistralConfig,
     Phi3Config,
     Qwen2Config,
 )
