@@ -51,8 +51,14 @@ def model_outputs(model: PreTrainedModel, sequence: TokenSequence, temperature: 
     if len(tokens) == 1:
         zero = torch.zeros(1, dtype=torch.float64, device=tokens.device)
         return {"logprobs": zero, "entropy": zero.clone()}
+    images = {}
+    if sequence.images:  # as the model's processor hands them over (Qwen-VL: pixels, grids, token types)
+        device = tokens.device
+        images = {"pixel_values": torch.cat([i.pixel_values for i in sequence.images]).to(device),
+                  "image_grid_thw": torch.stack([i.grid_thw for i in sequence.images]).to(device),
+                  "mm_token_type_ids": (tokens[None, :-1] == model.config.image_token_id).int()}
     with dict_outputs(model), earliest_index_ties(model):
-        output = model(input_ids=tokens[None, :-1], use_cache=False)
+        output = model(input_ids=tokens[None, :-1], use_cache=False, **images)
     logits = (output.logits if hasattr(output, "logits") else output[0])[0].double() / temperature
     logp = torch.log_softmax(logits, dim=-1)
     zero = logp.new_zeros(1)

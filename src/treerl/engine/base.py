@@ -25,6 +25,7 @@ from treerl.attention import (
     engine_attention,
     routed_call,
 )
+from treerl.engine.images import check_images
 from treerl.engine.recurrent import Mixers, check_checkpointing, compressed_entries, find_mixers
 from treerl.engine.support import (
     attention_layers,
@@ -204,7 +205,11 @@ def check_batch(model: PreTrainedModel, head: Head, sequences: Sequence[TokenSeq
         vocab_size=model.get_input_embeddings().num_embeddings,
         max_positions=getattr(config, "max_position_embeddings", None),
     )
+    check_images(model, sequences)
     check_model(model, head, tree, max(len(s) for s in sequences), carries_state)
+    if tree and not carries_state and any(s.images for s in sequences):
+        raise UnsupportedModel(f"{model_name(model)}: this engine packs nodes into rows and does not feed images yet; "
+                               "DfsEngine and FlatEngine do")
 
 
 def check_model(model: PreTrainedModel, head: Head, tree: bool, longest: int, carries_state: bool = False) -> None:

@@ -55,6 +55,7 @@ from treerl.engine.base import (
     runs_in_rows,
 )
 from treerl.engine.head import PolicyHead
+from treerl.engine.images import ImageTable, image_rows, sequence_rope_positions
 from treerl.engine.memory import MemoryMode, check_memory_settings, graph_budget_tokens, graph_bytes, micro_batch_tokens
 from treerl.engine.recurrent import (
     PathIndexKeys,
@@ -106,6 +107,8 @@ class DfsEngine:
         walk = _Walk(self, model, tree, self.plan(model, tree), loss_fn=loss_fn)
         with walk.attention(), cache_under_checkpointing(model), walk.continued_scans():
             walk.run()
+        if walk.images is not None:
+            walk.images.backward()  # what every unit sent to the image rows, through the vision tower once
         stats = walk.outputs.stats
         stats.loss = float(walk.outputs.total_loss)
         stats.settle()
@@ -167,7 +170,12 @@ class _Walk:
         slots = OutputSlots(tree, self.head.shifted)  # where each token's outputs land, the fork rows' included
         device = _device(model)
         self.outputs = WalkOutputs(tree, self.head.outputs, slots, output_dtype(model), device, loss_fn)
-        self.inputs, self.all_slots = build_unit_inputs(tree, plan, slots, device)
+        self.images = None  # the step's images through the vision tower once (treerl.engine.images)
+        node_images = None
+        if any(s.images for s in tree.sequences):
+            self.images = ImageTable(model, tree.sequences, grad=loss_fn is not None)
+            node_images = _NodeImages(model, tree, self.images)
+        self.inputs, self.all_slots = build_unit_inputs(tree, plan, slots, device, node_images)
 
     def attention(self) -> contextlib.AbstractContextManager:
         """The model's attention routed through treerl's for the walk, or left to a model that attends in its own code
@@ -233,6 +241,10 @@ class _Walk:
             inputs["treerl_call"] = call
         if data.shape is not None:  # a row unit: rows x width, each row from the parent's recurrent state
             inputs["input_ids"], inputs["position_ids"] = data.ids.view(data.shape), data.positions.view(data.shape)
+        if data.rope is not None:  # images: their rows from the step's table; depth and (t, h, w) positions
+            ids = inputs.pop("input_ids")
+            inputs["inputs_embeds"] = self.images.embed(self.model, ids, data.image_rows.view(ids.shape))
+            inputs["position_ids"] = data.rope.view(4, *ids.shape)
         with torch.set_grad_enabled(grad):
             if self.states is not None or self.own_code:
                 data.cache = self.mixers.new_cache(self.states.leaves() if self.states else None, data.shape[0],
@@ -270,3 +282,20 @@ class _Walk:
             torch.autograd.backward(tensors, grads)
         if self.states is not None:
             self.states.add_grads(data.cache.initial)  # to the parent's final state
+
+
+class _NodeImages:
+    """A node's rotary positions and image rows, from a sequence through it (they depend only on its prefix)."""
+
+    def __init__(self, model: PreTrainedModel, tree: PrefixTree, table: ImageTable):
+        self.model, self.tree, self.table = model, tree, table
+        self.rope: dict[int, torch.Tensor] = {}  # sequence -> [4, len]
+
+    def __call__(self, node_index: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        node = self.tree.nodes[node_index]
+        s = self.tree.sequences_through(node_index)
+        sequence = self.tree.sequences[s]
+        if s not in self.rope:
+            self.rope[s] = sequence_rope_positions(self.model, sequence)
+        end = node.start + length
+        return self.rope[s][:, node.start : end], image_rows(self.table, sequence, node.start, end)

@@ -42,6 +42,7 @@ from treerl.engine.base import (
     to_device,
 )
 from treerl.engine.head import PolicyHead
+from treerl.engine.images import ImageTable, image_rows, sequence_rope_positions
 from treerl.engine.memory import flat_micro_batches
 from treerl.engine.recurrent import earliest_index_ties
 from treerl.engine.support import check_all_layers_routed
@@ -60,7 +61,7 @@ class FlatEngine:
 
     def forward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> list[dict[str, torch.Tensor]]:
         check_batch(model, self.head, sequences, tree=self.layout == "packed")
-        packed = self.chosen_layout(model) == "packed"
+        packed = self._packed(model, sequences)
         results: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
         with torch.no_grad(), self._routed(model, packed):
             for batch in self.micro_batches(sequences, packed):
@@ -70,7 +71,7 @@ class FlatEngine:
 
     def forward_backward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence], loss_fn: LossFn) -> StepStats:
         check_batch(model, self.head, sequences, tree=self.layout == "packed")
-        packed = self.chosen_layout(model) == "packed"
+        packed = self._packed(model, sequences)
         stats = StepStats(sequences=len(sequences), flat_tokens=sum(len(s) for s in sequences))
         started = time.perf_counter()
         shift = 1 if self.head.shifted else 0
@@ -101,6 +102,10 @@ class FlatEngine:
                 raise
             return "sequences"
         return "packed"
+
+    def _packed(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> bool:
+        """Packed rows, or one call per sequence (always for a batch that shows images: each sequence's own call)."""
+        return self.chosen_layout(model) == "packed" and not any(s.images for s in sequences)
 
     @contextlib.contextmanager
     def _routed(self, model: PreTrainedModel, packed: bool) -> Iterator[None]:
@@ -138,6 +143,12 @@ class FlatEngine:
             hidden = final_hidden(model, input_ids=ids[None], position_ids=positions[None], treerl_call=call)[0]
             call.forward_done = True  # later calls are gradient checkpointing's recomputation
             check_all_layers_routed(model, call.layers_called)
+        elif batch[0].images:  # one sequence: its images through the vision tower, its own rotary positions
+            table = ImageTable(model, batch, grad=torch.is_grad_enabled(), attached=True)
+            rope = sequence_rope_positions(model, batch[0])[:, : lengths[0]].to(device)
+            rows = image_rows(table, batch[0], 0, lengths[0]).to(device)
+            hidden = final_hidden(model, inputs_embeds=table.embed(model, ids[None], rows[None]),
+                                  position_ids=rope[:, None])[0]
         else:
             hidden = final_hidden(model, input_ids=ids[None], position_ids=positions[None])[0]
         outputs = self.head(model, hidden, targets)

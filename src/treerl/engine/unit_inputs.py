@@ -12,10 +12,11 @@ non-blocking on CUDA), so the walk itself never waits on the host.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import torch
 
-from treerl.attention import Block, Segment, UnitKV, UnitLayout
+from treerl.attention import Block, Segment, UnitKV, UnitLayout, UnsupportedModel
 from treerl.engine.base import OutputSlots, to_device
 from treerl.tree import ROOT, PrefixTree
 from treerl.tree.plan import Unit, WalkPlan
@@ -44,6 +45,7 @@ class UnitInputs:
         self.segments = segments  # node -> its rows
         self.layout: UnitLayout | None = None  # None: no rows to run (one-token leaves only)
         self.ids = self.positions = self.targets = self.slots = None  # slots: the output slot of each head row
+        self.rope = self.image_rows = None  # images: [4, rows] depth and (t, h, w) positions; each row's image row
         self.rows = None  # hidden rows the head reads (None: every row, in order)
         self.ends: list[int] = []  # sequences whose last node is in the unit
         self.end_slots = None  # their slots, one sequence after another
@@ -56,16 +58,25 @@ class UnitInputs:
         self.state_grads: dict[int, dict] = {}  # row units: open node -> gradient its children sent to its state
 
 
-def build_unit_inputs(tree: PrefixTree, plan: WalkPlan, slots: OutputSlots,
-                      device: torch.device) -> tuple[dict[int, UnitInputs], torch.Tensor]:
-    """Every unit's inputs (by `id(unit)`), and the slots of every sequence one after another, on `device`."""
+# A node's multimodal inputs for its first `length` tokens: [4, length] positions (depth, then t, h, w) and each token's
+# row in the step's image table (-1: text). treerl.engine.images.
+NodeImages = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def build_unit_inputs(tree: PrefixTree, plan: WalkPlan, slots: OutputSlots, device: torch.device,
+                      images: NodeImages | None = None) -> tuple[dict[int, UnitInputs], torch.Tensor]:
+    """Every unit's inputs (by `id(unit)`), and the slots of every sequence one after another, on `device`; with
+    `images`, each unit's rotary positions and image rows too."""
     index = HostIndex()
     inputs = {id(unit): _unit_inputs(tree, plan, slots, unit, index) for unit in plan.all_units()}
+    if images is not None:
+        for unit in plan.all_units():
+            _add_images(inputs[id(unit)], plan, images, index)
     all_slots = index.add(torch.cat([slots.sequence(s) for s in range(len(tree.sequences))]))
     device_index = index.to(device)
     view = lambda x: device_index[x] if isinstance(x, slice) else x
     for data in inputs.values():
-        for name in ("ids", "positions", "rows", "targets", "slots", "end_slots"):
+        for name in ("ids", "positions", "rows", "targets", "slots", "end_slots", "rope", "image_rows"):
             setattr(data, name, view(getattr(data, name)))
         if data.layout is not None:
             data.layout.positions = data.positions
@@ -146,6 +157,19 @@ def _row_unit_inputs(tree: PrefixTree, plan: WalkPlan, slots: OutputSlots, unit:
     runs = [Segment(r * width, width, path_end) for r in range(count)]
     data.layout = UnitLayout(runs, [], torch.empty(0), path_end)
     return data
+
+
+def _add_images(data: UnitInputs, plan: WalkPlan, images: NodeImages, index: HostIndex) -> None:
+    """The unit's rows' rotary positions (`[4, rows]`, flattened) and image rows, laid out as its token ids: nodes one
+    after another."""
+    if data.layout is None:
+        return
+    if data.shape is not None:
+        raise UnsupportedModel("images in a model whose calls run in rows (a recurrent state, or attention in its own "
+                               "code): no vision-language model treerl feeds images to runs that way yet")
+    parts = [images(n, plan.run[n]) for n in data.segments]
+    data.rope = index.add(torch.cat([rope for rope, _ in parts], dim=1))
+    data.image_rows = index.add(torch.cat([rows for _, rows in parts]))
 
 
 def attention_layout(tree: PrefixTree, segments: dict[int, Segment]) -> tuple[list[Segment], list[Block]]:

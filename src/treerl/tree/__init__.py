@@ -4,6 +4,6 @@ Steps 2 and 5 (docs/architecture.md): the sequences, and the tree an engine buil
 """
 
 from treerl.tree.prefix_tree import ROOT, Node, PrefixTree, TreeStats
-from treerl.tree.sequence import BatchError, TokenSequence, validate_sequences
+from treerl.tree.sequence import BatchError, ImageSpan, TokenSequence, validate_sequences
 
-__all__ = ["ROOT", "BatchError", "Node", "PrefixTree", "TokenSequence", "TreeStats", "validate_sequences"]
+__all__ = ["ROOT", "BatchError", "ImageSpan", "Node", "PrefixTree", "TokenSequence", "TreeStats", "validate_sequences"]

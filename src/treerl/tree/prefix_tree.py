@@ -71,14 +71,17 @@ class PrefixTree:
     # ---------------------------------------------------------------- building
     @classmethod
     def build(cls, sequences: Sequence[TokenSequence]) -> PrefixTree:
-        """Sort the sequences, take the longest common prefix of neighbours, and build the trie in one pass."""
-        token_lists = [s.tokens.tolist() for s in sequences]
-        order = sorted(range(len(sequences)), key=token_lists.__getitem__)
+        """Sort the sequences, take the longest common prefix of neighbours, and build the trie in one pass.
+
+        Sequences are compared by their `merge_keys`: tokens, and an image only where it is the same image."""
+        keys = [s.merge_keys for s in sequences]
+        key_lists = [k.tolist() for k in keys]
+        order = sorted(range(len(sequences)), key=key_lists.__getitem__)
         raw = _RawTree()
         path = [ROOT]  # nodes on the previous sequence's path
         previous: torch.Tensor | None = None
         for s in order:
-            tokens = sequences[s].tokens
+            tokens = keys[s]
             shared = 0 if previous is None else _common_prefix(previous, tokens)
             while path[-1] != ROOT and raw.start[path[-1]] >= shared:
                 path.pop()

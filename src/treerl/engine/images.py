@@ -1,0 +1,142 @@
+"""Images in a tree: each distinct image through the vision tower once a step, its embeddings read by every node that
+shows it, and multimodal RoPE positions per node.
+
+Step 5 (docs/architecture.md): what a vision-language model's calls read beside token ids.
+
+A sequence shows an image as a run of placeholder tokens (`treerl.tree.ImageSpan`); the prefix tree merges sequences
+by image identity, so a node holding an image's tokens holds the same image for every sequence through it.
+`ImageTable` runs the vision tower once on the step's distinct images (with a graph when training) and keeps its
+output as one leaf: a call's input embeddings are the token embeddings with the image rows taken from the leaf, and the
+leaf's gradient, summed over every call that read it, goes back through the vision tower once, at the end of the step
+(`ImageTable.backward`), exactly as each sequence's own call would send it.
+
+Positions: Qwen-VL's multimodal RoPE gives an image's tokens (t, h, w) positions and the text after it positions one
+past the image's largest. A sequence's positions are the model's own `get_rope_index` of it; they depend only on the
+prefix, so a node's are those of any sequence through it (`sequence_rope_positions`). The engines hand the body
+`[depth | t | h | w]` position rows: the depth (a token's index in its sequence) orders the attention, the other three
+rotate it.
+
+Served: the Qwen2-VL family (`VISION_LANGUAGE`); other vision-language models are refused with images, naming why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from treerl.attention import UnsupportedModel
+from treerl.engine.support import model_name
+from treerl.tree import ImageSpan, TokenSequence
+
+# Vision-language model types whose images treerl feeds: the vision tower is `model.model.get_image_features`
+# (pixel_values, image_grid_thw -> one embedding per placeholder token), positions are `model.model.get_rope_index`.
+VISION_LANGUAGE = ("qwen2_vl", "qwen2_5_vl")
+
+
+def check_images(model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> None:
+    """Images only for a model whose vision tower treerl feeds, each with its model's placeholder token, as many of them
+    as its grid makes, and the pixels that grid reads."""
+    shown = [(i, s) for i, s in enumerate(sequences) if s.images]
+    if not shown:
+        return
+    kind = getattr(model.config, "model_type", None)
+    if kind not in VISION_LANGUAGE:
+        i, sequence = shown[0]
+        raise UnsupportedModel(
+            f"{sequence.label(i)} shows an image, and {model_name(model)} is not a vision-language model whose images "
+            f"treerl feeds ({', '.join(VISION_LANGUAGE)}); training on its placeholder tokens without the pixels behind "
+            "them would be wrong"
+        )
+    merge = model.config.vision_config.spatial_merge_size
+    image_token = model.config.image_token_id
+    for i, sequence in shown:
+        for k, image in enumerate(sequence.images):
+            what = f"{sequence.label(i)}: image {k} at tokens [{image.start}, {image.end})"
+            token = int(sequence.tokens[image.start])
+            if token != image_token:
+                raise UnsupportedModel(f"{what} shows as token {token}, not the model's image token {image_token}")
+            if image.grid_thw is None or image.grid_thw.shape != (3,):
+                raise UnsupportedModel(f"{what} has no (t, h, w) patch grid (grid_thw), which {kind} needs")
+            patches = int(image.grid_thw.prod())
+            if image.length * merge**2 != patches:
+                raise UnsupportedModel(f"{what}: its grid {image.grid_thw.tolist()} makes {patches // merge**2} "
+                                       f"placeholder tokens, not {image.length}")
+            if image.pixel_values.dim() != 2 or image.pixel_values.shape[0] != patches:
+                raise UnsupportedModel(f"{what}: pixel_values of shape {tuple(image.pixel_values.shape)}, not one row "
+                                       f"per patch of its grid ({patches} rows)")
+            if image.end >= len(sequence):
+                raise UnsupportedModel(f"{what} ends the sequence: the model reads every token but the last, so the "
+                                       "image would reach it cut short; end the sequence with text")
+
+
+def sequence_rope_positions(model: PreTrainedModel, sequence: TokenSequence) -> torch.Tensor:
+    """`[4, len]`: each token's depth, then its (t, h, w) rotary positions, as the model's own forward computes them."""
+    depth = torch.arange(len(sequence))
+    if not sequence.images:
+        return depth.expand(4, -1)
+    ids = sequence.tokens[None].to(_device(model))
+    grids = torch.stack([image.grid_thw for image in sequence.images]).to(ids.device)
+    rope, _ = model.model.get_rope_index(ids, (ids == model.config.image_token_id).int(), image_grid_thw=grids)
+    return torch.cat([depth[None], rope[:, 0].cpu()])
+
+
+def _device(model: PreTrainedModel) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+class ImageTable:
+    """The step's distinct images through the vision tower once: one embedding row per placeholder token, by image."""
+
+    def __init__(self, model: PreTrainedModel, sequences: Sequence[TokenSequence], grad: bool, attached: bool = False):
+        """`attached`: the calls read the vision tower's output itself, one backward through all (the flat reference's
+        one call per sequence); else a leaf whose gradient `backward` sends on once."""
+        distinct: dict[int, ImageSpan] = {}
+        for sequence in sequences:
+            for image in sequence.images:
+                distinct.setdefault(image.digest, image)
+        self.base: dict[int, int] = {}  # image digest -> its first row
+        rows = 0
+        for digest, image in distinct.items():
+            self.base[digest] = rows
+            rows += image.length
+        self.rows = rows
+        self.features = self.leaf = None
+        if distinct:
+            device = _device(model)
+            images = list(distinct.values())
+            pixels = torch.cat([image.pixel_values for image in images]).to(device)
+            grids = torch.stack([image.grid_thw for image in images]).to(device)
+            with torch.set_grad_enabled(grad):
+                output = model.model.get_image_features(pixels, grids, return_dict=True)
+                self.features = torch.cat(list(output.pooler_output))
+            self.leaf = self.features if attached else \
+                self.features.detach().requires_grad_(grad and self.features.requires_grad)
+
+    def row_of(self, image: ImageSpan, offset: int) -> int:
+        """The table row of the image's `offset`-th placeholder token."""
+        return self.base[image.digest] + offset
+
+    def embed(self, model: PreTrainedModel, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Token embeddings of `ids`, with each token whose row (`rows`, same shape) is not -1 taken from the table."""
+        embeds = model.get_input_embeddings()(ids)
+        shown = rows >= 0
+        return embeds.masked_scatter(shown[..., None], self.leaf[rows[shown]].to(embeds.dtype))
+
+    def backward(self) -> None:
+        """What every call sent to the image rows, back through the vision tower once."""
+        if self.leaf is not None and self.leaf is not self.features and self.leaf.grad is not None:
+            torch.autograd.backward(self.features, self.leaf.grad)
+            self.leaf.grad = None
+
+
+def image_rows(table: ImageTable, sequence: TokenSequence, start: int, end: int) -> torch.Tensor:
+    """For tokens [start, end) of `sequence`: the table row of each image token, -1 for text."""
+    rows = torch.full((end - start,), -1, dtype=torch.long)
+    for image in sequence.images:
+        lo, hi = max(image.start, start), min(image.end, end)
+        if lo < hi:
+            rows[lo - start : hi - start] = torch.arange(table.row_of(image, lo - image.start),
+                                                         table.row_of(image, hi - image.start))
+    return rows

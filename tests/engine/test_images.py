@@ -1,0 +1,198 @@
+"""Vision-language trees: images in shared prompts and agent turns, one vision pass per image, exact.
+
+Tiny random Qwen2-VL and Qwen2.5-VL builds (a 2-block vision tower that merges 2x2 patches, multimodal RoPE with
+(t, h, w) sections) in float64 throughout: DfsEngine equals the model's own forward on each sequence alone (pixels,
+grids and token types as the processor hands them over) and the flat reference's gradient, the vision tower's
+included, in every plan; the tower runs once per distinct image a step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support import assert_bf16_no_worse_than_flat, float64_throughout, fresh_model
+from transformers import (
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+)
+
+from treerl.attention import UnsupportedModel
+from treerl.engine import DfsEngine, FlatEngine, PackedEngine
+from treerl.testing import assert_engines_agree, assert_matches_model, compare_runs, run_engine
+from treerl.tree import ImageSpan, TokenSequence
+
+IMAGE, START, END = 100, 102, 103  # the image placeholder and the tokens around an image
+TEXT = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}}
+VISION = {"depth": 2, "hidden_size": 32, "num_heads": 4, "patch_size": 2, "temporal_patch_size": 1,
+          "spatial_merge_size": 2, "in_channels": 3}
+SPECIAL = {"image_token_id": IMAGE, "video_token_id": 101, "vision_start_token_id": START, "vision_end_token_id": END,
+           "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+BUILDS = {
+    "qwen2_5_vl": lambda: Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=TEXT, vision_config={**VISION, "intermediate_size": 64, "out_hidden_size": 32, "window_size": 8,
+                                         "fullatt_block_indexes": [1]}, **SPECIAL)),
+    "qwen2_vl": lambda: Qwen2VLForConditionalGeneration(Qwen2VLConfig(
+        text_config=TEXT, vision_config={**VISION, "embed_dim": 32, "mlp_ratio": 2}, **SPECIAL)),
+}
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def vl_model(name: str) -> torch.nn.Module:
+    if name not in _MODELS:
+        torch.manual_seed(0)
+        _MODELS[name] = BUILDS[name]().double().eval()
+    return _MODELS[name]
+
+
+def image(seed: int, start: int, h: int = 4, w: int = 4) -> ImageSpan:
+    """An h x w patch image (3 channels, 2x2 pixels a patch) at `start`: h * w / 4 placeholder tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return ImageSpan(start, h * w // 4, torch.randn(h * w, 12, generator=g, dtype=torch.float64), torch.tensor([1, h, w]))
+
+
+def sequence(parts: list, seed: int = 0) -> TokenSequence:
+    """Text (lists of token ids) and images ((seed, h, w) tuples) in order, each image between START and END."""
+    tokens, spans = [], []
+    for part in parts:
+        if isinstance(part, tuple):
+            tokens.append(START)
+            spans.append(image(part[0], len(tokens), *part[1:]))
+            tokens += [IMAGE] * spans[-1].length + [END]
+        else:
+            tokens += part
+    g = torch.Generator().manual_seed(seed)
+    return TokenSequence(torch.tensor(tokens), images=tuple(spans),
+                         fields={"advantages": torch.randn(len(tokens), generator=g, dtype=torch.float64)})
+
+
+def _loss(view):
+    return -(view.logprobs * view.fields["advantages"]).sum() - 0.1 * view.entropy.sum()
+
+
+def grpo_and_agent() -> list[TokenSequence]:
+    """A GRPO group on one image prompt, the same text on another image of another size, an agent episode with a
+    screenshot a turn and a retry on a different last screenshot, and a text-only sequence."""
+    prompt = [[1, 5, 6], (0, 4, 4), [7]]
+    return [sequence(prompt + [[8, 9, 10]], 1), sequence(prompt + [[11, 12]], 2), sequence(prompt + [[8, 13]], 3),
+            sequence([[1, 5, 6], (1, 4, 6), [7, 8, 9]], 4),
+            sequence([[1, 5], (0, 4, 4), [20], (2, 2, 4), [21, 22]], 5),
+            sequence([[1, 5], (0, 4, 4), [20], (2, 2, 4), [21], (3, 4, 4), [23]], 6),
+            sequence([[1, 5], (0, 4, 4), [20], (2, 2, 4), [21], (4, 4, 4), [24, 25]], 7),
+            sequence([[1, 5, 6, 7, 8]], 8)]
+
+
+PLANS = {"default": DfsEngine(), "chunk-3": DfsEngine(chunk_tokens=3),
+         "per-node-recompute": DfsEngine(chunk_tokens=2, batch_tokens=0, recompute="always")}
+ORACLE = FlatEngine(layout="sequences")
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("name", BUILDS)
+def test_images_in_shared_prompts_and_agent_turns_are_exact(name, plan):
+    model, batch = vl_model(name), grpo_and_agent()
+    with float64_throughout():
+        assert_matches_model(model, batch, PLANS[plan].forward(model, batch), tol=1e-12)
+        errors = compare_runs(run_engine(PLANS[plan], model, batch, _loss), run_engine(ORACLE, model, batch, _loss))
+    assert max(errors.values()) <= 1e-12, errors
+    assert any(k.startswith("grad.model.visual.") for k in errors)  # the vision tower's gradient compared too
+
+
+def test_the_vision_tower_runs_once_per_distinct_image_a_step():
+    model, batch = vl_model("qwen2_5_vl"), grpo_and_agent()
+    patches = []
+    hook = model.model.visual.register_forward_hook(lambda m, args, out: patches.append(args[0].shape[0]))
+    try:
+        DfsEngine().forward_backward(model, batch, _loss)
+    finally:
+        hook.remove()
+    distinct = {i.digest: i for s in batch for i in s.images}
+    assert len(distinct) == 5 and sum(len(s.images) for s in batch) == 12
+    assert patches == [sum(int(i.grid_thw.prod()) for i in distinct.values())]  # one call, every distinct image once
+
+
+def test_a_frozen_vision_tower_gets_no_gradient_and_the_rest_stays_exact():
+    model, batch = vl_model("qwen2_vl"), grpo_and_agent()
+    model.model.visual.requires_grad_(False)
+    try:
+        with float64_throughout():
+            assert_engines_agree(model, batch, _loss, DfsEngine(chunk_tokens=3), ORACLE, tol=1e-12)
+        model.zero_grad(set_to_none=True)
+        DfsEngine().forward_backward(model, batch, _loss)
+        assert all(p.grad is None for p in model.model.visual.parameters())
+        assert model.lm_head.weight.grad is not None
+    finally:
+        model.model.visual.requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.slow  # ~10 s on 2 cores
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(turns=st.lists(st.lists(st.one_of(st.integers(4, 6), st.integers(0, 2).map(lambda s: (s, 2, 4))), min_size=1,
+                               max_size=4), min_size=1, max_size=5),
+       chunk=st.sampled_from([1, 2, 3, 2048]), batch_tokens=st.sampled_from([0, 8, 8192]))
+def test_random_trees_of_text_and_images(turns, chunk, batch_tokens):
+    """Sequences of a few text tokens and images out of three (two placeholder tokens each), a token of text closing
+    each: images shared or not, nodes cut inside an image, below it and across it."""
+    batch = [sequence([[1]] + [p if isinstance(p, tuple) else [p] for p in parts] + [[9]], seed)
+             for seed, parts in enumerate(turns)]
+    model = vl_model("qwen2_5_vl")
+    with float64_throughout():
+        assert_engines_agree(model, batch, _loss, DfsEngine(chunk_tokens=chunk, batch_tokens=batch_tokens), ORACLE,
+                             tol=1e-12)
+
+
+def test_bfloat16_error_no_larger_than_the_flat_references():
+    low = vl_model("qwen2_5_vl").float()
+    high = BUILDS["qwen2_5_vl"]().double().eval()
+    high.load_state_dict({k: v.double() for k, v in low.state_dict().items()})
+    try:
+        batch = [_to(s, torch.float32) for s in grpo_and_agent()]
+        assert_bf16_no_worse_than_flat(low, high, batch, _loss, DfsEngine(chunk_tokens=3), ORACLE)
+    finally:
+        low.double()
+
+
+def _to(s: TokenSequence, dtype: torch.dtype) -> TokenSequence:
+    images = tuple(ImageSpan(i.start, i.length, i.pixel_values.to(dtype), i.grid_thw) for i in s.images)
+    return TokenSequence(s.tokens, fields=s.fields, images=images)
+
+
+@pytest.mark.parametrize("build, says", [
+    (lambda: fresh_model(vocab_size=128), "is not a vision-language model whose images treerl feeds"),
+    (lambda: vl_model("qwen2_5_vl"), r"image 0 at tokens \[4, 8\): its grid \[1, 4, 6\] makes 6 placeholder tokens"),
+])
+def test_images_a_model_cannot_take_are_refused_before_compute(build, says):
+    model = build()
+    batch = [sequence([[1, 5, 6], (0, 4, 4), [7, 8]])]
+    if "grid" in says:
+        spans = batch[0].images
+        batch[0].images = (ImageSpan(spans[0].start, 4, torch.randn(24, 12, dtype=torch.float64), torch.tensor([1, 4, 6])),)
+    calls = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda *a: calls.append(1))
+    try:
+        for engine in (DfsEngine(), FlatEngine()):
+            with pytest.raises(UnsupportedModel, match=says):
+                engine.forward(model, batch)
+    finally:
+        hook.remove()
+    assert calls == []
+
+
+def test_the_packing_engine_refuses_images():
+    with pytest.raises(UnsupportedModel, match="does not feed images yet; DfsEngine and FlatEngine do"):
+        PackedEngine().forward(vl_model("qwen2_vl"), grpo_and_agent())
+
+
+def test_an_image_that_ends_a_sequence_is_refused():
+    batch = [sequence([[1, 5], (0, 4, 4)])]
+    batch[0].tokens = batch[0].tokens[:-1]  # drop the END token: the image's last placeholder is the last token
+    batch[0].fields = {}
+    with pytest.raises(UnsupportedModel, match="ends the sequence"):
+        DfsEngine().forward(vl_model("qwen2_vl"), batch)
+
