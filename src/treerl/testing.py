@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treerl.engine.base import Engine, LossFn
+from treerl.engine.images import own_forward_inputs
 from treerl.engine.recurrent import earliest_index_ties
 from treerl.engine.support import dict_outputs
 from treerl.tree import TokenSequence
@@ -51,12 +52,7 @@ def model_outputs(model: PreTrainedModel, sequence: TokenSequence, temperature: 
     if len(tokens) == 1:
         zero = torch.zeros(1, dtype=torch.float64, device=tokens.device)
         return {"logprobs": zero, "entropy": zero.clone()}
-    images = {}
-    if sequence.images:  # as the model's processor hands them over (Qwen-VL: pixels, grids, token types)
-        device = tokens.device
-        images = {"pixel_values": torch.cat([i.pixel_values for i in sequence.images]).to(device),
-                  "image_grid_thw": torch.stack([i.grid_thw for i in sequence.images]).to(device),
-                  "mm_token_type_ids": (tokens[None, :-1] == model.config.image_token_id).int()}
+    images = own_forward_inputs(model, sequence, tokens[None, :-1])  # as the processor hands them over
     with dict_outputs(model), earliest_index_ties(model):
         output = model(input_ids=tokens[None, :-1], use_cache=False, **images)
     logits = (output.logits if hasattr(output, "logits") else output[0])[0].double() / temperature

@@ -55,7 +55,7 @@ from treerl.engine.base import (
     runs_in_rows,
 )
 from treerl.engine.head import PolicyHead
-from treerl.engine.images import ImageTable, image_rows, sequence_rope_positions
+from treerl.engine.images import ImageTable, body_positions, image_rows, sequence_positions
 from treerl.engine.memory import MemoryMode, check_memory_settings, graph_budget_tokens, graph_bytes, micro_batch_tokens
 from treerl.engine.recurrent import (
     PathIndexKeys,
@@ -244,7 +244,7 @@ class _Walk:
         if data.rope is not None:  # images: their rows from the step's table; depth and (t, h, w) positions
             ids = inputs.pop("input_ids")
             inputs["inputs_embeds"] = self.images.embed(self.model, ids, data.image_rows.view(ids.shape))
-            inputs["position_ids"] = data.rope.view(4, *ids.shape)
+            inputs["position_ids"] = body_positions(data.rope, ids.shape)
         with torch.set_grad_enabled(grad):
             if self.states is not None or self.own_code:
                 data.cache = self.mixers.new_cache(self.states.leaves() if self.states else None, data.shape[0],
@@ -289,13 +289,13 @@ class _NodeImages:
 
     def __init__(self, model: PreTrainedModel, tree: PrefixTree, table: ImageTable):
         self.model, self.tree, self.table = model, tree, table
-        self.rope: dict[int, torch.Tensor] = {}  # sequence -> [4, len]
+        self.rope: dict[int, torch.Tensor] = {}  # sequence -> [rows, len] (treerl.engine.images.sequence_positions)
 
     def __call__(self, node_index: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         node = self.tree.nodes[node_index]
         s = self.tree.sequences_through(node_index)
         sequence = self.tree.sequences[s]
         if s not in self.rope:
-            self.rope[s] = sequence_rope_positions(self.model, sequence)
+            self.rope[s] = sequence_positions(self.model, sequence)
         end = node.start + length
         return self.rope[s][:, node.start : end], image_rows(self.table, sequence, node.start, end)

@@ -11,12 +11,13 @@ leaf's gradient, summed over every call that read it, goes back through the visi
 (`ImageTable.backward`), exactly as each sequence's own call would send it.
 
 Positions: Qwen-VL's multimodal RoPE gives an image's tokens (t, h, w) positions and the text after it positions one
-past the image's largest. A sequence's positions are the model's own `get_rope_index` of it; they depend only on the
-prefix, so a node's are those of any sequence through it (`sequence_rope_positions`). The engines hand the body
-`[depth | t | h | w]` position rows: the depth (a token's index in its sequence) orders the attention, the other three
-rotate it.
+past the image's largest (LLaVA's are the plain depths). A sequence's positions are the model's own `get_rope_index`
+of it; they depend only on the prefix, so a node's are those of any sequence through it (`sequence_positions`). The
+engines hand a Qwen-VL body `[depth | t | h | w]` position rows: the depth (a token's index in its sequence) orders the
+attention, the other three rotate it.
 
-Served: the Qwen2-VL family (`VISION_LANGUAGE`); other vision-language models are refused with images, naming why.
+Served: Qwen2-VL, Qwen2.5-VL and LLaVA (`VISION_LANGUAGE`: each family's tower, positions and own-forward inputs);
+other vision-language models are refused with images, naming why.
 """
 
 from __future__ import annotations
@@ -30,26 +31,102 @@ from treerl.attention import UnsupportedModel
 from treerl.engine.support import model_name
 from treerl.tree import ImageSpan, TokenSequence
 
-# Vision-language model types whose images treerl feeds: the vision tower is `model.model.get_image_features`
-# (pixel_values, image_grid_thw -> one embedding per placeholder token), positions are `model.model.get_rope_index`.
-VISION_LANGUAGE = ("qwen2_vl", "qwen2_5_vl")
+
+class QwenVL:
+    """Qwen2-VL / Qwen2.5-VL: an image is `pixel_values` of one row per patch and its (t, h, w) `grid_thw`; the tower
+    (`get_image_features`) merges each 2x2 of patches into one placeholder token's embedding; positions are
+    multimodal RoPE (`get_rope_index`)."""
+
+    position_rows = 4  # depth, t, h, w
+
+    def malformed(self, model: PreTrainedModel, image: ImageSpan) -> str | None:
+        merge = model.config.vision_config.spatial_merge_size
+        if image.grid_thw is None or image.grid_thw.shape != (3,):
+            return f"has no (t, h, w) patch grid (grid_thw), which {model.config.model_type} needs"
+        patches = int(image.grid_thw.prod())
+        if image.length * merge**2 != patches:
+            made = patches // merge**2
+            return f"its grid {image.grid_thw.tolist()} makes {made} placeholder tokens, not {image.length}"
+        if image.pixel_values.dim() != 2 or image.pixel_values.shape[0] != patches:
+            return (f"pixel_values of shape {tuple(image.pixel_values.shape)}, not one row per patch of its grid "
+                    f"({patches} rows)")
+        return None
+
+    def features(self, model: PreTrainedModel, images: list[ImageSpan]) -> list[torch.Tensor]:
+        device = _device(model)
+        pixels = torch.cat([image.pixel_values for image in images]).to(device)
+        grids = torch.stack([image.grid_thw for image in images]).to(device)
+        return list(model.model.get_image_features(pixels, grids, return_dict=True).pooler_output)
+
+    def positions(self, model: PreTrainedModel, sequence: TokenSequence) -> torch.Tensor:
+        depth = torch.arange(len(sequence))
+        if not sequence.images:
+            return depth.expand(4, -1)
+        ids = sequence.tokens[None].to(_device(model))
+        grids = torch.stack([image.grid_thw for image in sequence.images]).to(ids.device)
+        rope, _ = model.model.get_rope_index(ids, (ids == model.config.image_token_id).int(), image_grid_thw=grids)
+        return torch.cat([depth[None], rope[:, 0].cpu()])
+
+    def own_inputs(self, model: PreTrainedModel, sequence: TokenSequence, ids: torch.Tensor) -> dict:
+        return {"pixel_values": torch.cat([i.pixel_values for i in sequence.images]).to(ids.device),
+                "image_grid_thw": torch.stack([i.grid_thw for i in sequence.images]).to(ids.device),
+                "mm_token_type_ids": (ids == model.config.image_token_id).int()}
+
+
+class Llava:
+    """LLaVA: an image is `pixel_values` of shape (channels, height, width); the tower (a CLIP-style encoder, one
+    layer's patch states through the projector, `get_image_features`) gives one placeholder token per patch; positions
+    are the plain 1-D ones (the depth)."""
+
+    position_rows = 1
+
+    def malformed(self, model: PreTrainedModel, image: ImageSpan) -> str | None:
+        vision = model.config.vision_config
+        if image.pixel_values.shape != (vision.num_channels, vision.image_size, vision.image_size):
+            return (f"pixel_values of shape {tuple(image.pixel_values.shape)}, not the tower's (channels, height, "
+                    f"width) = {(vision.num_channels, vision.image_size, vision.image_size)}")
+        tokens = (vision.image_size // vision.patch_size) ** 2
+        tokens += model.config.vision_feature_select_strategy == "full"  # the CLS state kept too
+        if image.length != tokens:
+            return f"the tower makes {tokens} placeholder tokens of an image, not {image.length}"
+        return None
+
+    def features(self, model: PreTrainedModel, images: list[ImageSpan]) -> list[torch.Tensor]:
+        pixels = torch.stack([image.pixel_values for image in images]).to(_device(model))
+        output = model.model.get_image_features(
+            pixels, vision_feature_layer=model.config.vision_feature_layer,
+            vision_feature_select_strategy=model.config.vision_feature_select_strategy, return_dict=True)
+        return list(output.pooler_output)
+
+    def positions(self, model: PreTrainedModel, sequence: TokenSequence) -> torch.Tensor:
+        return torch.arange(len(sequence))[None]
+
+    def own_inputs(self, model: PreTrainedModel, sequence: TokenSequence, ids: torch.Tensor) -> dict:
+        return {"pixel_values": torch.stack([i.pixel_values for i in sequence.images]).to(ids.device)}
+
+
+# Vision-language model types whose images treerl feeds, and how.
+VISION_LANGUAGE = {"qwen2_vl": QwenVL(), "qwen2_5_vl": QwenVL(), "llava": Llava()}
+
+
+def vision_family(model: PreTrainedModel) -> QwenVL | Llava | None:
+    return VISION_LANGUAGE.get(getattr(model.config, "model_type", None))
 
 
 def check_images(model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> None:
-    """Images only for a model whose vision tower treerl feeds, each with its model's placeholder token, as many of them
-    as its grid makes, and the pixels that grid reads."""
+    """Images only for a model whose vision tower treerl feeds, each shown as its model's placeholder token, as many of
+    them as the tower makes of it, and not the sequence's last token."""
     shown = [(i, s) for i, s in enumerate(sequences) if s.images]
     if not shown:
         return
-    kind = getattr(model.config, "model_type", None)
-    if kind not in VISION_LANGUAGE:
+    family = vision_family(model)
+    if family is None:
         i, sequence = shown[0]
         raise UnsupportedModel(
             f"{sequence.label(i)} shows an image, and {model_name(model)} is not a vision-language model whose images "
-            f"treerl feeds ({', '.join(VISION_LANGUAGE)}); training on its placeholder tokens without the pixels behind "
-            "them would be wrong"
+            f"treerl feeds ({', '.join(VISION_LANGUAGE)}); training on its placeholder tokens without the pixels "
+            "behind them would be wrong"
         )
-    merge = model.config.vision_config.spatial_merge_size
     image_token = model.config.image_token_id
     for i, sequence in shown:
         for k, image in enumerate(sequence.images):
@@ -57,29 +134,30 @@ def check_images(model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> 
             token = int(sequence.tokens[image.start])
             if token != image_token:
                 raise UnsupportedModel(f"{what} shows as token {token}, not the model's image token {image_token}")
-            if image.grid_thw is None or image.grid_thw.shape != (3,):
-                raise UnsupportedModel(f"{what} has no (t, h, w) patch grid (grid_thw), which {kind} needs")
-            patches = int(image.grid_thw.prod())
-            if image.length * merge**2 != patches:
-                raise UnsupportedModel(f"{what}: its grid {image.grid_thw.tolist()} makes {patches // merge**2} "
-                                       f"placeholder tokens, not {image.length}")
-            if image.pixel_values.dim() != 2 or image.pixel_values.shape[0] != patches:
-                raise UnsupportedModel(f"{what}: pixel_values of shape {tuple(image.pixel_values.shape)}, not one row "
-                                       f"per patch of its grid ({patches} rows)")
+            why = family.malformed(model, image)
+            if why is not None:
+                raise UnsupportedModel(f"{what}: {why}")
             if image.end >= len(sequence):
                 raise UnsupportedModel(f"{what} ends the sequence: the model reads every token but the last, so the "
                                        "image would reach it cut short; end the sequence with text")
 
 
-def sequence_rope_positions(model: PreTrainedModel, sequence: TokenSequence) -> torch.Tensor:
-    """`[4, len]`: each token's depth, then its (t, h, w) rotary positions, as the model's own forward computes them."""
-    depth = torch.arange(len(sequence))
-    if not sequence.images:
-        return depth.expand(4, -1)
-    ids = sequence.tokens[None].to(_device(model))
-    grids = torch.stack([image.grid_thw for image in sequence.images]).to(ids.device)
-    rope, _ = model.model.get_rope_index(ids, (ids == model.config.image_token_id).int(), image_grid_thw=grids)
-    return torch.cat([depth[None], rope[:, 0].cpu()])
+def sequence_positions(model: PreTrainedModel, sequence: TokenSequence) -> torch.Tensor:
+    """`[rows, len]`: each token's depth, then (Qwen-VL) its (t, h, w) rotary positions, as the model's own forward
+    computes them."""
+    return vision_family(model).positions(model, sequence)
+
+
+def body_positions(positions: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The body's position_ids for a call of `shape` from `[rows, tokens]` positions: `[rows, *shape]`, or the plain
+    `shape` of 1-D positions."""
+    rows = positions.numel() // shape.numel()
+    return positions.reshape(shape) if rows == 1 else positions.reshape(rows, *shape)
+
+
+def own_forward_inputs(model: PreTrainedModel, sequence: TokenSequence, ids: torch.Tensor) -> dict:
+    """What the model's own forward takes beside `ids` for the sequence's images, as its processor hands them over."""
+    return vision_family(model).own_inputs(model, sequence, ids) if sequence.images else {}
 
 
 def _device(model: PreTrainedModel) -> torch.device:
@@ -104,13 +182,8 @@ class ImageTable:
         self.rows = rows
         self.features = self.leaf = None
         if distinct:
-            device = _device(model)
-            images = list(distinct.values())
-            pixels = torch.cat([image.pixel_values for image in images]).to(device)
-            grids = torch.stack([image.grid_thw for image in images]).to(device)
             with torch.set_grad_enabled(grad):
-                output = model.model.get_image_features(pixels, grids, return_dict=True)
-                self.features = torch.cat(list(output.pooler_output))
+                self.features = torch.cat(vision_family(model).features(model, list(distinct.values())))
             self.leaf = self.features if attached else \
                 self.features.detach().requires_grad_(grad and self.features.requires_grad)
 
