@@ -1,7 +1,7 @@
 """Vision-language trees: images in shared prompts and agent turns, one vision pass per image, exact.
 
 Tiny random Qwen2-VL and Qwen2.5-VL builds (a 2-block vision tower that merges 2x2 patches, multimodal RoPE with
-(t, h, w) sections) and a LLaVA (a 2-layer CLIP tower on 8x8 images, 16 patch tokens, 1-D positions) in float64
+(t, h, w) sections), a Qwen3.5 (Gated DeltaNet and attention layers, the same tower) and a LLaVA (a 2-layer CLIP tower on 8x8 images, 16 patch tokens, 1-D positions) in float64
 throughout: DfsEngine equals the model's own forward on each sequence alone (pixels, grids and token types as the
 processor hands them over) and the flat reference's gradient, the vision tower's included, in every plan; the tower
 runs once per distinct image a step.
@@ -21,6 +21,8 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
 )
 
 from treerl.attention import UnsupportedModel
@@ -42,6 +44,13 @@ BUILDS = {
                                          "fullatt_block_indexes": [1]}, **SPECIAL)),
     "qwen2_vl": lambda: Qwen2VLForConditionalGeneration(Qwen2VLConfig(
         text_config=TEXT, vision_config={**VISION, "embed_dim": 32, "mlp_ratio": 2}, **SPECIAL)),
+    "qwen3_5": lambda: Qwen3_5ForConditionalGeneration(Qwen3_5Config(
+        text_config={**TEXT, "hidden_size": 64, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                     "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                     "layer_types": ["linear_attention", "full_attention"],
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25,
+                                         "mrope_section": [1, 1, 0]}},
+        vision_config={**VISION, "intermediate_size": 64, "out_hidden_size": 64}, **SPECIAL)),
     "llava": lambda: LlavaForConditionalGeneration(LlavaConfig(
         text_config={**TEXT, "model_type": "llama", "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
         vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
@@ -49,6 +58,11 @@ BUILDS = {
         image_token_id=IMAGE, vision_feature_layer=-2, vision_feature_select_strategy="default",
         bos_token_id=1, eos_token_id=2, pad_token_id=0)),
 }
+# float64 throughout: rounding. Qwen3.5's Gated DeltaNet amplifies it in a small parameter's gradient (A_log: 3e-11,
+# as tests/engine/test_recurrent.py's EXACT allows), and CLIP's key bias has a gradient that is zero in exact arithmetic
+# (softmax ignores a bias shared by every key: 1e-12 of rounding, read against the floor); the whole gradient and the
+# outputs stay near 1e-15.
+TOL = {"qwen2_5_vl": 1e-12, "qwen2_vl": 1e-12, "qwen3_5": 1e-9, "llava": 1e-10}
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -111,7 +125,7 @@ def test_images_in_shared_prompts_and_agent_turns_are_exact(name, plan):
     with float64_throughout():
         assert_matches_model(model, batch, PLANS[plan].forward(model, batch), tol=1e-12)
         errors = compare_runs(run_engine(PLANS[plan], model, batch, _loss), run_engine(ORACLE, model, batch, _loss))
-    assert max(errors.values()) <= 1e-12, errors
+    assert max(errors.values()) <= TOL[name], errors
     assert any(k.startswith(("grad.model.visual.", "grad.model.vision_tower.")) for k in errors)  # the tower's too
 
 
@@ -144,19 +158,20 @@ def test_a_frozen_vision_tower_gets_no_gradient_and_the_rest_stays_exact():
 
 
 @pytest.mark.slow  # ~10 s on 2 cores
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(turns=st.lists(st.lists(st.one_of(st.integers(4, 6), st.integers(0, 2).map(lambda s: (s, 2, 4))), min_size=1,
                                max_size=4), min_size=1, max_size=5),
-       chunk=st.sampled_from([1, 2, 3, 2048]), batch_tokens=st.sampled_from([0, 8, 8192]))
-def test_random_trees_of_text_and_images(turns, chunk, batch_tokens):
-    """Sequences of a few text tokens and images out of three (two placeholder tokens each), a token of text closing
-    each: images shared or not, nodes cut inside an image, below it and across it."""
-    batch = [sequence([[1]] + [p if isinstance(p, tuple) else [p] for p in parts] + [[9]], seed)
+       chunk=st.sampled_from([1, 2, 3, 2048]), batch_tokens=st.sampled_from([0, 8, 8192]),
+       name=st.sampled_from(["qwen2_5_vl", "qwen3_5", "llava"]))
+def test_random_trees_of_text_and_images(turns, chunk, batch_tokens, name):
+    """Sequences of a few text tokens and images out of three (Qwen-VL: two placeholder tokens each), a token of text
+    closing each: images shared or not, nodes cut inside an image, below it and across it; Qwen3.5's rows padded."""
+    batch = [sequence([[1]] + [p if isinstance(p, tuple) else [p] for p in parts] + [[9]], seed, llava=name == "llava")
              for seed, parts in enumerate(turns)]
-    model = vl_model("qwen2_5_vl")
+    model = vl_model(name)
     with float64_throughout():
         assert_engines_agree(model, batch, _loss, DfsEngine(chunk_tokens=chunk, batch_tokens=batch_tokens), ORACLE,
-                             tol=1e-12)
+                             tol=TOL[name])
 
 
 def test_bfloat16_error_no_larger_than_the_flat_references():

@@ -16,7 +16,8 @@ of it; they depend only on the prefix, so a node's are those of any sequence thr
 engines hand a Qwen-VL body `[depth | t | h | w]` position rows: the depth (a token's index in its sequence) orders the
 attention, the other three rotate it.
 
-Served: Qwen2-VL, Qwen2.5-VL and LLaVA (`VISION_LANGUAGE`: each family's tower, positions and own-forward inputs);
+Served: Qwen2-VL, Qwen2.5-VL, Qwen3.5 (hybrid: its calls run in rows, each padded by repeating its last token's
+image row and positions) and LLaVA (`VISION_LANGUAGE`: each family's tower, positions and own-forward inputs);
 other vision-language models are refused with images, naming why.
 """
 
@@ -33,7 +34,7 @@ from treerl.tree import ImageSpan, TokenSequence
 
 
 class QwenVL:
-    """Qwen2-VL / Qwen2.5-VL: an image is `pixel_values` of one row per patch and its (t, h, w) `grid_thw`; the tower
+    """Qwen2-VL / Qwen2.5-VL / Qwen3.5: an image is `pixel_values` of one row per patch and its (t, h, w) `grid_thw`; the tower
     (`get_image_features`) merges each 2x2 of patches into one placeholder token's embedding; positions are
     multimodal RoPE (`get_rope_index`)."""
 
@@ -106,7 +107,7 @@ class Llava:
 
 
 # Vision-language model types whose images treerl feeds, and how.
-VISION_LANGUAGE = {"qwen2_vl": QwenVL(), "qwen2_5_vl": QwenVL(), "llava": Llava()}
+VISION_LANGUAGE = {"qwen2_vl": QwenVL(), "qwen2_5_vl": QwenVL(), "qwen3_5": QwenVL(), "llava": Llava()}
 
 
 def vision_family(model: PreTrainedModel) -> QwenVL | Llava | None:

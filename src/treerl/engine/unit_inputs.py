@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from treerl.attention import Block, Segment, UnitKV, UnitLayout, UnsupportedModel
+from treerl.attention import Block, Segment, UnitKV, UnitLayout
 from treerl.engine.base import OutputSlots, to_device
 from treerl.tree import ROOT, PrefixTree
 from treerl.tree.plan import Unit, WalkPlan
@@ -71,7 +71,7 @@ def build_unit_inputs(tree: PrefixTree, plan: WalkPlan, slots: OutputSlots, devi
     inputs = {id(unit): _unit_inputs(tree, plan, slots, unit, index) for unit in plan.all_units()}
     if images is not None:
         for unit in plan.all_units():
-            _add_images(inputs[id(unit)], plan, images, index)
+            _add_images(inputs[id(unit)], unit, plan, images, index)
     all_slots = index.add(torch.cat([slots.sequence(s) for s in range(len(tree.sequences))]))
     device_index = index.to(device)
     view = lambda x: device_index[x] if isinstance(x, slice) else x
@@ -159,15 +159,21 @@ def _row_unit_inputs(tree: PrefixTree, plan: WalkPlan, slots: OutputSlots, unit:
     return data
 
 
-def _add_images(data: UnitInputs, plan: WalkPlan, images: NodeImages, index: HostIndex) -> None:
-    """The unit's rows' rotary positions (`[4, rows]`, flattened) and image rows, laid out as its token ids: nodes one
-    after another."""
+def _add_images(data: UnitInputs, unit: Unit, plan: WalkPlan, images: NodeImages, index: HostIndex) -> None:
+    """The unit's rows' positions (`[rows, tokens]`, flattened) and image rows, laid out as its token ids: nodes one
+    after another, or (a row unit) each row's chain padded to the width by repeating its last token's."""
     if data.layout is None:
         return
-    if data.shape is not None:
-        raise UnsupportedModel("images in a model whose calls run in rows (a recurrent state, or attention in its own "
-                               "code): no vision-language model treerl feeds images to runs that way yet")
-    parts = [images(n, plan.run[n]) for n in data.segments]
+    if data.shape is None:
+        parts = [images(n, plan.run[n]) for n in data.segments]
+    else:
+        parts = []
+        for chain in unit.rows:
+            where, rows = zip(*(images(n, plan.run[n]) for n in chain))
+            where, rows = torch.cat(where, dim=1), torch.cat(rows)
+            pad = data.shape[1] - rows.numel()
+            parts.append((torch.cat([where, where[:, -1:].expand(-1, pad)], dim=1),
+                          torch.cat([rows, rows[-1:].expand(pad)])))
     data.rope = index.add(torch.cat([rope for rope, _ in parts], dim=1))
     data.image_rows = index.add(torch.cat([rows for _, rows in parts]))
 
