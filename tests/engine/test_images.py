@@ -1,7 +1,7 @@
 """Vision-language trees: images in shared prompts and agent turns, one vision pass per image, exact.
 
 Tiny random Qwen2-VL and Qwen2.5-VL builds (a 2-block vision tower that merges 2x2 patches, multimodal RoPE with
-(t, h, w) sections), a Qwen3.5 (Gated DeltaNet and attention layers, the same tower) and a LLaVA (a 2-layer CLIP tower on 8x8 images, 16 patch tokens, 1-D positions) in float64
+(t, h, w) sections), a Qwen3-VL (DeepStack features added in the text body's first two layers), a Qwen3.5 (Gated DeltaNet and attention layers, the same tower) and a LLaVA (a 2-layer CLIP tower on 8x8 images, 16 patch tokens, 1-D positions) in float64
 throughout: DfsEngine equals the model's own forward on each sequence alone (pixels, grids and token types as the
 processor hands them over) and the flat reference's gradient, the vision tower's included, in every plan; the tower
 runs once per distinct image a step.
@@ -23,6 +23,8 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
 )
 
 from treerl.attention import UnsupportedModel
@@ -44,6 +46,11 @@ BUILDS = {
                                          "fullatt_block_indexes": [1]}, **SPECIAL)),
     "qwen2_vl": lambda: Qwen2VLForConditionalGeneration(Qwen2VLConfig(
         text_config=TEXT, vision_config={**VISION, "embed_dim": 32, "mlp_ratio": 2}, **SPECIAL)),
+    "qwen3_vl": lambda: Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+        text_config={**TEXT, "head_dim": 8, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                                "mrope_section": [2, 1, 1], "mrope_interleaved": True}},
+        vision_config={**VISION, "intermediate_size": 64, "out_hidden_size": 32, "num_position_embeddings": 16,
+                       "deepstack_visual_indexes": [0, 1]}, **SPECIAL)),
     "qwen3_5": lambda: Qwen3_5ForConditionalGeneration(Qwen3_5Config(
         text_config={**TEXT, "hidden_size": 64, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                      "linear_key_head_dim": 16, "linear_value_head_dim": 16,
@@ -62,7 +69,7 @@ BUILDS = {
 # as tests/engine/test_recurrent.py's EXACT allows), and CLIP's key bias has a gradient that is zero in exact arithmetic
 # (softmax ignores a bias shared by every key: 1e-12 of rounding, read against the floor); the whole gradient and the
 # outputs stay near 1e-15.
-TOL = {"qwen2_5_vl": 1e-12, "qwen2_vl": 1e-12, "qwen3_5": 1e-9, "llava": 1e-10}
+TOL = {"qwen2_5_vl": 1e-12, "qwen2_vl": 1e-12, "qwen3_vl": 1e-12, "qwen3_5": 1e-9, "llava": 1e-10}
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -162,7 +169,7 @@ def test_a_frozen_vision_tower_gets_no_gradient_and_the_rest_stays_exact():
 @given(turns=st.lists(st.lists(st.one_of(st.integers(4, 6), st.integers(0, 2).map(lambda s: (s, 2, 4))), min_size=1,
                                max_size=4), min_size=1, max_size=5),
        chunk=st.sampled_from([1, 2, 3, 2048]), batch_tokens=st.sampled_from([0, 8, 8192]),
-       name=st.sampled_from(["qwen2_5_vl", "qwen3_5", "llava"]))
+       name=st.sampled_from(["qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava"]))
 def test_random_trees_of_text_and_images(turns, chunk, batch_tokens, name):
     """Sequences of a few text tokens and images out of three (Qwen-VL: two placeholder tokens each), a token of text
     closing each: images shared or not, nodes cut inside an image, below it and across it; Qwen3.5's rows padded."""

@@ -243,7 +243,7 @@ class _Walk:
             inputs["input_ids"], inputs["position_ids"] = data.ids.view(data.shape), data.positions.view(data.shape)
         if data.rope is not None:  # images: their rows from the step's table; depth and (t, h, w) positions
             ids = inputs.pop("input_ids")
-            inputs["inputs_embeds"] = self.images.embed(self.model, ids, data.image_rows.view(ids.shape))
+            inputs.update(self.images.inputs(self.model, ids, data.image_rows.view(ids.shape)))
             inputs["position_ids"] = body_positions(data.rope, ids.shape)
         with torch.set_grad_enabled(grad):
             if self.states is not None or self.own_code:

@@ -147,7 +147,7 @@ class FlatEngine:
             table = ImageTable(model, batch, grad=torch.is_grad_enabled(), attached=True)
             where = sequence_positions(model, batch[0])[:, : lengths[0]].to(device)
             rows = image_rows(table, batch[0], 0, lengths[0]).to(device)
-            hidden = final_hidden(model, inputs_embeds=table.embed(model, ids[None], rows[None]),
+            hidden = final_hidden(model, **table.inputs(model, ids[None], rows[None]),
                                   position_ids=body_positions(where, ids[None].shape))[0]
         else:
             hidden = final_hidden(model, input_ids=ids[None], position_ids=positions[None])[0]

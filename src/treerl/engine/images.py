@@ -16,7 +16,7 @@ of it; they depend only on the prefix, so a node's are those of any sequence thr
 engines hand a Qwen-VL body `[depth | t | h | w]` position rows: the depth (a token's index in its sequence) orders the
 attention, the other three rotate it.
 
-Served: Qwen2-VL, Qwen2.5-VL, Qwen3.5 (hybrid: its calls run in rows, each padded by repeating its last token's
+Served: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (its DeepStack features too), Qwen3.5 (hybrid: its calls run in rows, each padded by repeating its last token's
 image row and positions) and LLaVA (`VISION_LANGUAGE`: each family's tower, positions and own-forward inputs);
 other vision-language models are refused with images, naming why.
 """
@@ -34,9 +34,9 @@ from treerl.tree import ImageSpan, TokenSequence
 
 
 class QwenVL:
-    """Qwen2-VL / Qwen2.5-VL / Qwen3.5: an image is `pixel_values` of one row per patch and its (t, h, w) `grid_thw`; the tower
-    (`get_image_features`) merges each 2x2 of patches into one placeholder token's embedding; positions are
-    multimodal RoPE (`get_rope_index`)."""
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5: an image is `pixel_values` of one row per patch and its (t, h, w) `grid_thw`; the tower
+    (`get_image_features`) merges each 2x2 of patches into one placeholder token's embedding (Qwen3-VL: and DeepStack
+    features for the text body's first layers); positions are multimodal RoPE (`get_rope_index`)."""
 
     position_rows = 4  # depth, t, h, w
 
@@ -53,11 +53,13 @@ class QwenVL:
                     f"({patches} rows)")
         return None
 
-    def features(self, model: PreTrainedModel, images: list[ImageSpan]) -> list[torch.Tensor]:
+    def features(self, model: PreTrainedModel, images: list[ImageSpan]) -> tuple[list, list]:
+        """Each image's embeddings, and (Qwen3-VL) each DeepStack layer's features of each image."""
         device = _device(model)
         pixels = torch.cat([image.pixel_values for image in images]).to(device)
         grids = torch.stack([image.grid_thw for image in images]).to(device)
-        return list(model.model.get_image_features(pixels, grids, return_dict=True).pooler_output)
+        output = model.model.get_image_features(pixels, grids, return_dict=True)
+        return list(output.pooler_output), [list(layer) for layer in getattr(output, "deepstack_features", None) or []]
 
     def positions(self, model: PreTrainedModel, sequence: TokenSequence) -> torch.Tensor:
         depth = torch.arange(len(sequence))
@@ -92,12 +94,12 @@ class Llava:
             return f"the tower makes {tokens} placeholder tokens of an image, not {image.length}"
         return None
 
-    def features(self, model: PreTrainedModel, images: list[ImageSpan]) -> list[torch.Tensor]:
+    def features(self, model: PreTrainedModel, images: list[ImageSpan]) -> tuple[list, list]:
         pixels = torch.stack([image.pixel_values for image in images]).to(_device(model))
         output = model.model.get_image_features(
             pixels, vision_feature_layer=model.config.vision_feature_layer,
             vision_feature_select_strategy=model.config.vision_feature_select_strategy, return_dict=True)
-        return list(output.pooler_output)
+        return list(output.pooler_output), []
 
     def positions(self, model: PreTrainedModel, sequence: TokenSequence) -> torch.Tensor:
         return torch.arange(len(sequence))[None]
@@ -107,7 +109,8 @@ class Llava:
 
 
 # Vision-language model types whose images treerl feeds, and how.
-VISION_LANGUAGE = {"qwen2_vl": QwenVL(), "qwen2_5_vl": QwenVL(), "qwen3_5": QwenVL(), "llava": Llava()}
+VISION_LANGUAGE = {"qwen2_vl": QwenVL(), "qwen2_5_vl": QwenVL(), "qwen3_vl": QwenVL(), "qwen3_5": QwenVL(),
+                   "llava": Llava()}
 
 
 def vision_family(model: PreTrainedModel) -> QwenVL | Llava | None:
@@ -166,11 +169,13 @@ def _device(model: PreTrainedModel) -> torch.device:
 
 
 class ImageTable:
-    """The step's distinct images through the vision tower once: one embedding row per placeholder token, by image."""
+    """The step's distinct images through the vision tower once: one embedding row per placeholder token, by image
+    (and, for Qwen3-VL, one more row a token per DeepStack layer: features the text body adds to the image tokens'
+    hidden states in its first layers)."""
 
     def __init__(self, model: PreTrainedModel, sequences: Sequence[TokenSequence], grad: bool, attached: bool = False):
         """`attached`: the calls read the vision tower's output itself, one backward through all (the flat reference's
-        one call per sequence); else a leaf whose gradient `backward` sends on once."""
+        one call per sequence); else leaves whose gradient `backward` sends on once."""
         distinct: dict[int, ImageSpan] = {}
         for sequence in sequences:
             for image in sequence.images:
@@ -181,28 +186,38 @@ class ImageTable:
             self.base[digest] = rows
             rows += image.length
         self.rows = rows
-        self.features = self.leaf = None
+        self.features: list[torch.Tensor] = []  # the embeddings, then each DeepStack layer's features
+        self.leaves: list[torch.Tensor] = []
         if distinct:
             with torch.set_grad_enabled(grad):
-                self.features = torch.cat(vision_family(model).features(model, list(distinct.values())))
-            self.leaf = self.features if attached else \
-                self.features.detach().requires_grad_(grad and self.features.requires_grad)
+                main, deep = vision_family(model).features(model, list(distinct.values()))
+                self.features = [torch.cat(main)] + [torch.cat(layer) for layer in deep]
+            self.leaves = self.features if attached else \
+                [f.detach().requires_grad_(grad and f.requires_grad) for f in self.features]
 
     def row_of(self, image: ImageSpan, offset: int) -> int:
         """The table row of the image's `offset`-th placeholder token."""
         return self.base[image.digest] + offset
 
-    def embed(self, model: PreTrainedModel, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Token embeddings of `ids`, with each token whose row (`rows`, same shape) is not -1 taken from the table."""
+    def inputs(self, model: PreTrainedModel, ids: torch.Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The body's inputs for `ids` and their table rows (`rows`, same shape, -1 for text): token embeddings with
+        the image tokens' taken from the table, and Qwen3-VL's DeepStack features of the image tokens, in order."""
         embeds = model.get_input_embeddings()(ids)
         shown = rows >= 0
-        return embeds.masked_scatter(shown[..., None], self.leaf[rows[shown]].to(embeds.dtype))
+        chosen = rows[shown]
+        inputs = {"inputs_embeds": embeds.masked_scatter(shown[..., None], self.leaves[0][chosen].to(embeds.dtype))}
+        if len(self.leaves) > 1:
+            inputs["visual_pos_masks"] = shown
+            inputs["deepstack_visual_embeds"] = [leaf[chosen].to(embeds.dtype) for leaf in self.leaves[1:]]
+        return inputs
 
     def backward(self) -> None:
         """What every call sent to the image rows, back through the vision tower once."""
-        if self.leaf is not None and self.leaf is not self.features and self.leaf.grad is not None:
-            torch.autograd.backward(self.features, self.leaf.grad)
-            self.leaf.grad = None
+        sent = [(f, leaf.grad) for f, leaf in zip(self.features, self.leaves) if leaf is not f and leaf.grad is not None]
+        if sent:
+            torch.autograd.backward([f for f, _ in sent], [g for _, g in sent])
+            for leaf in self.leaves:
+                leaf.grad = None
 
 
 def image_rows(table: ImageTable, sequence: TokenSequence, start: int, end: int) -> torch.Tensor:
