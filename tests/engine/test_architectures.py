@@ -26,6 +26,7 @@ import torch
 if __name__ == "__main__":  # run as a script to rewrite docs/models.md
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support import TopKSeen, indexer_top_k
+from test_images import multimodal_section
 from test_refusals import reason_errors
 from zoo import CAUSAL_LM_TYPES, OPTIONAL_PACKAGES, WINDOW_KEYS, ZooSkip, arch_info, build_tiny, ordinary_ids
 
@@ -245,6 +246,7 @@ def support_table() -> str:
         lines.append(f"| {model_type} | " + " | ".join(cells) + " |")
     lines += ["", "Reasons:", ""]
     lines += [f"{number}. {reason.replace('|', '/')}" for reason, number in reasons.items()]
+    lines += multimodal_section()
     return "\n".join(lines) + "\n"
 
 

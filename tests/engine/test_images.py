@@ -15,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import assert_bf16_no_worse_than_flat, float64_throughout, fresh_model
 from transformers import (
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
     LlavaConfig,
     LlavaForConditionalGeneration,
     Qwen2_5_VLConfig,
@@ -219,6 +221,20 @@ def test_images_a_model_cannot_take_are_refused_before_compute(build, says):
     assert calls == []
 
 
+def test_a_model_that_attends_both_ways_over_an_image_is_refused_naming_it():
+    """Gemma 3 lets an image's tokens attend to each other both ways: refused with images, for that."""
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config={**TEXT, "vocab_size": 300, "head_dim": 8, "sliding_window": 8, "rope_parameters": None},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                       "image_size": 8, "patch_size": 2},
+        mm_tokens_per_image=4, image_token_index=260, boi_token_index=255, eoi_token_index=256)).eval()
+    batch = [TokenSequence(torch.tensor([2, 5, 255, 260, 260, 260, 260, 256, 7]),
+                           images=(ImageSpan(3, 4, torch.randn(3, 8, 8)),))]
+    with pytest.raises(UnsupportedModel, match="image tokens attend to each other both ways"):
+        DfsEngine().forward(model, batch)
+
+
 def test_the_packing_engine_refuses_images():
     with pytest.raises(UnsupportedModel, match="does not feed images yet; DfsEngine and FlatEngine do"):
         PackedEngine().forward(vl_model("qwen2_vl"), grpo_and_agent())
@@ -231,3 +247,38 @@ def test_an_image_that_ends_a_sequence_is_refused():
     with pytest.raises(UnsupportedModel, match="ends the sequence"):
         DfsEngine().forward(vl_model("qwen2_vl"), batch)
 
+
+
+def multimodal_section() -> list[str]:
+    """docs/models.md's vision-language table: the types served with images, each measured here (every plan of
+    `PLANS` against the model's own forward and the flat reference, float64 throughout), and what is refused."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    from treerl.engine.images import REFUSED_WITH_IMAGES, VISION_LANGUAGE
+
+    lines = ["", "## Vision-language models", "",
+             "Generated with the table above, from tests/engine/test_images.py: tiny random builds in float64 throughout,",
+             "a GRPO group on one image prompt, the same text on another image, an agent episode with a screenshot a",
+             "turn and a retry on another last screenshot, and a text-only sequence. **exact**: DfsEngine's log-probs",
+             "equal the model's own forward on each sequence alone (pixels, grids and token types as its processor",
+             "hands them over) and its whole gradient, the vision tower's included, the flat reference's, in every",
+             "plan; the figure bounds the worst error. The vision tower runs once per distinct image a step.", "",
+             "| model type | DfsEngine with images |", "|---|---|"]
+    for name in BUILDS:
+        model, batch = vl_model(name), grpo_and_agent(name)
+        worst = 0.0
+        with float64_throughout():
+            for engine in PLANS.values():
+                worst = max(worst, assert_matches_model(model, batch, engine.forward(model, batch), tol=1e-12))
+                errors = compare_runs(run_engine(engine, model, batch, _loss), run_engine(ORACLE, model, batch, _loss))
+                worst = max(worst, *errors.values())
+        assert worst <= TOL[name], (name, worst)
+        lines.append(f"| {name} | exact (<= {next(b for b in (1e-12, 1e-9, 1e-6) if worst <= b):g}) |")
+    lines += [f"| {kind} | refused: {reason} |" for kind, reason in sorted(REFUSED_WITH_IMAGES.items())]
+    others = sorted(set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) - set(VISION_LANGUAGE) - set(REFUSED_WITH_IMAGES))
+    refused = f"The other {len(others)} image-text-to-text types of the installed transformers are refused with images"
+    lines += ["", refused + ", before compute",
+              "(their tower, positions and placeholder layout are not in `treerl.engine.images.VISION_LANGUAGE` yet);",
+              "every engine trains them on text. PackedEngine refuses images."]
+    assert set(VISION_LANGUAGE) == set(BUILDS), "every served family is measured here"
+    return lines

@@ -113,6 +113,15 @@ VISION_LANGUAGE = {"qwen2_vl": QwenVL(), "qwen2_5_vl": QwenVL(), "qwen3_vl": Qwe
                    "llava": Llava()}
 
 
+# Vision-language model types refused with images for a reason of their own (the others: not fed yet).
+REFUSED_WITH_IMAGES = {
+    "gemma3": "its image tokens attend to each other both ways (a bidirectional block per image inside the causal "
+              "mask), which treerl's tree attention does not compute",
+    "paligemma": "its prompt and image tokens attend to each other both ways (a bidirectional prefix), which treerl's "
+                 "tree attention does not compute",
+}
+
+
 def vision_family(model: PreTrainedModel) -> QwenVL | Llava | None:
     return VISION_LANGUAGE.get(getattr(model.config, "model_type", None))
 
@@ -124,6 +133,11 @@ def check_images(model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> 
     if not shown:
         return
     family = vision_family(model)
+    kind = getattr(model.config, "model_type", None)
+    if kind in REFUSED_WITH_IMAGES:
+        i, sequence = shown[0]
+        raise UnsupportedModel(f"{sequence.label(i)} shows an image, and {model_name(model)}: "
+                               f"{REFUSED_WITH_IMAGES[kind]}")
     if family is None:
         i, sequence = shown[0]
         raise UnsupportedModel(
