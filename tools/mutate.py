@@ -90,6 +90,14 @@ MUTATIONS = [
              "        if len(self.leaves) > 1:\n", "        if False:\n",
              ("tests/engine/test_images.py::test_images_in_shared_prompts_and_agent_turns_are_exact",),
              "Qwen3-VL's DeepStack features never reach the text body's first layers in the tree"),
+    Mutation("vision-graph-held-through-the-walk", "src/treerl/engine/images.py",
+             "        with torch.set_grad_enabled(attached and trains):\n            main, deep = family.features(model, self.images)\n"
+             "        self.leaves = [torch.cat(main)] + [torch.cat(layer) for layer in deep]\n",
+             "        with torch.set_grad_enabled(trains):\n            main, deep = family.features(model, self.images)\n"
+             "        self.held = [torch.cat(main)] + [torch.cat(layer) for layer in deep]\n"
+             "        self.leaves = [h.detach() for h in self.held]\n",
+             ("tests/engine/test_images.py::test_measured_peak_within_the_flat_references_with_images",),
+             "the walk holds the vision graph of every distinct image of the step: more than flat's call on one sequence"),
     # ------------------------------------------------------------------ trainer (issue 26's three survivors)
     Mutation("staleness-off-by-one", "src/treerl/trainer/asynchronous/pool.py",
              "if version - g.oldest > self.max_staleness]", "if version - g.oldest > self.max_staleness + 1]",

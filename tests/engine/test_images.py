@@ -30,6 +30,7 @@ from transformers import (
 )
 
 from treerl.attention import UnsupportedModel
+from treerl.bench.peak import peak_memory
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
 from treerl.testing import assert_engines_agree, assert_matches_model, compare_runs, run_engine
 from treerl.tree import ImageSpan, TokenSequence
@@ -138,17 +139,37 @@ def test_images_in_shared_prompts_and_agent_turns_are_exact(name, plan):
     assert any(k.startswith(("grad.model.visual.", "grad.model.vision_tower.")) for k in errors)  # the tower's too
 
 
-def test_the_vision_tower_runs_once_per_distinct_image_a_step():
+def test_the_vision_tower_runs_once_per_distinct_image_a_step_and_once_more_for_its_backward():
+    """Forward: one call on every distinct image, without a graph; backward: each image again, alone, with one."""
     model, batch = vl_model("qwen2_5_vl"), grpo_and_agent()
-    patches = []
-    hook = model.model.visual.register_forward_hook(lambda m, args, out: patches.append(args[0].shape[0]))
+    calls = []
+    hook = model.model.visual.register_forward_hook(
+        lambda m, args, out: calls.append((args[0].shape[0], torch.is_grad_enabled())))
     try:
         DfsEngine().forward_backward(model, batch, _loss)
     finally:
         hook.remove()
+        model.zero_grad(set_to_none=True)
     distinct = {i.digest: i for s in batch for i in s.images}
     assert len(distinct) == 5 and sum(len(s.images) for s in batch) == 12
-    assert patches == [sum(int(i.grid_thw.prod()) for i in distinct.values())]  # one call, every distinct image once
+    patches = [int(i.grid_thw.prod()) for i in distinct.values()]
+    assert calls == [(sum(patches), False)] + [(p, True) for p in patches]
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_5"])
+def test_measured_peak_within_the_flat_references_with_images(name):
+    """The contract holds with images: flat runs each sequence that shows images in its own call (text graph and its
+    images' vision graph); DfsEngine's walk holds at most that call's text graph, the tables' leaves, and at the end
+    one image's vision graph alone."""
+    model, batch = vl_model(name), grpo_and_agent(name)
+
+    def peak(engine):
+        held = peak_memory(lambda: engine.forward_backward(model, batch, _loss))
+        model.zero_grad(set_to_none=True)
+        return held
+
+    flat, dfs = peak(ORACLE), peak(DfsEngine())
+    assert dfs <= flat, f"DfsEngine held {dfs / 2**10:.0f} KiB, flat's one-sequence call {flat / 2**10:.0f} KiB"
 
 
 def test_a_frozen_vision_tower_gets_no_gradient_and_the_rest_stays_exact():

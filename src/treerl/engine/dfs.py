@@ -138,9 +138,10 @@ class DfsEngine:
         largest = max(run_length(node, self.head.shifted) for node in tree.nodes[1:])
         shift = 1 if self.head.shifted else 0
         lengths = [len(s) - shift for s in tree.sequences]
-        if runs_in_rows(model):
-            # flat cannot pack a model whose layers carry a state (one sequence would run into the next): its
-            # micro-batch is then one sequence, and so is the contract's; a row holds its chunk padding too
+        if runs_in_rows(model) or any(s.images for s in tree.sequences):
+            # flat cannot pack a model whose layers carry a state (one sequence would run into the next), nor a batch
+            # that shows images (each sequence's own call): its micro-batch is then one sequence, and so is the
+            # contract's; a row holds its chunk padding too
             row_tokens = graph_bytes(model).row_tokens
             largest, micro_batch = row_tokens(largest), row_tokens(max(lengths))
         else:

@@ -5,10 +5,10 @@ Step 5 (docs/architecture.md): what a vision-language model's calls read beside 
 
 A sequence shows an image as a run of placeholder tokens (`treerl.tree.ImageSpan`); the prefix tree merges sequences
 by image identity, so a node holding an image's tokens holds the same image for every sequence through it.
-`ImageTable` runs the vision tower once on the step's distinct images (with a graph when training) and keeps its
-output as one leaf: a call's input embeddings are the token embeddings with the image rows taken from the leaf, and the
-leaf's gradient, summed over every call that read it, goes back through the vision tower once, at the end of the step
-(`ImageTable.backward`), exactly as each sequence's own call would send it.
+`ImageTable` runs the vision tower once on the step's distinct images, without a graph, and keeps its output as leaves:
+a call's input embeddings are the token embeddings with the image rows taken from them, and their gradient, summed over
+every call that read them, goes back through the tower at the end of the step (`ImageTable.backward`, one image at a
+time, its graph recomputed), exactly as each sequence's own call would send it.
 
 Positions: Qwen-VL's multimodal RoPE gives an image's tokens (t, h, w) positions and the text after it positions one
 past the image's largest (LLaVA's are the plain depths). A sequence's positions are the model's own `get_rope_index`
@@ -61,6 +61,9 @@ class QwenVL:
         output = model.model.get_image_features(pixels, grids, return_dict=True)
         return list(output.pooler_output), [list(layer) for layer in getattr(output, "deepstack_features", None) or []]
 
+    def tower_parameters(self, model: PreTrainedModel):
+        return model.model.visual.parameters()
+
     def positions(self, model: PreTrainedModel, sequence: TokenSequence) -> torch.Tensor:
         depth = torch.arange(len(sequence))
         if not sequence.images:
@@ -100,6 +103,9 @@ class Llava:
             pixels, vision_feature_layer=model.config.vision_feature_layer,
             vision_feature_select_strategy=model.config.vision_feature_select_strategy, return_dict=True)
         return list(output.pooler_output), []
+
+    def tower_parameters(self, model: PreTrainedModel):
+        return [*model.model.vision_tower.parameters(), *model.model.multi_modal_projector.parameters()]
 
     def positions(self, model: PreTrainedModel, sequence: TokenSequence) -> torch.Tensor:
         return torch.arange(len(sequence))[None]
@@ -183,31 +189,42 @@ def _device(model: PreTrainedModel) -> torch.device:
 
 
 class ImageTable:
-    """The step's distinct images through the vision tower once: one embedding row per placeholder token, by image
-    (and, for Qwen3-VL, one more row a token per DeepStack layer: features the text body adds to the image tokens'
-    hidden states in its first layers)."""
+    """The step's distinct images through the vision tower: one embedding row per placeholder token, by image (and,
+    for Qwen3-VL, one more row a token per DeepStack layer: features the text body adds to the image tokens' hidden
+    states in its first layers).
+
+    The walk never holds the tower's graph: the table is computed without one, as leaves the calls read, and
+    `backward` runs the tower again on one image at a time, with a graph, sending it that image's rows' gradient. So
+    the memory a walk holds with images is the text walk's plus the leaves (a row per placeholder token), and at the end
+    one image's graph alone, never more than a flat call on a sequence showing that image holds; the price is one more
+    vision forward a step."""
 
     def __init__(self, model: PreTrainedModel, sequences: Sequence[TokenSequence], grad: bool, attached: bool = False):
-        """`attached`: the calls read the vision tower's output itself, one backward through all (the flat reference's
-        one call per sequence); else leaves whose gradient `backward` sends on once."""
+        """`grad`: the leaves take gradients (when the tower trains); `attached`: the calls read the tower's output
+        itself, with its graph, one backward through all (the flat reference's call on one sequence)."""
         distinct: dict[int, ImageSpan] = {}
         for sequence in sequences:
             for image in sequence.images:
                 distinct.setdefault(image.digest, image)
+        self.model, self.images = model, list(distinct.values())
         self.base: dict[int, int] = {}  # image digest -> its first row
         rows = 0
         for digest, image in distinct.items():
             self.base[digest] = rows
             rows += image.length
         self.rows = rows
-        self.features: list[torch.Tensor] = []  # the embeddings, then each DeepStack layer's features
-        self.leaves: list[torch.Tensor] = []
-        if distinct:
-            with torch.set_grad_enabled(grad):
-                main, deep = vision_family(model).features(model, list(distinct.values()))
-                self.features = [torch.cat(main)] + [torch.cat(layer) for layer in deep]
-            self.leaves = self.features if attached else \
-                [f.detach().requires_grad_(grad and f.requires_grad) for f in self.features]
+        self.leaves: list[torch.Tensor] = []  # the embeddings, then each DeepStack layer's features
+        self.recomputes = False  # backward runs the tower again, an image at a time
+        if not distinct:
+            return
+        family = vision_family(model)
+        trains = grad and any(p.requires_grad for p in family.tower_parameters(model))
+        with torch.set_grad_enabled(attached and trains):
+            main, deep = family.features(model, self.images)
+        self.leaves = [torch.cat(main)] + [torch.cat(layer) for layer in deep]
+        if trains and not attached:
+            self.leaves = [leaf.requires_grad_() for leaf in self.leaves]
+        self.recomputes = trains and not attached
 
     def row_of(self, image: ImageSpan, offset: int) -> int:
         """The table row of the image's `offset`-th placeholder token."""
@@ -226,12 +243,21 @@ class ImageTable:
         return inputs
 
     def backward(self) -> None:
-        """What every call sent to the image rows, back through the vision tower once."""
-        sent = [(f, leaf.grad) for f, leaf in zip(self.features, self.leaves) if leaf is not f and leaf.grad is not None]
-        if sent:
-            torch.autograd.backward([f for f, _ in sent], [g for _, g in sent])
-            for leaf in self.leaves:
-                leaf.grad = None
+        """What every call sent to the image rows, back through the vision tower: one image at a time, its graph
+        recomputed (a tower encodes each image on its own, so this is the gradient of the one call on all)."""
+        if not self.recomputes or all(leaf.grad is None for leaf in self.leaves):
+            return
+        family = vision_family(self.model)
+        for image in self.images:
+            span = slice(self.base[image.digest], self.base[image.digest] + image.length)
+            with torch.enable_grad():
+                main, deep = family.features(self.model, [image])
+            outputs = [main[0]] + [layer[0] for layer in deep]
+            grads = [leaf.grad[span] if leaf.grad is not None else torch.zeros_like(out)
+                     for leaf, out in zip(self.leaves, outputs)]
+            torch.autograd.backward(outputs, grads)
+        for leaf in self.leaves:
+            leaf.grad = None
 
 
 def image_rows(table: ImageTable, sequence: TokenSequence, start: int, end: int) -> torch.Tensor:
