@@ -91,3 +91,13 @@ def test_a_bad_image_span_is_named_before_any_compute(spans, says):
     sequence.tokens[1] = 2 if "repeated" in says else PAD
     with pytest.raises(BatchError, match=rf"sequence 0 \('shot'\): {says}"):
         validate_sequences([sequence])
+
+
+def test_a_sequence_that_shows_images_is_not_written_to_json_lines_without_them(tmp_path):
+    from treerl.errors import DataError
+    from treerl.tree.io import write_jsonl
+
+    path = tmp_path / "batch.jsonl"
+    with pytest.raises(DataError, match=r"sequence 1 shows 1 image\(s\); JSON lines hold tokens and fields only"):
+        write_jsonl([TokenSequence(torch.tensor([1, 2])), _sequence([1], [(0, 2)], [3])], path)
+    assert not path.exists()

@@ -95,7 +95,12 @@ def _is_number(value: Any) -> bool:
 
 
 def write_jsonl(sequences: list[TokenSequence], path: str | Path) -> None:
-    """The inverse of `read_jsonl`."""
+    """The inverse of `read_jsonl`. A sequence that shows images is refused before anything is written: a line holds
+    tokens and fields, and the pixels would be lost."""
+    for i, seq in enumerate(sequences):
+        if seq.images:
+            raise DataError(f"{path}: {seq.label(i)} shows {len(seq.images)} image(s); JSON lines hold tokens and "
+                            "fields only, so its pixels would be lost")
     with open(path, "w") as f:
         for seq in sequences:
             row = {"name": seq.name, "tokens": seq.tokens.tolist()}
