@@ -19,20 +19,24 @@ from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     BambaConfig,
     Lfm2Config,
     LlamaConfig,
     PreTrainedModel,
+    Qwen2_5_VLConfig,
     Qwen2Config,
     Qwen3_5TextConfig,
     Qwen3Config,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from treerl.errors import ModelPathError, UserError
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # the parameter dtypes a model may be built or loaded in
 ARCHITECTURES = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig,
-                 "qwen3_5_text": Qwen3_5TextConfig, "bamba": BambaConfig, "lfm2": Lfm2Config}
+                 "qwen3_5_text": Qwen3_5TextConfig, "bamba": BambaConfig, "lfm2": Lfm2Config,
+                 "qwen2_5_vl": Qwen2_5_VLConfig}
 # Hybrids: Gated DeltaNet beside gated attention (Qwen3.5), Mamba2 beside attention (Bamba), short convolutions
 # beside attention (LFM2); their recurrent layers' state travels through the tree (treerl.engine.recurrent).
 _QWEN35_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -64,6 +68,16 @@ SHAPES: dict[str, tuple[str, dict]] = {
                                            linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
                                            linear_value_head_dim=32, layer_types=["linear_attention"] * 3
                                            + ["full_attention"])),
+    # Vision-language (treerl.engine.images): small-qwen3's text sizes under a Qwen2.5-VL vision tower that reads 4x4
+    # patches and merges 2x2 of them into a placeholder token (a 64 x 64 image: 64 tokens). Its image, video and
+    # vision start/end ids are the top four of the vocabulary.
+    "small-qwen2.5-vl": ("qwen2_5_vl", dict(
+        text_config=dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                         num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                                 "mrope_section": [8, 4, 4]}),
+        vision_config=dict(depth=4, hidden_size=128, intermediate_size=384, num_heads=4, patch_size=4,
+                           temporal_patch_size=1, spatial_merge_size=2, out_hidden_size=256, window_size=16,
+                           fullatt_block_indexes=[3]))),
 }
 
 
@@ -95,10 +109,14 @@ def model_config(shape: str, vocab_size: int | None = None, max_positions: int =
         raise UserError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
     arch, overrides = SHAPES[shape]
     kwargs = dict(vocab_size=512, max_position_embeddings=max_positions, tie_word_embeddings=False)
-    kwargs.update(overrides)
+    kwargs.update(overrides.get("text_config", overrides))
     if vocab_size is not None:
         kwargs["vocab_size"] = vocab_size
-    return ARCHITECTURES[arch](**kwargs)
+    if "text_config" not in overrides:
+        return ARCHITECTURES[arch](**kwargs)
+    top = kwargs["vocab_size"] - 1  # a vision-language shape: the text sizes go to its text config
+    ids = dict(image_token_id=top, video_token_id=top - 1, vision_start_token_id=top - 2, vision_end_token_id=top - 3)
+    return ARCHITECTURES[arch](text_config=kwargs, vision_config=overrides["vision_config"], **ids)
 
 
 def build_model(
@@ -122,6 +140,9 @@ def build_model(
     config = load_config(path, trust_remote_code) if path else model_config(shape, vocab_size=vocab_size)
     config.update(overrides or {})
     config._attn_implementation = attn_implementation
+    if auto_class is AutoModelForCausalLM and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES \
+            and hasattr(config, "vision_config"):  # a vision-language model: its image-text-to-text class
+        auto_class = AutoModelForImageTextToText
     torch.manual_seed(seed)
     if not path:
         return auto_class.from_config(config, dtype=dtype).to(device)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from treerl.bench.engines import ENGINES, BenchConfig, contract_bytes, make_workload, profile_engines, run_bench
-from treerl.bench.flops import flop_rates, state_flops, tree_flops
+from treerl.bench.flops import flop_rates, image_flops, state_flops, tree_flops, vision_rates
 from treerl.bench.peak import peak_memory
 from treerl.bench.profile import bucket, profile_markdown
 from treerl.bench.report import markdown
@@ -54,6 +54,33 @@ def test_no_sharing_means_no_ideal_speedup():
     tree = PrefixTree.build(make_workload("sharing-1", 1 / 64, 1000))
     flat, unique = tree_flops(tree, model_config("tiny-qwen3"))
     assert flat == unique
+
+
+def test_the_vision_tower_counts_every_shown_image_flat_and_each_distinct_image_once():
+    """grpo-image: 4 visual questions, 8 samples each: flat runs the tower on each image 8 times, the tree once."""
+    config = model_config("small-qwen2.5-vl", vocab_size=4096)
+    tree = PrefixTree.build(make_workload("grpo-image", 1 / 64, 4096, config=config))
+    flat, once = image_flops(tree, config)
+    per_patch, per_token = vision_rates(config)
+    assert once == 4 * (16 * 16 * per_patch + 64 * per_token) and flat == 8 * once  # 16 x 16 patches, 64 tokens
+    assert image_flops(PrefixTree.build(make_workload("grpo", 1 / 64, 4096)), config) == (0, 0)
+    with pytest.raises(ValueError, match="needs a vision-language shape"):
+        make_workload("agent-screenshots", 1 / 64, 4096, config=model_config("small-qwen3"))
+
+
+@pytest.mark.slow  # ~12 s on 2 cores
+def test_image_workloads_run_each_engine_that_takes_images_and_refuse_the_rest():
+    config = BenchConfig(shape="small-qwen2.5-vl", scale=1 / 256, repeats=1, warmup=0, memory=True,
+                         workloads=["agent-screenshots"], engines=["flat", "packed", "dfs", "dta"])
+    rows = run_bench(config)
+    by = {(r["workload"], r["engine"]): r for r in rows}
+    for workload in config.workloads:
+        assert by[workload, "packed"]["refused"] and "does not feed images" in by[workload, "packed"]["refused"]
+        dfs = by[workload, "dfs"]
+        assert dfs["speedup"] > 0 and dfs["vision_flops_flat"] > dfs["vision_flops_tree"] > 0
+        flat, dta = by[workload, "flat"]["peak_bytes"], by[workload, "dta"]["peak_bytes"]
+        assert dfs["contract_bytes"] == max(flat, int(1.5 * dta))  # flat runs a sequence showing images alone
+    assert "vision tower forward" in markdown(rows)
 
 
 def test_peak_memory_sees_a_tensor():

@@ -20,12 +20,21 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from treerl.attention import UnsupportedModel
-from treerl.bench.flops import tree_flops
+from treerl.bench.flops import image_flops, tree_flops
 from treerl.bench.peak import peak_memory
 from treerl.bench.profile import profile_step
-from treerl.bench.workloads import AgentShape, agent_trees, grpo_groups, random_trees
+from treerl.bench.workloads import (
+    AgentShape,
+    ImageShape,
+    agent_screenshots,
+    agent_trees,
+    grpo_groups,
+    image_grpo,
+    random_trees,
+)
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
 from treerl.engine.base import Engine, SequenceView
+from treerl.engine.images import VISION_LANGUAGE
 from treerl.engine.memory import ONE_PATH_SLACK
 from treerl.models import build_model
 from treerl.tree import PrefixTree, TokenSequence
@@ -72,9 +81,22 @@ def workload_names() -> list[str]:
     return ["grpo", "agent", "agent-long", "sharing-1", "sharing-2", "sharing-4", "sharing-8"]
 
 
-def make_workload(name: str, scale: float, vocab: int, seed: int = 0) -> list[TokenSequence]:
-    """The named synthetic batch (docs/design.md, "Measurement") at `scale` times its full size."""
+IMAGE_WORKLOADS = ("grpo-image", "agent-screenshots")  # opt-in, with a vision-language shape (small-qwen2.5-vl)
+
+
+def make_workload(name: str, scale: float, vocab: int, seed: int = 0, config=None) -> list[TokenSequence]:
+    """The named synthetic batch (docs/design.md, "Measurement") at `scale` times its full size; an image workload
+    takes its images' shape from the model's `config`."""
     s = lambda n: max(2, round(n * scale))
+    if name in IMAGE_WORKLOADS:
+        if config is None or vision_family_of(config) is None:
+            raise ValueError(f"workload {name!r} shows images: it needs a vision-language shape (small-qwen2.5-vl)")
+        shape, text = ImageShape.of(config), vocab - 4  # the top four ids are the image and vision ids
+        if name == "grpo-image":  # G = 8 samples of each of 4 visual questions (an image inside the prompt)
+            return image_grpo(shape, prompts=4, group_size=8, prompt_len=s(2048), response_len=s(4096), vocab=text,
+                              seed=seed)
+        return agent_screenshots(shape, samples=4, turns=6, system_len=s(4800), reply_len=s(1200), tool_len=s(1200),
+                                 vocab=text, seed=seed)
     if name == "grpo":  # G = 8 samples of each of 4 prompts
         return grpo_groups(prompts=4, group_size=8, prompt_len=s(8192), response_len=s(4096), vocab=vocab, seed=seed)
     if name == "agent":  # tau2-bench-like multi-turn episodes, ~9.4x compression at full size
@@ -85,7 +107,11 @@ def make_workload(name: str, scale: float, vocab: int, seed: int = 0) -> list[To
         return agent_trees(shape.scaled(scale), vocab=vocab, seed=seed)
     if name.startswith("sharing-"):
         return random_trees(sequences=32, length=s(4096), sharing=float(name.split("-")[1]), vocab=vocab, seed=seed)
-    raise ValueError(f"unknown workload {name!r}; known: {', '.join(workload_names())}")
+    raise ValueError(f"unknown workload {name!r}; known: {', '.join(workload_names() + list(IMAGE_WORKLOADS))}")
+
+
+def vision_family_of(config) -> object | None:
+    return VISION_LANGUAGE.get(getattr(config, "model_type", None))
 
 
 def _loss(view: SequenceView) -> torch.Tensor:
@@ -136,17 +162,21 @@ def run_bench(config: BenchConfig) -> list[dict]:
     rows = []
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     steps = len(batches) * len(config.engines) * (config.warmup + config.repeats + int(config.memory))
-    refused = _refusals(config.engines, model)
+    text_refused = _refusals(config.engines, model)
     with Progress(*columns) as progress:
         task = progress.add_task("bench", total=steps)
         for workload, batch in batches.items():
             tree = PrefixTree.build(batch)
             stats = tree.stats()
             flat_flops, tree_flops_ = tree_flops(tree, model.config)
+            flat_vision, tree_vision = image_flops(tree, model.config)  # 0, 0 without images
             base = dict(
                 workload=workload, sequences=stats.sequences, flat_tokens=stats.flat_tokens,
-                unique_tokens=stats.unique_tokens, compression=stats.compression, ideal=flat_flops / tree_flops_,
+                unique_tokens=stats.unique_tokens, compression=stats.compression,
+                ideal=(flat_flops + flat_vision) / (tree_flops_ + tree_vision),
+                vision_flops_flat=flat_vision, vision_flops_tree=tree_vision,
             )
+            refused = _refusals(config.engines, model, batch[:1]) if flat_vision else text_refused
             for name in refused:  # a row saying so, not a hole in the table
                 rows.append(dict(base, engine=name, refused=refused[name], seconds=None, times=[], peak_bytes=None))
                 progress.advance(task, config.warmup + config.repeats + int(config.memory))
@@ -163,7 +193,7 @@ def run_bench(config: BenchConfig) -> list[dict]:
                 rows.append(dict(base, engine=name, seconds=statistics.median(times[name]), times=times[name],
                                  peak_bytes=peak))
     # flat's micro-batch: packed rows, or one sequence per call for a model flat cannot pack (a hybrid)
-    micro_batch = "flat-sequences" if "flat-packed" in refused else "flat-packed"
+    micro_batch = "flat-sequences" if "flat-packed" in text_refused else "flat-packed"
     order = {name: i for i, name in enumerate(config.engines)}
     rows.sort(key=lambda r: (list(batches).index(r["workload"]), order[r["engine"]]))
     for row in rows:
@@ -173,15 +203,19 @@ def run_bench(config: BenchConfig) -> list[dict]:
         row["speedup"] = min(flats) / row["seconds"] if flats and measured else None  # over the fastest flat layout
         row["of_ideal"] = row["speedup"] / row["ideal"] if row["speedup"] else None
         row["vs_dta"] = dta["seconds"] / row["seconds"] if dta and measured else None
-        row["contract_bytes"] = contract_bytes(ENGINES[row["engine"]](), same, micro_batch) if measured else None
+        shown = row["vision_flops_flat"] > 0  # flat runs each sequence that shows images in its own call
+        row["contract_bytes"] = contract_bytes(ENGINES[row["engine"]](), same, "flat-sequences" if shown else
+                                               micro_batch) if measured else None
         row["over_contract"] = row["contract_bytes"] is not None and row["peak_bytes"] > row["contract_bytes"]
     return rows
 
 
-def _refusals(names: list[str], model) -> dict[str, str]:
-    """The engines that refuse this model (a hybrid in packed rows, say), with their reason, from a 4-token try."""
-    probe = [TokenSequence(torch.arange(4) % model.config.vocab_size,
-                           fields={"advantages": torch.zeros(4), "loss_mask": torch.ones(4)})]
+def _refusals(names: list[str], model, probe: list[TokenSequence] | None = None) -> dict[str, str]:
+    """The engines that refuse this model (a hybrid in packed rows, say), with their reason, from a 4-token try, or
+    from `probe` (a workload's first sequence: images refused by the packing engines)."""
+    vocab = model.get_input_embeddings().num_embeddings
+    probe = probe or [TokenSequence(torch.arange(4) % vocab, fields={"advantages": torch.zeros(4),
+                                                                    "loss_mask": torch.ones(4)})]
     refused = {}
     for name in names:
         try:
@@ -217,8 +251,8 @@ def _model_and_batches(config: BenchConfig) -> tuple[torch.nn.Module, dict[str, 
     device = torch.device(config.device)
     dtype = getattr(torch, config.dtype)
     model = build_model(shape=config.shape, vocab_size=config.vocab_size, dtype=dtype, device=device, seed=config.seed)
-    vocab = model.config.vocab_size
-    return model, {w: make_workload(w, config.scale, vocab, config.seed) for w in config.workloads}
+    vocab = model.get_input_embeddings().num_embeddings
+    return model, {w: make_workload(w, config.scale, vocab, config.seed, model.config) for w in config.workloads}
 
 
 def profile_engines(config: BenchConfig) -> list[dict]:

@@ -14,23 +14,36 @@ over-estimate of the per-token share.
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from treerl.engine.base import final_hidden
 from treerl.engine.recurrent import find_mixers
-from treerl.engine.support import attention_layers
+from treerl.engine.support import attention_layers, decoder_module
 from treerl.models import model_geometry
 from treerl.tree import PrefixTree
 
 
+def meta_model(config: PretrainedConfig) -> torch.nn.Module:
+    """A model of `config` on the meta device (no memory): its causal LM, or a vision-language model's own class."""
+    with torch.device("meta"):
+        if hasattr(config, "vision_config") and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            return AutoModelForImageTextToText.from_config(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _linear_weights(module: torch.nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+
 def flop_rates(config: PretrainedConfig) -> tuple[int, int]:
     """(2 x multiply-adds of every weight matrix a token passes through, q.k and p.v FLOPs of one query-key pair
-    summed over the softmax-attention layers), read off a meta-device model of `config`."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    summed over the softmax-attention layers), read off a meta-device model of `config` (a vision-language model's
+    text body and head: its vision tower is `vision_rates`)."""
+    model = meta_model(config)
+    linear = _linear_weights(decoder_module(model))
     head = model.get_output_embeddings()
-    if head is not None and not isinstance(head, torch.nn.Linear):
+    if head is not None:
         linear += head.weight.numel()
     g = model_geometry(config)
     layers = len(attention_layers(model, find_mixers(model).mixer_classes))
@@ -68,3 +81,23 @@ def tree_flops(tree: PrefixTree, config: PretrainedConfig) -> tuple[int, int]:
     flat = sum(len(s) * per_token + causal(0, len(s)) * per_key for s in tree.sequences)
     unique = sum(n.length * per_token + causal(n.start, n.end) * per_key for n in tree.nodes[1:])
     return flat, unique
+
+
+def vision_rates(config: PretrainedConfig) -> tuple[int, int]:
+    """(forward FLOPs of one patch through a Qwen-VL vision tower's blocks, of one placeholder token through its
+    merger): 2 x the weights each multiplies, off a meta-device model. Its attention over an image's own patches is
+    left out (a few % at the bench's sizes)."""
+    visual = meta_model(config).model.visual
+    merger = _linear_weights(visual.merger)
+    return 2 * (_linear_weights(visual) - merger), 2 * merger
+
+
+def image_flops(tree: PrefixTree, config: PretrainedConfig) -> tuple[int, int]:
+    """(flat, tree) forward FLOPs of the vision tower: every sequence's images on their own vs each distinct image
+    once (0, 0 for a batch without images)."""
+    shown = [image for sequence in tree.sequences for image in sequence.images]
+    if not shown:
+        return 0, 0
+    per_patch, per_token = vision_rates(config)
+    cost = lambda image: int(image.grid_thw.prod()) * per_patch + image.length * per_token
+    return sum(map(cost, shown)), sum(map(cost, {image.digest: image for image in shown}.values()))

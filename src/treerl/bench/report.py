@@ -28,6 +28,10 @@ def markdown(rows: list[dict]) -> str:
     ]
     notes = []
     for r in rows:
+        if r.get("vision_flops_flat"):  # images: what the vision tower's FLOP count is, flat and once per image
+            flat, tree = r["vision_flops_flat"], r["vision_flops_tree"]
+            notes.append(f"- {r['workload']}: vision tower forward {flat / 1e9:.2f} GFLOP flat, {tree / 1e9:.2f} once "
+                         f"per distinct image ({flat / tree:.1f}x fewer; in the FLOP-ideal)")
         if r.get("refused"):
             lines.append(f"| {r['workload']} | {r['flat_tokens']:,} | {r['unique_tokens']:,} | {r['compression']:.2f} | "
                          f"{r['ideal']:.2f}x | {r['engine']} | refused | - | - | - | - | - |")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treerl.tree.sequence import TokenSequence
+from treerl.tree.sequence import ImageSpan, TokenSequence
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -132,4 +132,86 @@ def random_trees(
             tokens = [i % vocab] + _tokens(rng, n - 1, vocab)  # distinct first tokens: no accidental sharing
         made.append(tokens)
         out.append(_sequence(tokens, 1, rng, f"random{i}"))
+    return out
+
+
+@dataclass(frozen=True)
+class ImageShape:
+    """How a Qwen-VL model takes an image (treerl.engine.images): `side` x `side` patches of `patch_values` values
+    each, merged `merge` x `merge` into a placeholder token; its placeholder and vision start / end ids."""
+
+    side: int
+    patch_values: int
+    merge: int
+    image_token: int
+    start_token: int
+    end_token: int
+
+    @property
+    def tokens(self) -> int:
+        return (self.side // self.merge) ** 2
+
+    @classmethod
+    def of(cls, config, side: int = 16) -> ImageShape:
+        """The image shape of a Qwen-VL `config` (a 64 x 64 screenshot for small-qwen2.5-vl's 4 x 4 patches)."""
+        vision = config.vision_config
+        values = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        return cls(side, values, vision.spatial_merge_size, config.image_token_id, config.vision_start_token_id,
+                   config.vision_end_token_id)
+
+    def image(self, rng: random.Random, start: int) -> ImageSpan:
+        """A random image whose placeholder tokens begin at `start` (after its start token)."""
+        g = torch.Generator().manual_seed(rng.randrange(2**31))
+        pixels = torch.randn(self.side * self.side, self.patch_values, generator=g)
+        return ImageSpan(start, self.tokens, pixels, torch.tensor([1, self.side, self.side]))
+
+
+def _with_images(parts: list, shape: ImageShape, generated_from: int, rng: random.Random, name: str) -> TokenSequence:
+    """Text (token lists) and images (ImageSpan factories: `shape.image`) in order, each image between its start and
+    end tokens; trained on from `generated_from`."""
+    tokens: list[int] = []
+    images = []
+    for part in parts:
+        if isinstance(part, ImageSpan):
+            tokens.append(shape.start_token)
+            images.append(ImageSpan(len(tokens), part.length, part.pixel_values, part.grid_thw))
+            tokens += [shape.image_token] * part.length + [shape.end_token]
+        else:
+            tokens += part
+    sequence = _sequence(tokens, generated_from, rng, name)
+    sequence.images = tuple(images)
+    return sequence
+
+
+def image_grpo(shape: ImageShape, prompts: int = 4, group_size: int = 8, prompt_len: int = 512,
+               response_len: int = 256, vocab: int = 1000, seed: int = 0) -> list[TokenSequence]:
+    """G samples per prompt, each prompt an image between two runs of text (a visual question); `vocab` holds the
+    text ids, below the image ids."""
+    rng = random.Random(seed)
+    out = []
+    for p in range(prompts):
+        prompt = [_tokens(rng, prompt_len // 2, vocab), shape.image(rng, 0), _tokens(rng, prompt_len // 2, vocab)]
+        length = prompt_len + shape.tokens + 2
+        for g in range(group_size):
+            out.append(_with_images(prompt + [_tokens(rng, response_len, vocab)], shape, length, rng,
+                                    f"prompt{p}/sample{g}"))
+    return out
+
+
+def agent_screenshots(shape: ImageShape, samples: int = 4, turns: int = 4, system_len: int = 2400,
+                      reply_len: int = 150, tool_len: int = 150, vocab: int = 1000,
+                      seed: int = 0) -> list[TokenSequence]:
+    """Computer-use episodes: every model call is a training sequence (the context so far, then its reply); after
+    each reply the environment returns a screenshot and some text. The samples share the system prompt, the task and
+    the first screenshot; each then sees its own screenshots."""
+    rng = random.Random(seed)
+    start = [_tokens(rng, system_len, vocab), shape.image(rng, 0), _tokens(rng, tool_len, vocab)]
+    out = []
+    for g in range(samples):
+        context = list(start)
+        for turn in range(turns):
+            reply = _tokens(rng, reply_len, vocab)
+            trained_from = sum(p.length + 2 if isinstance(p, ImageSpan) else len(p) for p in context)
+            out.append(_with_images(context + [reply], shape, trained_from, rng, f"sample{g}/turn{turn}"))
+            context += [reply, shape.image(rng, 0), _tokens(rng, tool_len, vocab)]
     return out
