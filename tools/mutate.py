@@ -98,6 +98,12 @@ MUTATIONS = [
              "        self.leaves = [h.detach() for h in self.held]\n",
              ("tests/engine/test_images.py::test_measured_peak_within_the_flat_references_with_images",),
              "the walk holds the vision graph of every distinct image of the step: more than flat's call on one sequence"),
+    Mutation("sampler-image-prompt-at-its-depth", "src/treerl/rollout/embedded.py",
+             "positions[:, row, width - len(sequence) :] = sequence_positions(self.model, sequence)",
+             "positions[:, row, width - len(sequence) :] = torch.arange(len(sequence))",
+             ("tests/rollout/test_embedded_images.py",),
+             "the embedded sampler rotates an image prompt by depth, not by the positions the engines train it at: "
+             "behaviour log-probs off-policy"),
     # ------------------------------------------------------------------ trainer (issue 26's three survivors)
     Mutation("staleness-off-by-one", "src/treerl/trainer/asynchronous/pool.py",
              "if version - g.oldest > self.max_staleness]", "if version - g.oldest > self.max_staleness + 1]",

@@ -4,7 +4,9 @@ Step 1 (docs/architecture.md): sampling in the trainer's own process.
 
 Each distinct prompt is prefilled once; its KV cache is then repeated `n` times and the `n`
 samples decode together, so the prompt of a GRPO group is computed once, not `n` times. Prompts
-are left-padded into one batch; finished rows are dropped from the cache as they stop.
+are left-padded into one batch; finished rows are dropped from the cache as they stop. A prompt may show images
+(a vision-language model treerl feeds): they go through the vision tower once, and every token sits at the multimodal
+position the engines train it at (treerl.engine.images).
 
 `autocast` (trainer.precision=bf16-mixed): the model computes under `torch.autocast` to that dtype,
 as the trainer's engines do, so a token's behaviour log-prob and the one the loss recomputes come
@@ -20,9 +22,14 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from treerl.engine import autocast
+from treerl.engine.base import final_hidden
+from treerl.engine.head import logit_transform
+from treerl.engine.images import ImageTable, body_positions, check_images, image_rows, sequence_positions
 from treerl.engine.recurrent import cache_kwarg
+from treerl.engine.support import decoder_module
 from treerl.errors import TrainingStopped
 from treerl.rollout.sampler import Completion, SamplingParams, check_prompts, truncate_logits
+from treerl.tree import ImageSpan, TokenSequence
 
 
 class GenerationCancelled(RuntimeError):
@@ -39,12 +46,19 @@ class EmbeddedSampler:
     autocast: torch.dtype | None = None  # compute under torch.autocast to this dtype (bf16-mixed); None: as stored
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 cancelled: Callable[[], bool] | None = None) -> list[list[Completion]]:
+                 cancelled: Callable[[], bool] | None = None,
+                 images: list[tuple[ImageSpan, ...]] | None = None) -> list[list[Completion]]:
         """`params.n` completions per prompt; log-probs are log_softmax(logits / T) of each sampled token.
 
         `cancelled()` is asked before every decoding step; when it says True, GenerationCancelled is raised
-        (what a server uses to free the model for the next request)."""
+        (what a server uses to free the model for the next request). `images`: each prompt's images (placeholder
+        tokens in the prompt, as `treerl.tree.ImageSpan`), for a vision-language model treerl feeds
+        (treerl.engine.images): through its vision tower, at its multimodal positions, as the engines train them."""
         check_prompts(prompts, self.model.get_input_embeddings().num_embeddings)
+        if images is not None:
+            if len(images) != len(prompts):
+                raise ValueError(f"generate: {len(images)} image lists for {len(prompts)} prompts")
+            check_images(self.model, [TokenSequence(torch.tensor(p), images=tuple(i)) for p, i in zip(prompts, images)])
         device = self.model.get_input_embeddings().weight.device
         generator = torch.Generator(device=device)
         generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
@@ -55,43 +69,62 @@ class EmbeddedSampler:
             results: list[list[Completion]] = []
             with autocast(self.model, self.autocast):
                 for lo in range(0, len(prompts), per_chunk):
-                    results.extend(self._generate(prompts[lo : lo + per_chunk], params, generator, cancelled))
+                    shown = images[lo : lo + per_chunk] if images is not None and any(images) else None
+                    results.extend(self._generate(prompts[lo : lo + per_chunk], params, generator, cancelled, shown))
             return results
         finally:
             self.model.train(was_training)
 
     @torch.inference_mode()
-    def _prefill(self, prompts: list[list[int]],
-                 device: torch.device) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
+    def _prefill(self, prompts: list[list[int]], device: torch.device, images: list[tuple[ImageSpan, ...]] | None
+                 ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
         """The prompts left-padded into one batch and run once: each row's last logits, the KV cache, the
-        attention mask and each row's next position."""
+        attention mask and each row's next position (`[position rows, prompts]`: the depth, or with images the
+        depth and the multimodal rotary positions)."""
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros(len(prompts), width, dtype=torch.long)
         for row, prompt in enumerate(prompts):  # left padding: every prompt ends at the last column
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        inputs = {"input_ids": ids.to(device)}
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[None]
+        if images is not None:  # the images through the vision tower once; each prompt at its own positions
+            sequences = [TokenSequence(torch.tensor(p), images=tuple(i)) for p, i in zip(prompts, images)]
+            table = ImageTable(self.model, sequences, grad=False)
+            rows = torch.full((len(prompts), width), -1, dtype=torch.long)
+            positions = positions.expand(len(sequence_positions(self.model, sequences[0])), -1, -1).clone()
+            for row, sequence in enumerate(sequences):
+                rows[row, width - len(sequence) :] = image_rows(table, sequence, 0, len(sequence))
+                positions[:, row, width - len(sequence) :] = sequence_positions(self.model, sequence)
+        mask, positions = mask.to(device), positions.to(device)
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                         **{cache_kwarg(self.model): cache})
-        return out.logits[:, -1], cache, mask, positions[:, -1] + 1
+        where = body_positions(positions, mask.shape)
+        if images is None:
+            out = self.model(**inputs, attention_mask=mask, position_ids=where, use_cache=True, logits_to_keep=1,
+                             **{cache_kwarg(self.model): cache})
+            return out.logits[:, -1], cache, mask, positions[:, :, -1] + 1
+        # the text body on the image rows, as the engines run it (the full model would compute its own positions)
+        body = {**table.inputs(self.model, inputs["input_ids"], rows.to(device)), "attention_mask": mask,
+                "position_ids": where, "use_cache": True, cache_kwarg(decoder_module(self.model)): cache}
+        hidden = final_hidden(self.model, **body)[:, -1]
+        logits = logit_transform(self.model).apply(self.model.get_output_embeddings()(hidden))
+        return logits, cache, mask, positions[:, :, -1] + 1
 
     @torch.inference_mode()
     def _generate(
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
-        cancelled: Callable[[], bool] | None = None,
+        cancelled: Callable[[], bool] | None = None, images: list[tuple[ImageSpan, ...]] | None = None,
     ) -> list[list[Completion]]:
         """Prefill the distinct prompts, repeat their cache n-fold, decode until every row stops."""
         model, n = self.model, params.n
         device = generator.device
-        logits, cache, mask, next_position = self._prefill(prompts, device)
+        logits, cache, mask, next_position = self._prefill(prompts, device, images)
         # n rows per prompt; reorder_cache serves every layer kind (recurrent layers have no batch_repeat_interleave)
         cache.reorder_cache(torch.arange(len(prompts), device=device).repeat_interleave(n))
         logits = logits.repeat_interleave(n, dim=0)
         mask = mask.repeat_interleave(n, dim=0)
-        next_position = next_position.repeat_interleave(n)
+        next_position = next_position.repeat_interleave(n, dim=-1)
         active = torch.arange(len(prompts) * n, device=device)  # which output row each cache row is
         stop = torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
         tokens: list[list[int]] = [[] for _ in range(len(prompts) * n)]
@@ -113,10 +146,10 @@ class EmbeddedSampler:
             if bool(stopped.any()):  # drop finished rows from the cache
                 keep = (~stopped).nonzero().squeeze(1)
                 cache.reorder_cache(keep)  # recurrent layers too (they have no batch_select_indices)
-                active, token, mask, next_position = active[keep], token[keep], mask[keep], next_position[keep]
+                active, token, mask, next_position = active[keep], token[keep], mask[keep], next_position[:, keep]
             mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
-            out = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                        use_cache=True, **{cache_kwarg(model): cache})
+            out = model(input_ids=token[:, None], attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache},
+                        position_ids=body_positions(next_position, token[:, None].shape))
             logits = out.logits[:, -1]
             next_position = next_position + 1
 
