@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from treerl.bench.engines import IMAGE_WORKLOADS
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "CONTRIBUTING.md"]
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.+?)\s*-->")
@@ -130,7 +132,10 @@ def shrunk(words: list[str]) -> list[str]:
     elif command == "bench":
         shrink = {"--async": ASYNC_SHRINK, "--balance": BALANCE_SHRINK, "--profile": PROFILE_SHRINK,
                   "--precision": PRECISION_SHRINK}
-        rest = rest + next((options for flag, options in shrink.items() if flag in rest), BENCH_SHRINK)
+        options = next((options for flag, options in shrink.items() if flag in rest), BENCH_SHRINK)
+        if any(w in " ".join(rest) for w in IMAGE_WORKLOADS):  # images need the command's vision-language shape
+            options = options[: -len(TINY_MODEL)] if options[-len(TINY_MODEL) :] == TINY_MODEL else options
+        rest = rest + options
     return [sys.executable, "-m", "treerl.cli.main", *rest]
 
 
