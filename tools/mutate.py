@@ -99,8 +99,8 @@ MUTATIONS = [
              ("tests/engine/test_images.py::test_measured_peak_within_the_flat_references_with_images",),
              "the walk holds the vision graph of every distinct image of the step: more than flat's call on one sequence"),
     Mutation("sampler-image-prompt-at-its-depth", "src/treerl/rollout/embedded.py",
-             "positions[:, row, width - len(sequence) :] = sequence_positions(self.model, sequence)",
-             "positions[:, row, width - len(sequence) :] = torch.arange(len(sequence))",
+             "positions[:, row, width - len(shown) :] = where",
+             "positions[:, row, width - len(shown) :] = torch.arange(len(shown))",
              ("tests/rollout/test_embedded_images.py",),
              "the embedded sampler rotates an image prompt by depth, not by the positions the engines train it at: "
              "behaviour log-probs off-policy"),

@@ -231,7 +231,8 @@ def check_tree_engine(model: PreTrainedModel, carries_state: bool) -> Mixers:
     check_routed(model, mixers)  # before positions: MPT (ALiBi) computes attention in its own code
     check_layer_indices(model)
     own_code = attends_in_own_code(model)  # positions from the cache's length, every row of a call at the path's end
-    check_positions(model, attention_free=own_code or (bool(mixers) and not attention_layers(model, mixers.mixer_classes)))
+    attention_free = bool(mixers) and not attention_layers(model, mixers.mixer_classes)
+    check_positions(model, attention_free=own_code or attention_free)
     if own_code and not carries_state:
         raise UnsupportedModel(
             f"{model_name(model)}: its layers attend over the K/V their cache returns under a causal mask they build "
@@ -270,8 +271,9 @@ def check_routed(model: PreTrainedModel, mixers: Mixers) -> None:
 
 def attends_in_own_code(model: PreTrainedModel) -> bool:
     """Whether the model's layers compute attention in their own code over the K/V that the cache's `update` returns
-    (Bloom, MVP, TrOCR), or under a mask they build themselves (Doge's dynamic mask), as the routing probe found: DfsEngine hands them [path | own] K/V through the cache and runs
-    every row of a call from the path's end, so that their own causal mask is the sequence's."""
+    (Bloom, MVP, TrOCR), or under a mask they build themselves (Doge's dynamic mask), as the routing probe found:
+    DfsEngine hands them [path | own] K/V through the cache and runs every row of a call from the path's end, so that
+    their own causal mask is the sequence's."""
     return _OWN_CODE.get(model, False)
 
 
@@ -355,7 +357,8 @@ def _probe_own_code(model: PreTrainedModel, mixers: Mixers, refusal: str) -> str
             tail = final_hidden(model, input_ids=ids[None, 2:], position_ids=positions[None, 2:],
                                 **{mixers.cache_kwarg: cache, "use_cache": True})
     except Exception as error:  # noqa: BLE001 - the body reads the cache some other way
-        return f"{wrong} failed ({type(error).__name__}: {error}): the body reads the cache some other way (use FlatEngine)"
+        return (f"{wrong} failed ({type(error).__name__}: {error}): the body reads the cache some other way "
+                "(use FlatEngine)")
     off = (torch.cat([head, tail], dim=1) - whole).abs().max() / whole.abs().max().clamp_min(1e-30)
     if tail.shape[1] != 1 or not off <= 1e-2:
         return (f"{wrong} is not the token of the model's own forward (off by {float(off):.2g} of the hidden state's "

@@ -55,7 +55,7 @@ from treerl.engine.base import (
     runs_in_rows,
 )
 from treerl.engine.head import PolicyHead
-from treerl.engine.images import ImageTable, body_positions, image_rows, sequence_positions
+from treerl.engine.images import ImageTable, body_positions
 from treerl.engine.memory import MemoryMode, check_memory_settings, graph_budget_tokens, graph_bytes, micro_batch_tokens
 from treerl.engine.recurrent import (
     PathIndexKeys,
@@ -175,7 +175,7 @@ class _Walk:
         node_images = None
         if any(s.images for s in tree.sequences):
             self.images = ImageTable(model, tree.sequences, grad=loss_fn is not None)
-            node_images = _NodeImages(model, tree, self.images)
+            node_images = _NodeImages(tree, self.images)
         self.inputs, self.all_slots = build_unit_inputs(tree, plan, slots, device, node_images)
 
     def attention(self) -> contextlib.AbstractContextManager:
@@ -286,17 +286,12 @@ class _Walk:
 
 
 class _NodeImages:
-    """A node's rotary positions and image rows, from a sequence through it (they depend only on its prefix)."""
+    """A node's positions and image rows, from a sequence through it (they depend only on its prefix)."""
 
-    def __init__(self, model: PreTrainedModel, tree: PrefixTree, table: ImageTable):
-        self.model, self.tree, self.table = model, tree, table
-        self.rope: dict[int, torch.Tensor] = {}  # sequence -> [rows, len] (treerl.engine.images.sequence_positions)
+    def __init__(self, tree: PrefixTree, table: ImageTable):
+        self.tree, self.table = tree, table
 
     def __call__(self, node_index: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         node = self.tree.nodes[node_index]
-        s = self.tree.sequences_through(node_index)
-        sequence = self.tree.sequences[s]
-        if s not in self.rope:
-            self.rope[s] = sequence_positions(self.model, sequence)
-        end = node.start + length
-        return self.rope[s][:, node.start : end], image_rows(self.table, sequence, node.start, end)
+        sequence = self.tree.sequences[self.tree.sequences_through(node_index)]
+        return self.table.span(sequence, node.start, node.start + length)

@@ -42,7 +42,7 @@ from treerl.engine.base import (
     to_device,
 )
 from treerl.engine.head import PolicyHead
-from treerl.engine.images import ImageTable, body_positions, image_rows, sequence_positions
+from treerl.engine.images import ImageTable, body_positions
 from treerl.engine.memory import flat_micro_batches
 from treerl.engine.recurrent import earliest_index_ties
 from treerl.engine.support import check_all_layers_routed
@@ -145,8 +145,7 @@ class FlatEngine:
             check_all_layers_routed(model, call.layers_called)
         elif batch[0].images:  # one sequence: its images through the vision tower, its own rotary positions
             table = ImageTable(model, batch, grad=torch.is_grad_enabled(), attached=True)
-            where = sequence_positions(model, batch[0])[:, : lengths[0]].to(device)
-            rows = image_rows(table, batch[0], 0, lengths[0]).to(device)
+            where, rows = (x.to(device) for x in table.span(batch[0], 0, lengths[0]))
             hidden = final_hidden(model, **table.inputs(model, ids[None], rows[None]),
                                   position_ids=body_positions(where, ids[None].shape))[0]
         else:

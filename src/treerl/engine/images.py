@@ -16,9 +16,9 @@ of it; they depend only on the prefix, so a node's are those of any sequence thr
 engines hand a Qwen-VL body `[depth | t | h | w]` position rows: the depth (a token's index in its sequence) orders the
 attention, the other three rotate it.
 
-Served: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (its DeepStack features too), Qwen3.5 (hybrid: its calls run in rows, each padded by repeating its last token's
-image row and positions) and LLaVA (`VISION_LANGUAGE`: each family's tower, positions and own-forward inputs);
-other vision-language models are refused with images, naming why.
+Served: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (its DeepStack features too), Qwen3.5 (hybrid: its calls run in rows, each
+padded by repeating its last token's image row and positions) and LLaVA (`VISION_LANGUAGE`: each family's tower,
+positions and own-forward inputs); other vision-language models are refused with images, naming why.
 """
 
 from __future__ import annotations
@@ -34,11 +34,9 @@ from treerl.tree import ImageSpan, TokenSequence
 
 
 class QwenVL:
-    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5: an image is `pixel_values` of one row per patch and its (t, h, w) `grid_thw`; the tower
-    (`get_image_features`) merges each 2x2 of patches into one placeholder token's embedding (Qwen3-VL: and DeepStack
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5: an image is `pixel_values` of one row per patch and its (t, h, w)
+    `grid_thw`; the tower (`get_image_features`) merges each 2x2 of patches into one placeholder token's embedding (Qwen3-VL: and DeepStack
     features for the text body's first layers); positions are multimodal RoPE (`get_rope_index`)."""
-
-    position_rows = 4  # depth, t, h, w
 
     def malformed(self, model: PreTrainedModel, image: ImageSpan) -> str | None:
         merge = model.config.vision_config.spatial_merge_size
@@ -83,8 +81,6 @@ class Llava:
     """LLaVA: an image is `pixel_values` of shape (channels, height, width); the tower (a CLIP-style encoder, one
     layer's patch states through the projector, `get_image_features`) gives one placeholder token per patch; positions
     are the plain 1-D ones (the depth)."""
-
-    position_rows = 1
 
     def malformed(self, model: PreTrainedModel, image: ImageSpan) -> str | None:
         vision = model.config.vision_config
@@ -207,6 +203,7 @@ class ImageTable:
             for image in sequence.images:
                 distinct.setdefault(image.digest, image)
         self.model, self.images = model, list(distinct.values())
+        self.positions: dict[int, torch.Tensor] = {}  # id(sequence) -> its positions (`span`)
         self.base: dict[int, int] = {}  # image digest -> its first row
         rows = 0
         for digest, image in distinct.items():
@@ -226,9 +223,18 @@ class ImageTable:
             self.leaves = [leaf.requires_grad_() for leaf in self.leaves]
         self.recomputes = trains and not attached
 
-    def row_of(self, image: ImageSpan, offset: int) -> int:
-        """The table row of the image's `offset`-th placeholder token."""
-        return self.base[image.digest] + offset
+    def span(self, sequence: TokenSequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [start, end) of `sequence` as a call reads them: their positions (`[rows, end - start]`,
+        `sequence_positions`, computed once a sequence) and each one's table row (-1 for text)."""
+        if id(sequence) not in self.positions:
+            self.positions[id(sequence)] = sequence_positions(self.model, sequence)
+        rows = torch.full((end - start,), -1, dtype=torch.long)
+        for image in sequence.images:
+            lo, hi = max(image.start, start), min(image.end, end)
+            if lo < hi:
+                base = self.base[image.digest] - image.start
+                rows[lo - start : hi - start] = torch.arange(base + lo, base + hi)
+        return self.positions[id(sequence)][:, start:end], rows
 
     def inputs(self, model: PreTrainedModel, ids: torch.Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """The body's inputs for `ids` and their table rows (`rows`, same shape, -1 for text): token embeddings with
@@ -258,14 +264,3 @@ class ImageTable:
             torch.autograd.backward(outputs, grads)
         for leaf in self.leaves:
             leaf.grad = None
-
-
-def image_rows(table: ImageTable, sequence: TokenSequence, start: int, end: int) -> torch.Tensor:
-    """For tokens [start, end) of `sequence`: the table row of each image token, -1 for text."""
-    rows = torch.full((end - start,), -1, dtype=torch.long)
-    for image in sequence.images:
-        lo, hi = max(image.start, start), min(image.end, end)
-        if lo < hi:
-            rows[lo - start : hi - start] = torch.arange(table.row_of(image, lo - image.start),
-                                                         table.row_of(image, hi - image.start))
-    return rows

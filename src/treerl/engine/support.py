@@ -12,6 +12,7 @@ at the first layer of the first call, before any output or gradient exists.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 
@@ -157,7 +158,13 @@ def check_positions(model: PreTrainedModel, attention_free: bool = False) -> Non
 
 
 def takes_position_ids(body: torch.nn.Module) -> bool:
-    return "position_ids" in inspect.signature(body.forward).parameters
+    return _takes_position_ids(type(body))
+
+
+@functools.cache
+def _takes_position_ids(cls: type) -> bool:
+    """Read once per class: every model call of every engine asks (`placed_at`)."""
+    return "position_ids" in inspect.signature(cls.forward).parameters
 
 
 def position_embeddings(body: torch.nn.Module) -> list[torch.nn.Module]:

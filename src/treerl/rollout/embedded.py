@@ -24,7 +24,7 @@ from transformers import DynamicCache, PreTrainedModel
 from treerl.engine import autocast
 from treerl.engine.base import final_hidden
 from treerl.engine.head import logit_transform
-from treerl.engine.images import ImageTable, body_positions, check_images, image_rows, sequence_positions
+from treerl.engine.images import ImageTable, body_positions, check_images
 from treerl.engine.recurrent import cache_kwarg
 from treerl.engine.support import decoder_module
 from treerl.errors import TrainingStopped
@@ -92,11 +92,12 @@ class EmbeddedSampler:
         if images is not None:  # the images through the vision tower once; each prompt at its own positions
             sequences = [TokenSequence(torch.tensor(p), images=tuple(i)) for p, i in zip(prompts, images)]
             table = ImageTable(self.model, sequences, grad=False)
+            spans = [table.span(sequence, 0, len(sequence)) for sequence in sequences]
             rows = torch.full((len(prompts), width), -1, dtype=torch.long)
-            positions = positions.expand(len(sequence_positions(self.model, sequences[0])), -1, -1).clone()
-            for row, sequence in enumerate(sequences):
-                rows[row, width - len(sequence) :] = image_rows(table, sequence, 0, len(sequence))
-                positions[:, row, width - len(sequence) :] = sequence_positions(self.model, sequence)
+            positions = positions.expand(len(spans[0][0]), -1, -1).clone()
+            for row, (where, shown) in enumerate(spans):
+                rows[row, width - len(shown) :] = shown
+                positions[:, row, width - len(shown) :] = where
         mask, positions = mask.to(device), positions.to(device)
         cache = DynamicCache(config=self.model.config)
         where = body_positions(positions, mask.shape)

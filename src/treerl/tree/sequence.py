@@ -152,7 +152,8 @@ def _validate_images(seq: TokenSequence, who: str) -> None:
         if not 1 <= image.length <= IMAGE_KEY_OFFSETS:
             raise BatchError(f"{what} has {image.length} placeholder tokens (1 to {IMAGE_KEY_OFFSETS})")
         if image.start < end or image.end > len(seq):
-            where = "overlaps the image before it" if image.start < end else f"ends past the sequence's {len(seq)} tokens"
+            where = ("overlaps the image before it" if image.start < end
+                     else f"ends past the sequence's {len(seq)} tokens")
             raise BatchError(f"{what} at tokens [{image.start}, {image.end}) {where}")
         placeholders = seq.tokens[image.start : image.end]
         if bool((placeholders != placeholders[0]).any()):
