@@ -68,7 +68,16 @@ SHAPES: dict[str, tuple[str, dict]] = {
                                            linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
                                            linear_value_head_dim=32, layer_types=["linear_attention"] * 3
                                            + ["full_attention"])),
-    # Vision-language (treerl.engine.images): small-qwen3's text sizes under a Qwen2.5-VL vision tower that reads 4x4
+    # Vision-language (treerl.engine.images): tiny-qwen3's text sizes under a 2-block Qwen2.5-VL vision tower that reads
+    # 4x4 patches and merges 2x2 of them into a placeholder token (the shapes task's 32 x 32 images: 16 tokens).
+    "tiny-qwen2.5-vl": ("qwen2_5_vl", dict(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                                 "mrope_section": [4, 2, 2]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4,
+                           temporal_patch_size=1, spatial_merge_size=2, out_hidden_size=64, window_size=16,
+                           fullatt_block_indexes=[1]))),
+    # small-qwen3's text sizes under a Qwen2.5-VL vision tower that reads 4x4
     # patches and merges 2x2 of them into a placeholder token (a 64 x 64 image: 64 tokens). Its image, video and
     # vision start/end ids are the top four of the vocabulary.
     "small-qwen2.5-vl": ("qwen2_5_vl", dict(
@@ -79,6 +88,11 @@ SHAPES: dict[str, tuple[str, dict]] = {
                            temporal_patch_size=1, spatial_merge_size=2, out_hidden_size=256, window_size=16,
                            fullatt_block_indexes=[3]))),
 }
+
+
+def shows_images(shape: str) -> bool:
+    """A vision-language shape: its tokenizer needs the image tokens (treerl.rollout.tokenizer.VISION_TOKENS)."""
+    return shape in SHAPES and "vision_config" in SHAPES[shape][1]
 
 
 def check_device(device: str, key: str) -> torch.device:
@@ -116,7 +130,13 @@ def model_config(shape: str, vocab_size: int | None = None, max_positions: int =
         return ARCHITECTURES[arch](**kwargs)
     top = kwargs["vocab_size"] - 1  # a vision-language shape: the text sizes go to its text config
     ids = dict(image_token_id=top, video_token_id=top - 1, vision_start_token_id=top - 2, vision_end_token_id=top - 3)
+    kwargs.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # not the family's: its vocabulary is ours
     return ARCHITECTURES[arch](text_config=kwargs, vision_config=overrides["vision_config"], **ids)
+
+
+def policy_config(path: str | None, shape: str, vocab_size: int | None = None, trust_remote_code: bool = False):
+    """The config of the checkpoint at `path`, else of shape `shape`: what `build_model` builds, without building it."""
+    return load_config(path, trust_remote_code) if path else model_config(shape, vocab_size=vocab_size)
 
 
 def build_model(
@@ -137,7 +157,7 @@ def build_model(
     AutoModelForTokenClassification with num_labels=1). Python code shipped with a checkpoint
     (`auto_map`) runs only with `trust_remote_code=True`.
     """
-    config = load_config(path, trust_remote_code) if path else model_config(shape, vocab_size=vocab_size)
+    config = policy_config(path, shape, vocab_size, trust_remote_code)
     config.update(overrides or {})
     config._attn_implementation = attn_implementation
     if auto_class is AutoModelForCausalLM and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES \

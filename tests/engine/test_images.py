@@ -20,6 +20,7 @@ from vision_models import BUILDS, TEXT, sequence, vl_model
 from treerl.attention import UnsupportedModel
 from treerl.bench.peak import peak_memory
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
+from treerl.engine.images import sequence_positions
 from treerl.testing import assert_engines_agree, assert_matches_model, compare_runs, run_engine
 from treerl.tree import ImageSpan, TokenSequence
 
@@ -188,6 +189,24 @@ def test_an_image_that_ends_a_sequence_is_refused():
     with pytest.raises(UnsupportedModel, match="ends the sequence"):
         DfsEngine().forward(vl_model("qwen2_vl"), batch)
 
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_5"])
+def test_an_image_token_the_policy_wrote_is_text_as_it_was_sampled(name):
+    """A random policy writes the image placeholder now and then: outside an image it is text (its embedding, the next
+    position on every rotary axis), as the sampler decoded it; every engine trains it so, in agreement."""
+    from vision_models import IMAGE
+
+    model = vl_model(name)
+    wrote = sequence([[1, 5, 6], (0, 4, 4), [7, IMAGE, 9, IMAGE, 10]], seed=1)
+    again = sequence([[1, 5, 6], (0, 4, 4), [7, IMAGE, 11]], seed=2)
+    positions = sequence_positions(model, wrote)
+    after = wrote.images[0].end + 1  # the token after END
+    assert torch.equal(positions[1:, after:], positions[1:, after - 1 : after] + torch.arange(1, 6))
+    with float64_throughout():
+        errors = compare_runs(run_engine(PLANS["chunk-3"], model, [wrote, again], _loss),
+                              run_engine(ORACLE, model, [wrote, again], _loss))
+    assert max(errors.values()) <= TOL[name], errors
 
 
 def multimodal_section() -> list[str]:

@@ -93,6 +93,33 @@ def test_an_interrupted_reply_resumes_on_the_new_weights_with_per_token_versions
     assert len(refreshes) == 3  # before segments 1, 2 and 3 (8 tokens = 3 + 3 + 2)
 
 
+def test_a_rollout_workers_sequences_reach_the_trainer_with_their_images():
+    """A worker ships its sequences as arrays: the images travel with them (pixels, grid, place), the same image (by
+    digest) on the trainer's side; and an interrupted reply resumes on its prompt's images, each token's behaviour
+    log-prob the one the engine recomputes on the sequence as sampled."""
+    from vision_models import sequence, vl_model
+
+    from treerl.engine import DfsEngine
+
+    model = vl_model("qwen2_5_vl")
+    prompts = [sequence([[1, 5, 6], (0, 4, 4), [7]]), sequence([[1], (1, 4, 6), [8, 9], (2, 2, 4), [10]])]
+    embedded = EmbeddedSampler(model)
+    sampler = InterruptibleSampler(embedded, lambda: None, segment_tokens=2)
+    groups = sampler.generate([p.tokens.tolist() for p in prompts], SamplingParams(n=2, max_new_tokens=5, seed=0),
+                              images=[p.images for p in prompts])
+    sent = [TokenSequence(torch.cat([p.tokens, torch.tensor(c.tokens)]),
+                          {"old_logprobs": torch.tensor([0.0] * len(p) + c.logprobs, dtype=torch.float64)},
+                          images=p.images) for p, g in zip(prompts, groups) for c in g]
+    received = GroupResult.of(0, sent, version=0).sequences()
+    for a, b in zip(sent, received):
+        assert [(i.start, i.length, i.digest) for i in a.images] == [(i.start, i.length, i.digest) for i in b.images]
+        assert all(torch.equal(i.pixel_values, j.pixel_values) and torch.equal(i.grid_thw, j.grid_thw)
+                   for i, j in zip(a.images, b.images))
+    for seq, out in zip(received, DfsEngine().forward(model, received)):
+        reply = seq.fields["old_logprobs"] != 0
+        torch.testing.assert_close(out["logprobs"][reply], seq.fields["old_logprobs"][reply], atol=1e-9, rtol=0)
+
+
 @pytest.fixture
 def one_thread():
     """Both modes' trainers on one torch thread (async gives its workers the rest), so float sums agree bit for bit."""

@@ -114,3 +114,56 @@ def test_sft_on_the_shipped_example_lowers_the_loss(tiny_config, tmp_path):
 def test_sft_needs_the_sft_loss(tiny_config):
     with pytest.raises(ConfigError, match="algo.loss=sft"):
         sft(tiny_config("algo.loss=grpo", config="sft_example", base=SFT_DEFAULTS))
+
+
+def test_sft_on_conversations_that_show_images(tiny_config, tmp_path):
+    """A branching agent conversation with a screenshot in its question and another in a tool result: each path shows
+    its screenshots at their places (the second after the reply and the template's glue), the branches share the
+    first, the pixels are not held between reads (rendered again, the same sequence), a bad image fails at load naming
+    the row, and `treerl sft` trains a vision-language shape on it (the vision tower too)."""
+    import numpy as np
+    from PIL import Image
+
+    from treerl.models import model_config
+    from treerl.rollout.images import ImageProcessor
+    from treerl.rollout.tokenizer import builtin_tokenizer
+
+    for seed in (0, 1):
+        pixels = np.random.default_rng(seed).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(tmp_path / f"shot{seed}.png")
+
+    def shows(text, seed):
+        return [{"type": "image", "image": str(tmp_path / f"shot{seed}.png")}, {"type": "text", "text": text}]
+
+    row = {"id": "gui", "messages": [
+        _m("user", shows("Open it.", 0)), _m("assistant", "<click 3>"), _m("tool", shows("Opened.", 1)),
+        {"branches": [[_m("assistant", "done")], [_m("assistant", "<click 5>")]]}]}
+    data = _write(tmp_path, [row, {"messages": [_m("user", "hi"), _m("assistant", "yo")]}])
+    tokenizer = builtin_tokenizer(vision=True)
+    chat = chat_format(tokenizer, "template", ImageProcessor(model_config("tiny-qwen2.5-vl", len(tokenizer))))
+    conversation, text_only = load_conversations(data, chat)
+    first, second = conversation.sequences
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    assert [(i.start, i.length) for i in first.images] == [(3, 16), (42, 16)]
+    between = tokenizer.decode(first.tokens[first.images[0].end : first.images[1].start].tolist())
+    assert between == "<vision_end>Open it.<eos><assistant><click 3><eos><tool><vision_start>"
+    for sequence in (first, second):
+        assert all(sequence.tokens[i.start : i.end].eq(image_id).all() for i in sequence.images)
+        assert sequence.fields["loss_mask"][[i.start for i in sequence.images]].sum() == 0
+    assert [i.digest for i in first.images] == [i.digest for i in second.images]
+    again = conversation.sequences[0]
+    assert again is not first and torch.equal(again.tokens, first.tokens)
+    assert [i.digest for i in again.images] == [i.digest for i in conversation.counted[0].images]
+    assert all(i.pixel_values.numel() == 0 for s in conversation.counted for i in s.images)  # stand-ins only
+    assert text_only.sequences is text_only.counted  # text: rendered once, kept
+    stats = PrefixTree.build(conversation.counted).stats()
+    assert stats.unique_tokens < stats.flat_tokens - 2 * 16  # both screenshots held once by the two branches
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [_m("user", shows("?", 7)), _m("assistant", "a")]}) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:1 path 0, image 0: image file .*shot7.png' does not exist"):
+        load_conversations(bad, chat)
+    config = tiny_config("trainer.steps=2", "model.shape=tiny-qwen2.5-vl", f"sft.data_path={data}",
+                         "sft.conversations_per_step=2", "sft.eval_conversations=1", config="sft_example",
+                         base=SFT_DEFAULTS)
+    result = sft(config)
+    assert result.steps == 2 and np.isfinite(result.loss_end)

@@ -38,13 +38,15 @@ class QwenVL:
     `grid_thw`; the tower (`get_image_features`) merges each 2x2 of patches into one placeholder token's embedding (Qwen3-VL: and DeepStack
     features for the text body's first layers); positions are multimodal RoPE (`get_rope_index`)."""
 
+    def placeholders(self, config, grid_thw: torch.Tensor | None) -> int:
+        """Placeholder tokens of an image with this patch grid: one per `spatial_merge_size`^2 patches."""
+        return int(grid_thw.prod()) // config.vision_config.spatial_merge_size**2
+
     def malformed(self, model: PreTrainedModel, image: ImageSpan) -> str | None:
-        merge = model.config.vision_config.spatial_merge_size
         if image.grid_thw is None or image.grid_thw.shape != (3,):
             return f"has no (t, h, w) patch grid (grid_thw), which {model.config.model_type} needs"
         patches = int(image.grid_thw.prod())
-        if image.length * merge**2 != patches:
-            made = patches // merge**2
+        if (made := self.placeholders(model.config, image.grid_thw)) != image.length:
             return f"its grid {image.grid_thw.tolist()} makes {made} placeholder tokens, not {image.length}"
         if image.pixel_values.dim() != 2 or image.pixel_values.shape[0] != patches:
             return (f"pixel_values of shape {tuple(image.pixel_values.shape)}, not one row per patch of its grid "
@@ -68,13 +70,14 @@ class QwenVL:
             return depth.expand(4, -1)
         ids = sequence.tokens[None].to(_device(model))
         grids = torch.stack([image.grid_thw for image in sequence.images]).to(ids.device)
-        rope, _ = model.model.get_rope_index(ids, (ids == model.config.image_token_id).int(), image_grid_thw=grids)
+        types = image_token_types(sequence)[None].to(ids.device)
+        rope, _ = model.model.get_rope_index(ids, types, image_grid_thw=grids)
         return torch.cat([depth[None], rope[:, 0].cpu()])
 
     def own_inputs(self, model: PreTrainedModel, sequence: TokenSequence, ids: torch.Tensor) -> dict:
         return {"pixel_values": torch.cat([i.pixel_values for i in sequence.images]).to(ids.device),
                 "image_grid_thw": torch.stack([i.grid_thw for i in sequence.images]).to(ids.device),
-                "mm_token_type_ids": (ids == model.config.image_token_id).int()}
+                "mm_token_type_ids": image_token_types(sequence)[None, : ids.shape[-1]].to(ids.device)}
 
 
 class Llava:
@@ -82,13 +85,17 @@ class Llava:
     layer's patch states through the projector, `get_image_features`) gives one placeholder token per patch; positions
     are the plain 1-D ones (the depth)."""
 
+    def placeholders(self, config, grid_thw: torch.Tensor | None = None) -> int:
+        """Placeholder tokens of an image: one per patch (and the CLS state's, when the projector keeps it)."""
+        vision = config.vision_config
+        return (vision.image_size // vision.patch_size) ** 2 + (config.vision_feature_select_strategy == "full")
+
     def malformed(self, model: PreTrainedModel, image: ImageSpan) -> str | None:
         vision = model.config.vision_config
         if image.pixel_values.shape != (vision.num_channels, vision.image_size, vision.image_size):
             return (f"pixel_values of shape {tuple(image.pixel_values.shape)}, not the tower's (channels, height, "
                     f"width) = {(vision.num_channels, vision.image_size, vision.image_size)}")
-        tokens = (vision.image_size // vision.patch_size) ** 2
-        tokens += model.config.vision_feature_select_strategy == "full"  # the CLS state kept too
+        tokens = self.placeholders(model.config)
         if image.length != tokens:
             return f"the tower makes {tokens} placeholder tokens of an image, not {image.length}"
         return None
@@ -124,8 +131,10 @@ REFUSED_WITH_IMAGES = {
 }
 
 
-def vision_family(model: PreTrainedModel) -> QwenVL | Llava | None:
-    return VISION_LANGUAGE.get(getattr(model.config, "model_type", None))
+def vision_family(model_or_config) -> QwenVL | Llava | None:
+    """How treerl feeds the images of this model (or config) type; None for a model whose images it does not feed."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return VISION_LANGUAGE.get(getattr(config, "model_type", None))
 
 
 def check_images(model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> None:
@@ -160,6 +169,16 @@ def check_images(model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> 
             if image.end >= len(sequence):
                 raise UnsupportedModel(f"{what} ends the sequence: the model reads every token but the last, so the "
                                        "image would reach it cut short; end the sequence with text")
+
+
+def image_token_types(sequence: TokenSequence) -> torch.Tensor:
+    """1 on the tokens an image is shown at, 0 on text: what a Qwen-VL processor's `mm_token_type_ids` marks. An
+    image token the model wrote itself (a sampled reply) is text, as the sampler decoded it: only a processor places
+    images."""
+    types = torch.zeros(len(sequence), dtype=torch.int)
+    for image in sequence.images:
+        types[image.start : image.end] = 1
+    return types
 
 
 def sequence_positions(model: PreTrainedModel, sequence: TokenSequence) -> torch.Tensor:

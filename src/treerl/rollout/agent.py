@@ -283,7 +283,8 @@ class AgentWorkflow:
                     "cut": call.parent is None and call.follows is not None}
             if own:
                 info["turn_reward"] = own[call.index]
-            sequences.append(model_call_sequence(call.prompt, call.completion, info, f"{name}/call{call.index}"))
+            sequences.append(model_call_sequence(call.prompt, call.completion, info, f"{name}/call{call.index}",
+                                                 images=call.images))
         return sequences
 
 

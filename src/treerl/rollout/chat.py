@@ -17,6 +17,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from treerl.errors import UserError
+from treerl.rollout.images import IMAGE_PARTS, ImageProcessor, expand_images, image_parts, load_image, part_image
+from treerl.tree import ImageSpan
 
 Message = dict[str, Any]  # {"role", "content"} (+ "tool_calls" on an assistant turn, "tool_call_id" on a tool turn)
 Tool = dict[str, Any]  # an OpenAI tool definition: {"type": "function", "function": {"name", "description", "parameters"}}
@@ -26,14 +28,17 @@ _BASE = [{"role": "user", "content": "0"}, {"role": "assistant", "content": "0"}
 
 
 class ChatFormat:
-    """Renders messages with the tokenizer's chat template and knows which tokens end a reply."""
+    """Renders messages with the tokenizer's chat template and knows which tokens end a reply; with `images` (a
+    vision-language model's processor) it renders image content parts too (`prompt_with_images`)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_tokens: list[str] | tuple[str, ...] = ()):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_tokens: list[str] | tuple[str, ...] = (),
+                 images: ImageProcessor | None = None):
         if tokenizer.chat_template is None:
             raise ValueError("the tokenizer has no chat template; load it with treerl.rollout.load_tokenizer")
         if tokenizer.eos_token_id is None:
             raise UserError("the tokenizer has no eos token: cannot tell where a reply ends (model.tokenizer_path)")
         self.tokenizer = tokenizer
+        self.images = images
         extra = []
         for token in stop_tokens:
             token_id = tokenizer.convert_tokens_to_ids(token)
@@ -46,6 +51,7 @@ class ChatFormat:
 
     def render(self, messages: list[Message], add_generation_prompt: bool, tools: list[Tool] | None = None) -> list[int]:
         """Token ids of a conversation (with the tools offered, if any), as the model's chat template writes it."""
+        messages = [_without_pixels(m) for m in messages]  # the template writes an image token, never the pixels
         return list(
             self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=True,
@@ -54,8 +60,20 @@ class ChatFormat:
         )
 
     def prompt(self, messages: list[Message], tools: list[Tool] | None = None) -> list[int]:
-        """The first turn's context: the conversation so far and the assistant's generation prompt."""
+        """The first turn's context: the conversation so far and the assistant's generation prompt (of a text
+        conversation: `prompt_with_images` renders images too)."""
+        if image_parts(messages):
+            raise UserError("a conversation that shows images is rendered with ChatFormat.prompt_with_images, which "
+                            "gives the images' places too")
         return self.render(messages, add_generation_prompt=True, tools=tools)
+
+    def prompt_with_images(self, messages: list[Message], tools: list[Tool] | None = None, who: str = "a prompt"
+                           ) -> tuple[list[int], tuple[ImageSpan, ...]]:
+        """The first turn's context and the images it shows: each image part's token expanded into its placeholder
+        tokens, the image read and processed as the model's processor does (`treerl.rollout.images`)."""
+        ids = self.render(messages, add_generation_prompt=True, tools=tools)
+        pictures = [load_image(part_image(part), f"{who}, image {k}") for k, part in enumerate(image_parts(messages))]
+        return expand_images(ids, pictures, self.images, who)
 
     def continuation(
         self, messages: list[Message], reply_stopped: bool = True, tools: list[Tool] | None = None
@@ -65,6 +83,16 @@ class ChatFormat:
         A reply cut off at `max_new_tokens` has no stop token; one is inserted (not trained on) so the
         conversation stays well formed.
         """
+        if image_parts(messages):
+            raise UserError("messages that show images are rendered with ChatFormat.continuation_with_images, which "
+                            "gives the images' places too")
+        return self.continuation_with_images(messages, reply_stopped, tools)[0]
+
+    def continuation_with_images(self, messages: list[Message], reply_stopped: bool = True,
+                                 tools: list[Tool] | None = None, offset: int = 0, who: str = "a request"
+                                 ) -> tuple[list[int], tuple[ImageSpan, ...]]:
+        """`continuation`, and the images its messages show (an agent's screenshot), placed as if the continuation
+        started at token `offset` (the length of the context it extends)."""
         before = self.render(_BASE, add_generation_prompt=False, tools=tools) if tools else self._base
         after = self.render(_BASE + list(messages), add_generation_prompt=True, tools=tools)
         if after[: len(before)] != before:
@@ -72,8 +100,10 @@ class ChatFormat:
                 "the chat template renders an assistant turn differently once messages follow it, so a "
                 "multi-turn context cannot be extended token by token; use a template without that behaviour"
             )
-        end = [] if reply_stopped else [self.stop_token_ids[0]]
-        return end + self._glue + after[len(before) :]
+        head = ([] if reply_stopped else [self.stop_token_ids[0]]) + self._glue
+        pictures = [load_image(part_image(part), f"{who}, image {k}") for k, part in enumerate(image_parts(messages))]
+        tail, images = expand_images(after[len(before) :], pictures, self.images, who, offset + len(head))
+        return head + tail, images
 
     def _end_of_turn_glue(self) -> list[int]:
         """Tokens the template writes after an assistant's stop token (e.g. Qwen's newline after <|im_end|>)."""
@@ -96,3 +126,12 @@ class ChatFormat:
         if token_ids and token_ids[-1] in self.stop_token_ids:
             token_ids = token_ids[:-1]
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
+def _without_pixels(message: Message) -> Message:
+    """The message as the chat template reads it: each image part as a bare `{"type": "image"}`."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = [{"type": "image"} if isinstance(p, dict) and p.get("type") in IMAGE_PARTS else p for p in content]
+    return {**message, "content": parts}

@@ -69,7 +69,8 @@ def normalise_message(message: dict[str, Any], where: str) -> Message:
     role = message.get("role")
     if role not in ("system", "developer", "user", "assistant", "tool"):
         raise HTTPException(400, f"{where}: unknown role {role!r}")
-    out: Message = {"role": "system" if role == "developer" else role, "content": text_content(message, where)}
+    out: Message = {"role": "system" if role == "developer" else role,
+                    "content": shown_content(message, where, images=role in IMAGE_ROLES)}
     if message.get("tool_calls"):
         calls = []
         for call in message["tool_calls"]:
@@ -94,6 +95,35 @@ def text_content(message: dict[str, Any], where: str, part_types: tuple[str, ...
     if content is not None and not isinstance(content, str):
         raise HTTPException(400, f"{where}: content must be a string or a list of text parts")
     return content or ""
+
+
+IMAGE_ROLES = ("user", "tool")  # the messages that may show images (what the model is shown, never what it wrote)
+IMAGE_PART_TYPES = ("image_url", "input_image")  # Chat Completions' part, the Responses API's
+
+
+def shown_content(message: dict[str, Any], where: str, part_types: tuple[str, ...] = ("text",),
+                  images: bool = True) -> str | list[dict[str, Any]]:
+    """A message's content: its text (`text_content`), or where it shows images, its parts in order, each text part
+    `{"type": "text"}` and each image `{"type": "image_url", "image_url": {"url"}}` (a data URL: nothing is
+    downloaded), as `treerl.rollout.images` reads them."""
+    content = message.get("content")
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
+                                                for p in content):
+        return text_content(message, where, part_types)
+    if not images:
+        raise HTTPException(400, f"{where}: images are shown in {' and '.join(IMAGE_ROLES)} messages only")
+    parts: list[dict[str, Any]] = []
+    for k, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url.startswith("data:"):
+                raise HTTPException(400, f"{where}: content part {k}: an image must be a data URL (data:image/png;"
+                                         "base64,...): treerl downloads nothing and takes no file ids")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": text_content({"content": [part]}, where, part_types)})
+    return parts
 
 
 def tool_call(call_id: str | None, name: str, arguments: Any) -> dict[str, Any]:

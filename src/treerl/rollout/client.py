@@ -63,6 +63,7 @@ from typing import Any, Callable
 from treerl.errors import ServerError, UserError
 from treerl.rollout.sampler import Completion, SamplingParams, check_prompts
 from treerl.rollout.tasks.base import rng_for
+from treerl.tree import ImageSpan
 
 log = logging.getLogger("treerl.rollout")
 REACH_TIMEOUT = 30.0  # seconds `connect` waits for a server's first answer
@@ -71,6 +72,8 @@ SERVER_TYPES = ("auto", "vllm", "sglang")
 PAUSE_MODES = ("wait", "keep")  # generations in flight during a push: finish on the old weights | resume on the new
 VLLM_RL_ROUTES = ("/pause", "/resume", "/collective_rpc", "/update_weight_version", "/weight_info")
 VLLM_GENERATE = "/inference/v1/generate"
+SERVER_IMAGES = ("a prompt shows an image, and treerl does not send images to an inference server yet "
+                 "(rollout.server_url): sample in process (no rollout.server_url) to train on images")
 SGLANG_ROUTES = ("/generate", "/update_weights_from_disk", "/model_info", "/pause_generation", "/continue_generation")
 
 
@@ -223,8 +226,11 @@ class CompletionsClient:
         return True
 
     # ------------------------------------------------------------------ sampling
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: list[tuple[ImageSpan, ...]] | None = None) -> list[list[Completion]]:
         """`params.n` completions per prompt, in prompt order, each token tagged with the weights that sampled it."""
+        if images is not None and any(images):
+            raise UserError(SERVER_IMAGES)
         check_prompts(prompts)
         if any(s.info is None for s in self.servers):
             self.connect()

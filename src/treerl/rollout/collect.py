@@ -28,7 +28,9 @@ from treerl.rollout.agent import AgentWorkflow, load_agent
 from treerl.rollout.chat import ChatFormat
 from treerl.rollout.client import API_KEY_ENV, CompletionsClient
 from treerl.rollout.config import AGENT_TASKS, RolloutConfig
+from treerl.errors import UserError
 from treerl.rollout.embedded import EmbeddedSampler
+from treerl.rollout.images import ImageProcessor
 from treerl.rollout.multi_turn import MultiTurnWorkflow
 from treerl.rollout.proxy import ChatProxy
 from treerl.rollout.rewards import UserCode, load_reward_fn
@@ -81,11 +83,16 @@ def tool_format_warning(config: RolloutConfig, chat_template: str | dict[str, st
 class Rollout:
     """Makes the training sequences of each step from the configured task."""
 
-    def __init__(self, config: RolloutConfig, tokenizer: PreTrainedTokenizerBase, sampler: Sampler):
+    def __init__(self, config: RolloutConfig, tokenizer: PreTrainedTokenizerBase, sampler: Sampler,
+                 images: ImageProcessor | None = None):
+        """`images`: the policy's image processor (`image_processor(model.config)`), for prompts that show images."""
         config.check()
+        if config.task == "shapes" and images is None:
+            raise UserError("rollout.task = 'shapes' shows images: it needs a vision-language model whose images "
+                            "treerl feeds, e.g. model.shape=tiny-qwen2.5-vl")
         self.config = config
         self.sampler = sampler
-        self.chat = ChatFormat(tokenizer, config.stop_tokens)
+        self.chat = ChatFormat(tokenizer, config.stop_tokens, images)
         reward_fn = load_reward_fn(config.reward_fn) if config.task == "dataset" else None
         self.task: SingleTurnTask | AgentTask = build_task(config, reward_fn)
         sampling = SamplingParams(

@@ -12,7 +12,7 @@ from treerl.rollout.client import SERVER_TYPES
 from treerl.rollout.tool_parsers import PARSER_NAMES
 from treerl.tree.io import MAX_LINE_BYTES
 
-TASKS = ("arithmetic", "guess_number", "dataset", "agent", "agent_tools")
+TASKS = ("arithmetic", "shapes", "guess_number", "dataset", "agent", "agent_tools")
 AGENT_TASKS = ("agent", "agent_tools")
 
 
@@ -21,7 +21,7 @@ class RolloutConfig:
     """Every rollout option. Built-in tasks need nothing else; `dataset` needs `data_path` and `reward_fn`."""
 
     # What to sample.
-    task: str = "arithmetic"  # arithmetic | guess_number (multi-turn) | dataset (yours) | agent (your agent) | agent_tools
+    task: str = "arithmetic"  # arithmetic | shapes (images: a vision-language model.shape) | guess_number (multi-turn) | dataset (yours) | agent (your agent) | agent_tools
     prompts_per_step: int = 16  # prompts (single-turn) or episodes (multi-turn) per training step
     group_size: int = 8  # samples per prompt; for multi-turn tasks the replies sampled at turn 0
     seed: int = 0  # seeds the prompt order and the sampling (same seed + step + weights -> same rollout)
@@ -43,11 +43,13 @@ class RolloutConfig:
     # Built-in tasks.
     max_operand: int = 4  # arithmetic: operands in [0, max_operand] (4: one-digit sums, learnt in minutes)
     max_number: int = 9  # guess_number: the secret is in [1, max_number]
+    max_shapes: int = 3  # shapes: each image shows 1..max_shapes shapes (at most 4), the reply is their count
 
     # Your data (task = "dataset").
     data_path: str | None = None  # .jsonl, .json, .parquet, .csv, or a datasets.save_to_disk directory; local only
     prompt_key: str = "prompt"  # field holding the prompt: a string or a list of chat messages
     answer_key: str = "answer"  # field holding the reference answer passed to the reward (optional per row)
+    image_key: str | None = "image"  # field holding a row's image(s) (path, bytes, datasets Image), shown at the prompt's <image> markers or before its text; null: none
     system_prompt: str | None = None  # prepended as a system message to string prompts
     reward_fn: str | None = None  # "module:function" or "file.py:function"; fn(prompt, completion, answer)
     # (task = "agent": data_path holds the tasks, one JSON object each, handed whole to the agent)
@@ -102,6 +104,9 @@ class RolloutConfig:
         if self.task == "agent" and (not self.data_path or not self.agent):
             raise ValueError("rollout.task = 'agent' needs rollout.agent (my_agent.py:episode) and rollout.data_path "
                              "(a JSONL of tasks)")
+        if self.task == "shapes" and self.server_url is not None:
+            raise ValueError("rollout.task = 'shapes' shows images, which treerl does not send to an inference server "
+                             "yet: leave rollout.server_url unset (sample in process)")
         if self.tool_parser not in PARSER_NAMES:
             raise ValueError(f"rollout.tool_parser: {self.tool_parser!r} is not one of {', '.join(PARSER_NAMES)}")
         if self.server_url is not None and not self.server_urls:

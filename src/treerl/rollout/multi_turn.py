@@ -25,6 +25,11 @@ max_context_tokens is not played: its group_size trajectories are dropped (conte
 environment that raises, or returns a NaN/inf reward, drops that trajectory (counted and reported);
 its sibling branches go on. So does a step that takes longer than the workflow's `user_code` timeout
 (`rollout.reward_timeout`).
+
+Images (a vision-language policy): the prompt and each environment answer may show images (content parts, as in
+`treerl.rollout.images`: a GUI environment's screenshot a turn). A trajectory carries its context's images; a branch
+shares those before its fork, so each screenshot is one node of the episode's tree. An answer whose image cannot be read
+drops its trajectory (environment_image).
 """
 
 from __future__ import annotations
@@ -32,13 +37,14 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, replace
 
+from treerl.errors import UserError
 from treerl.rollout.chat import ChatFormat
 from treerl.rollout.rewards import RewardFailure, UserCode, check_reward
 from treerl.rollout.sampler import Completion, Sampler, SamplingParams
 from treerl.rollout.sequences import model_call_sequence
 from treerl.rollout.stats import DroppedSample, RolloutStats
 from treerl.rollout.tasks.base import AgentTask, Environment, Prompt, rng_for
-from treerl.tree import TokenSequence
+from treerl.tree import ImageSpan, TokenSequence
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class ModelCall:
     completion: Completion
     turn: int
     turn_reward: float
+    images: tuple[ImageSpan, ...] = ()  # the images the context shows
 
 
 @dataclass
@@ -59,6 +66,7 @@ class Trajectory:
     env: Environment
     context: list[int]  # what the model sees at the next turn
     id: str
+    images: tuple[ImageSpan, ...] = ()  # the images the context shows (the prompt's, then the environment's)
     calls: list[ModelCall] = field(default_factory=list)
     reward: float = 0.0
     truncated: bool = False
@@ -87,7 +95,10 @@ class MultiTurnWorkflow:
     ) -> list[TokenSequence]:
         """The training sequences of the episodes that start with `prompts`; `stats` counts what happened."""
         stats.prompts += len(prompts)
-        live = [Trajectory(p, self.task.environment(p), self.chat.prompt(p.messages), p.id) for p in prompts]
+        live = []
+        for p in prompts:
+            context, images = self.chat.prompt_with_images(p.messages, who=f"prompt {p.id}")
+            live.append(Trajectory(p, self.task.environment(p), context, p.id, images=images))
         live = [t for t in live if not stats.drop_over_context(t.id, t.prompt.text, len(t.context),
                                                                self.sampling.max_new_tokens, self.max_context_tokens,
                                                                self.group_size)]
@@ -98,7 +109,8 @@ class MultiTurnWorkflow:
             n = self.group_size if turn == 0 else self.branch_factor if turn in self.branch_at else 1
             turn_seed = None if seed is None else rng_for("turn", seed, turn).getrandbits(62)  # not seed + turn: the
             # next call's seed would be this one's shifted by one, its prompts' streams the same ones again
-            groups = sampler.generate([t.context for t in live], replace(self.sampling, n=n, seed=turn_seed))
+            shown = {"images": [t.images for t in live]} if any(t.images for t in live) else {}
+            groups = sampler.generate([t.context for t in live], replace(self.sampling, n=n, seed=turn_seed), **shown)
             next_live = []
             for parent, group in zip(live, groups):
                 for j, completion in enumerate(group):
@@ -129,18 +141,24 @@ class MultiTurnWorkflow:
             sample = DroppedSample(f"environment {reward.message}", trajectory.id, trajectory.prompt.text, text)
             stats.drop(sample, f"reward_{reward.kind}")
             return "dropped"
-        trajectory.calls.append(ModelCall(trajectory.context, completion, turn, reward))
+        trajectory.calls.append(ModelCall(trajectory.context, completion, turn, reward, trajectory.images))
         trajectory.reward += reward
         if reply.done:
             return "ended"
-        context = trajectory.context + completion.tokens + self.chat.continuation(
-            reply.messages, reply_stopped=completion.finish_reason == "stop"
-        )
+        context = trajectory.context + completion.tokens
+        try:
+            continuation, images = self.chat.continuation_with_images(
+                reply.messages, reply_stopped=completion.finish_reason == "stop", offset=len(context),
+                who=f"the environment's answer at turn {turn}")
+        except UserError as e:  # an image it shows cannot be read, or the model takes none: the trajectory is lost
+            stats.drop(DroppedSample(str(e), trajectory.id, trajectory.prompt.text, text), "environment_image")
+            return "dropped"
+        context += continuation
         if len(context) + self.sampling.max_new_tokens > self.max_context_tokens:
             trajectory.truncated = True
             stats.context_limit += 1
             return "ended"
-        trajectory.context = context
+        trajectory.context, trajectory.images = context, trajectory.images + images
         return "continues"
 
     def _sequences(self, trajectory: Trajectory) -> list[TokenSequence]:
@@ -153,6 +171,7 @@ class MultiTurnWorkflow:
                       "trajectory": trajectory.id, "turn": call.turn, "turns": len(trajectory.calls),
                       "finish_reason": call.completion.finish_reason, "truncated": trajectory.truncated},
                 name=f"{trajectory.id}/turn{call.turn}",
+                images=call.images,
             )
             for call in trajectory.calls
         ]

@@ -56,6 +56,11 @@ the policy the trainer trains), so tool choices are enforced on what the model w
   naming `rollout.tool_parser` and its values, before anything is sampled.
 Penalties, `logit_bias`, constrained output formats and `top_logprobs` are refused with HTTP 400.
 
+Images (a vision-language policy): a user or tool message may show `image_url` parts (base64 data URLs; the
+Responses API's `input_image`). Each recorded call keeps the images its prompt shows (`treerl.rollout.images`); a
+call that extends another keeps that call's images where they were and places the new ones after them, so an
+episode's screenshots are shared down its tree.
+
 Requests are answered concurrently; the `RequestBatcher` gathers the requests in flight into one
 sampler call (the embedded sampler samples them as one batch), behind a lock.
 """
@@ -75,7 +80,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from treerl.errors import ServerError
+from treerl.errors import ServerError, UserError
 from treerl.rollout.chat import ChatFormat, Message, Tool
 from treerl.rollout.chat_api import (
     Answer,
@@ -90,6 +95,7 @@ from treerl.rollout.responses_api import ResponsesRequest, continued, response_e
 from treerl.rollout.sampler import Completion, Sampler, SamplingParams
 from treerl.rollout.tasks.base import rng_for
 from treerl.rollout.tool_parsers import TOOL_PARSERS, ToolCall, no_parser_hint, resolve_tool_parser
+from treerl.tree import ImageSpan
 
 ENDPOINTS = "POST /v1/chat/completions (stream or not), POST /v1/responses (stream or not), GET /v1/models"
 
@@ -109,6 +115,7 @@ class RecordedCall:
     follows: int | None = None  # the call this one continues: `parent`, or the call before a cut history
     response_id: str = ""  # the id of the response that returned it (per-turn rewards name it)
     instructions: str | None = None  # the Responses API's instructions (not carried over by previous_response_id)
+    images: tuple[ImageSpan, ...] = ()  # the images the prompt shows (an agent's screenshots), over its placeholders
 
 
 @dataclass
@@ -120,6 +127,7 @@ class Context:
     follows: int | None = None  # the call the request continues (`parent`, or the call before a cut)
     shared: int = 0  # tokens reused from `parent`
     lost: int = 0  # tokens of `follows` the prompt no longer shares (a cut history)
+    images: tuple[ImageSpan, ...] = ()  # the images the tokens show
 
 
 @dataclass
@@ -179,6 +187,7 @@ class _Pending:
     prompt: list[int]
     params: SamplingParams
     future: Future
+    images: tuple[ImageSpan, ...] = ()
 
 
 class RequestBatcher:
@@ -204,9 +213,9 @@ class RequestBatcher:
         self._thread = threading.Thread(target=self._loop, name="treerl-proxy-sampler", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> Future:
-        """A future of the `params.n` completions of `prompt`."""
-        pending = _Pending(prompt, params, Future())
+    def submit(self, prompt: list[int], params: SamplingParams, images: tuple[ImageSpan, ...] = ()) -> Future:
+        """A future of the `params.n` completions of `prompt` (which shows `images`)."""
+        pending = _Pending(prompt, params, Future(), images)
         with self._arrived:
             self._queue.append(pending)
             self._last_arrival = time.monotonic()
@@ -230,16 +239,20 @@ class RequestBatcher:
         once); one sampler call per setting and sample count; errors go to the requests' futures."""
         same: dict[tuple, list[_Pending]] = {}
         for pending in batch:
-            same.setdefault((tuple(pending.prompt), replace(pending.params, n=1, seed=None)), []).append(pending)
+            shown = tuple((image.start, image.digest) for image in pending.images)
+            same.setdefault((tuple(pending.prompt), shown, replace(pending.params, n=1, seed=None)), []).append(pending)
         calls: dict[SamplingParams, list[list[_Pending]]] = {}
-        for (_, params), members in same.items():
+        for (_, _, params), members in same.items():
             calls.setdefault(replace(params, n=sum(m.params.n for m in members)), []).append(members)
         for params, prompts in calls.items():
             self._batches += 1
             seed = None if self.seed is None else rng_for("batch", self.seed, self._batches).getrandbits(62)
             try:
+                images = [members[0].images for members in prompts]
+                shown = {"images": images} if any(images) else {}  # text: any sampler, with or without images
                 with self.lock:
-                    results = self.sampler.generate([members[0].prompt for members in prompts], replace(params, seed=seed))
+                    results = self.sampler.generate([members[0].prompt for members in prompts],
+                                                    replace(params, seed=seed), **shown)
             except Exception as e:  # handed to each waiting request, which answers with an error
                 if isinstance(e, ServerError):  # not the agent's fault: the workflow raises it after the episodes
                     self.server_error = self.server_error or e
@@ -360,7 +373,8 @@ class ChatProxy:
         """Sample the request's replies, enforce its tool choice, record them; the prompt and the answers."""
         context, params = self.prepare(request, log)
         try:
-            completions: list[Completion] = await asyncio.wrap_future(self.batcher.submit(context.tokens, params))
+            completions: list[Completion] = await asyncio.wrap_future(
+                self.batcher.submit(context.tokens, params, context.images))
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
         answers = [self.reply(completion, request) for completion in completions]
@@ -376,7 +390,7 @@ class ChatProxy:
             for answer in answers:
                 log.calls.append(RecordedCall(len(log.calls), request.messages, request.tools, context.tokens,
                                               answer.completion, answer.reply, context.parent, context.follows,
-                                              response_id, instructions))
+                                              response_id, instructions, context.images))
         return context.tokens, answers
 
     def prepare(self, request: ModelRequest, log: EpisodeLog | None) -> tuple[Context, SamplingParams]:
@@ -393,7 +407,10 @@ class ChatProxy:
         if log is not None and log.max_calls is not None and len(log.calls) >= log.max_calls:
             raise HTTPException(400, f"episode {log.id!r} made {len(log.calls)} model calls, the limit "
                                      "(rollout.max_turns)")
-        context = self._context(request.messages, request.tools, log)
+        try:
+            context = self._context(request.messages, request.tools, log)
+        except UserError as e:  # an image that cannot be read, or a model that takes none
+            raise HTTPException(400, str(e)) from None
         budget = min(request.max_tokens or self.max_new_tokens, self.max_new_tokens)
         if len(context.tokens) + budget > self.max_context_tokens:
             refused = (f"the prompt has {len(context.tokens)} tokens; with max_tokens {budget} it exceeds "
@@ -421,23 +438,25 @@ class ChatProxy:
             return self._cut(messages, tools, log)
         rest = messages[len(best.messages) + 1 :]
         stopped = best.completion.finish_reason == "stop"
-        continuation = self.chat.continuation(rest, reply_stopped=stopped, tools=tools)
         extended = best.prompt + best.completion.tokens
-        return Context(extended + continuation, best.index, best.index, shared=len(extended))
+        continuation, images = self.chat.continuation_with_images(rest, reply_stopped=stopped, tools=tools,
+                                                                  offset=len(extended))
+        return Context(extended + continuation, best.index, best.index, shared=len(extended),
+                       images=best.images + images)
 
     def _cut(self, messages: list[Message], tools: list[Tool] | None, log: EpisodeLog | None) -> Context:
         """A request rendered afresh; if it holds earlier replies, the call before the cut and the sharing lost."""
-        tokens = self.chat.prompt(messages, tools)
+        tokens, images = self.chat.prompt_with_images(messages, tools)
         replies = [m for m in messages if m["role"] == "assistant"]
         if log is None or not replies:
-            return Context(tokens)
+            return Context(tokens, images=images)
         log.history_mismatches += 1
         if not log.calls:  # replies the proxy never returned (few-shot examples): nothing was shared to lose
-            return Context(tokens)
+            return Context(tokens, images=images)
         held = [call for call in log.calls if any(same_turn(m, call.reply) for m in replies)]
         before = (held or log.calls)[-1]
         full = before.prompt + before.completion.tokens
-        return Context(tokens, None, before.index, lost=len(full) - common_prefix(full, tokens))
+        return Context(tokens, None, before.index, lost=len(full) - common_prefix(full, tokens), images=images)
 
     def _stop_ids(self, stop: str | list[str] | None) -> list[int]:
         """Stop strings as token ids (each must be one token of the tokenizer)."""

@@ -31,12 +31,13 @@ from pydantic import BaseModel, ConfigDict
 
 from treerl.rollout.chat import Message, Tool
 from treerl.rollout.chat_api import (
+    IMAGE_ROLES,
     Answer,
     ModelRequest,
     json_string,
     read_tool_choice,
+    shown_content,
     sse_event,
-    text_content,
     tool_call,
 )
 
@@ -117,7 +118,7 @@ def input_messages(items: list[dict[str, Any]]) -> list[Message]:
             role = item.get("role")
             if role not in ("system", "developer", "user", "assistant"):
                 raise HTTPException(400, f"{where}: unknown role {role!r}")
-            content = text_content(item, where, TEXT_PARTS)
+            content = shown_content(item, where, TEXT_PARTS, images=role in IMAGE_ROLES)
             messages.append({"role": "system" if role == "developer" else role, "content": content})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str):
@@ -128,7 +129,7 @@ def input_messages(items: list[dict[str, Any]]) -> list[Message]:
             messages[-1].setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = item.get("output")
-            text = output if isinstance(output, str) else text_content({"content": output}, where, TEXT_PARTS)
+            text = output if isinstance(output, str) else shown_content({"content": output}, where, TEXT_PARTS)
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
         else:
             raise HTTPException(400, f"{where}: input items of type {kind!r} are not supported (message, "

@@ -23,6 +23,8 @@ from typing import Literal, Protocol
 
 import torch
 
+from treerl.tree import ImageSpan
+
 FinishReason = Literal["stop", "length", "cut"]
 
 
@@ -100,8 +102,10 @@ class Sampler(Protocol):
 
     version: int
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """`params.n` completions for each prompt (token ids), in prompt order."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: list[tuple[ImageSpan, ...]] | None = None) -> list[list[Completion]]:
+        """`params.n` completions for each prompt (token ids), in prompt order; `images`: the images each prompt
+        shows (a vision-language model), or None."""
         ...
 
 

@@ -17,11 +17,12 @@ from typing import Any
 import torch
 
 from treerl.rollout.sampler import Completion
-from treerl.tree import TokenSequence
+from treerl.tree import ImageSpan, TokenSequence
 
 
-def model_call_sequence(context: list[int], completion: Completion, info: dict[str, Any], name: str) -> TokenSequence:
-    """The training sequence of one model call."""
+def model_call_sequence(context: list[int], completion: Completion, info: dict[str, Any], name: str,
+                        images: tuple[ImageSpan, ...] = ()) -> TokenSequence:
+    """The training sequence of one model call (and the images its context showed)."""
     n_context, n_reply = len(context), len(completion.tokens)
     return TokenSequence(
         tokens=torch.tensor(context + completion.tokens, dtype=torch.long),
@@ -36,4 +37,5 @@ def model_call_sequence(context: list[int], completion: Completion, info: dict[s
         },
         info=info,
         name=name,
+        images=images,
     )

@@ -36,14 +36,17 @@ class SingleTurnWorkflow:
     ) -> list[TokenSequence]:
         """The training sequences of `prompts`; `stats` counts what was sampled, kept and dropped."""
         stats.prompts += len(prompts)
-        contexts = [self.chat.prompt(p.messages) for p in prompts]
+        rendered = [self.chat.prompt_with_images(p.messages, who=f"prompt {p.id}") for p in prompts]
         fits = [not stats.drop_over_context(p.id, p.text, len(c), self.sampling.max_new_tokens, self.max_context_tokens,
-                                            self.sampling.n) for p, c in zip(prompts, contexts)]
+                                            self.sampling.n) for p, (c, _) in zip(prompts, rendered)]
         prompts = [p for p, ok in zip(prompts, fits) if ok]
-        contexts = [c for c, ok in zip(contexts, fits) if ok]
-        groups = sampler.generate(contexts, replace(self.sampling, seed=seed)) if prompts else []
+        contexts = [c for (c, _), ok in zip(rendered, fits) if ok]
+        images = [i for (_, i), ok in zip(rendered, fits) if ok]
+        params = replace(self.sampling, seed=seed)
+        shown = {"images": images} if any(images) else {}  # text prompts: any sampler, with or without image support
+        groups = sampler.generate(contexts, params, **shown) if prompts else []
         sequences = []
-        for prompt, context, group in zip(prompts, contexts, groups):
+        for prompt, context, image, group in zip(prompts, contexts, images, groups):
             for j, completion in enumerate(group):
                 stats.count_reply(completion)
                 text = self.chat.reply_text(completion.tokens)
@@ -58,6 +61,6 @@ class SingleTurnWorkflow:
                 stats.keep(reward)
                 info = {"reward": reward, "group": prompt.id, "trajectory": f"{prompt.id}/{j}", "turn": 0,
                         "finish_reason": completion.finish_reason}
-                sequences.append(model_call_sequence(context, completion, info, name=f"{prompt.id}/{j}"))
+                sequences.append(model_call_sequence(context, completion, info, name=f"{prompt.id}/{j}", images=image))
         stats.sequences += len(sequences)
         return sequences

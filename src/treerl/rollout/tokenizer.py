@@ -29,12 +29,18 @@ from treerl.errors import ModelPathError
 ROLES = ("system", "user", "assistant", "tool")
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>") + tuple(f"<{role}>" for role in ROLES)
 CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
+# A vision-language shape's image, video and vision start/end ids are the top four of its vocabulary
+# (treerl.models.model_config): with `vision=True` these four close the built-in vocabulary, highest last.
+VISION_TOKENS = ("<vision_end>", "<vision_start>", "<video>", "<image>")
 
 BUILTIN_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% if tools %}{{ '<system>' }}{% for tool in tools %}"
     "{{ (tool['function'] if tool['function'] is defined else tool) | tojson + '\n' }}{% endfor %}{{ eos_token }}{% endif %}"
-    "{% for message in messages %}{{ '<' + message['role'] + '>' + (message['content'] or '') }}"
+    "{% for message in messages %}{{ '<' + message['role'] + '>' }}"
+    "{% if message['content'] is string or not message['content'] %}{{ message['content'] or '' }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{{ part['text'] if part['type'] == 'text' else '<vision_start><image><vision_end>' }}{% endfor %}{% endif %}"
     "{% for call in message['tool_calls'] or [] %}{% set f = call['function'] if call['function'] is defined else call %}"
     "{{ '<tool_call>{\"name\": ' + f['name'] | tojson + ', \"arguments\": ' }}"
     "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}{{ '}</tool_call>' }}{% endfor %}"
@@ -52,9 +58,11 @@ PLAIN_CHAT_TEMPLATE = (
 )
 
 
-def builtin_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer for the built-in tasks: digits, letters, punctuation, space, newline."""
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHARACTERS))}
+def builtin_tokenizer(vision: bool = False) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer for the built-in tasks: digits, letters, punctuation, space, newline (and with
+    `vision`, the four image tokens of a vision-language shape)."""
+    specials = [f"<{role}>" for role in ROLES] + (list(VISION_TOKENS) if vision else [])
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHARACTERS) + (VISION_TOKENS if vision else ()))}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per character
     backend.decoder = decoders.Fuse()  # join characters back without separators
@@ -64,7 +72,7 @@ def builtin_tokenizer() -> PreTrainedTokenizerFast:
         eos_token="<eos>",
         pad_token="<pad>",
         unk_token="<unk>",
-        additional_special_tokens=[f"<{role}>" for role in ROLES],
+        additional_special_tokens=specials,
     )
     tokenizer.chat_template = BUILTIN_CHAT_TEMPLATE
     return tokenizer
@@ -74,10 +82,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "spiece.model")
 
 
-def load_tokenizer(path: str | Path | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The tokenizer of the local checkpoint at `path` (never downloaded), or the built-in one when `path` is None."""
+def load_tokenizer(path: str | Path | None = None, trust_remote_code: bool = False,
+                   vision: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer of the local checkpoint at `path` (never downloaded), or the built-in one when `path` is None
+    (with the image tokens of a vision-language shape when `vision`)."""
     if path is None:
-        return builtin_tokenizer()
+        return builtin_tokenizer(vision)
     if not Path(path).exists():
         raise ModelPathError(f"tokenizer path {str(path)!r} does not exist (treerl never downloads tokenizers)")
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):

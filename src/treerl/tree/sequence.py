@@ -55,6 +55,13 @@ class ImageSpan:
                 h.update(part.view(torch.uint8).numpy().tobytes() if part.numel() else b"")
         return int.from_bytes(h.digest(), "big")
 
+    def stand_in(self) -> ImageSpan:
+        """This image for the tree without its pixels: the same place, grid and digest (so it merges as the image
+        does), for counting a batch's tokens and sharing without holding the image."""
+        span = ImageSpan(self.start, self.length, self.pixel_values.new_empty(0), self.grid_thw)
+        span.__dict__["digest"] = self.digest  # the cached property, set to the image's
+        return span
+
 
 @dataclass
 class TokenSequence:

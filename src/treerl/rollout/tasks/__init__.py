@@ -13,6 +13,7 @@ from treerl.rollout.tasks.arithmetic import Arithmetic
 from treerl.rollout.tasks.base import AgentTask, Environment, EnvReply, Prompt, SingleTurnTask
 from treerl.rollout.tasks.dataset import DatasetTask, load_agent_tasks
 from treerl.rollout.tasks.guess_number import GuessEnv, GuessNumber
+from treerl.rollout.tasks.shapes import Shapes
 
 if TYPE_CHECKING:
     from treerl.rollout.config import RolloutConfig
@@ -22,6 +23,8 @@ def build_task(config: RolloutConfig, reward_fn: RewardFn | None = None) -> Sing
     """The task `config.task` names, with its options from the config."""
     if config.task == "arithmetic":
         return Arithmetic(max_operand=config.max_operand, seed=config.seed)
+    if config.task == "shapes":
+        return Shapes(max_shapes=config.max_shapes, seed=config.seed)
     if config.task == "guess_number":
         return GuessNumber(max_number=config.max_number, max_turns=config.max_turns or 4, seed=config.seed)
     if config.task == "dataset":
@@ -30,7 +33,7 @@ def build_task(config: RolloutConfig, reward_fn: RewardFn | None = None) -> Sing
         return DatasetTask.load(
             config.data_path, reward_fn, prompt_key=config.prompt_key, answer_key=config.answer_key,
             system_prompt=config.system_prompt, seed=config.seed, shuffle=config.shuffle,
-            max_line_bytes=config.max_line_bytes,
+            max_line_bytes=config.max_line_bytes, image_key=config.image_key,
         )
     if config.task == "agent_tools":
         return AgentTools(seed=config.seed)
@@ -41,5 +44,5 @@ def build_task(config: RolloutConfig, reward_fn: RewardFn | None = None) -> Sing
 
 __all__ = [
     "AgentTask", "AgentTools", "Arithmetic", "DatasetTask", "EnvReply", "Environment", "GuessEnv", "GuessNumber", "Prompt",
-    "SingleTurnTask", "build_task",
+    "Shapes", "SingleTurnTask", "build_task",
 ]

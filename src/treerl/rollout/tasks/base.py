@@ -26,9 +26,12 @@ class Prompt:
 
     @property
     def text(self) -> str:
-        """The prompt as a reward function sees it: its last user message."""
+        """The prompt as a reward function sees it: its last user message (the text of it, where it shows images)."""
         users = [m["content"] for m in self.messages if m["role"] == "user"]
-        return users[-1] if users else self.messages[-1]["content"]
+        content = users[-1] if users else self.messages[-1]["content"]
+        if isinstance(content, list):
+            return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return content
 
 
 class SingleTurnTask(Protocol):

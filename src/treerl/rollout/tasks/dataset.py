@@ -10,6 +10,12 @@ Accepted data (local only; nothing is downloaded):
 Each row's `prompt_key` holds the prompt: a string (sent as one user message, after the optional
 system prompt) or a list of chat messages `{"role": ..., "content": ...}` (roles: system, user,
 assistant, tool). `answer_key`, if the row has it, is passed to the reward function as `answer`.
+
+Images (a vision-language model): a message's content may be a list of parts, `{"type": "text", "text": ...}` and
+`{"type": "image", "image": ...}` (or OpenAI's `image_url`); or the row's `image_key` field holds an image or a list
+of them (a local path, bytes, a datasets `Image` value, a data URL), shown in the last user message: at its `<image>`
+markers in order, as verl's multimodal data writes them, else before its text. Every image is read once when the
+data is loaded, so a missing or unreadable one fails before training starts.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from treerl.errors import DataError
+from treerl.errors import UserError
 from treerl.rollout.chat import Message
+from treerl.rollout.images import IMAGE_PARTS, image_parts, load_image, part_image
 from treerl.rollout.rewards import RewardFn, check_reward_fn
 from treerl.rollout.tasks.base import Prompt, rng_for
 from treerl.rollout.tokenizer import ROLES
@@ -62,20 +70,61 @@ def located_rows(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
     return [(f"{path} row {i}", dict(row)) for i, row in enumerate(data)]
 
 
-def row_messages(row: dict[str, Any], where: str, prompt_key: str, system_prompt: str | None) -> list[Message]:
-    """The chat messages of one row's prompt, checked."""
+def row_messages(row: dict[str, Any], where: str, prompt_key: str, system_prompt: str | None,
+                 image_key: str | None = None) -> list[Message]:
+    """The chat messages of one row's prompt (with its images, if it shows any), checked."""
     if prompt_key not in row:
         raise DataError(f"{where}: no field {prompt_key!r} (fields: {', '.join(row)})")
     value = row[prompt_key]
     if isinstance(value, str):
         messages = [{"role": "user", "content": value}]
-        return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
-    if isinstance(value, list) and value and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
+    elif isinstance(value, list) and value and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and is_content(m.get("content")) for m in value
     ):
         check_roles(value, where, prompt_key)
-        return [{"role": m["role"], "content": m["content"]} for m in value]
-    raise DataError(f"{where}: field {prompt_key!r} must be a string or a list of {{'role', 'content'}} messages")
+        messages = [{"role": m["role"], "content": m["content"]} for m in value]
+    else:
+        raise DataError(f"{where}: field {prompt_key!r} must be a string or a list of {{'role', 'content'}} messages "
+                        "(content: a string, or a list of text and image parts)")
+    images = row.get(image_key) if image_key else None
+    if images is not None:
+        messages = with_images(messages, images if isinstance(images, list) else [images], where, image_key)
+    for k, part in enumerate(image_parts(messages)):  # read each image now: a bad one fails before training
+        try:
+            load_image(part_image(part), f"{where}: image {k}")
+        except UserError as e:
+            raise DataError(str(e)) from None
+    return messages
+
+
+def is_content(content: Any) -> bool:
+    """A message's content: a string, or a list of text and image parts."""
+    return isinstance(content, str) or isinstance(content, list) and all(
+        isinstance(p, dict) and (p.get("type") == "text" and isinstance(p.get("text"), str) or p.get("type") in IMAGE_PARTS)
+        for p in content)
+
+
+def with_images(messages: list[Message], images: list[Any], where: str, image_key: str) -> list[Message]:
+    """`messages` with the row's images shown in its last user message: at its `<image>` markers, else before its text."""
+    users = [k for k, m in enumerate(messages) if m["role"] == "user"]
+    if not users or not isinstance(messages[users[-1]]["content"], str):
+        raise DataError(f"{where}: field {image_key!r} holds images, but the prompt has no user message of plain "
+                        "text to show them in")
+    text = messages[users[-1]]["content"]
+    pieces = text.split("<image>")
+    if len(pieces) == 1:
+        pieces = ["", text]
+    if len(pieces) - 1 != len(images):
+        raise DataError(f"{where}: the prompt has {len(pieces) - 1} <image> markers but field {image_key!r} holds "
+                        f"{len(images)} images")
+    content: list[dict[str, Any]] = []
+    for k, piece in enumerate(pieces):
+        if k:
+            content.append({"type": "image", "image": images[k - 1]})
+        if piece:
+            content.append({"type": "text", "text": piece})
+    return [*messages[: users[-1]], {"role": "user", "content": content}, *messages[users[-1] + 1 :]]
 
 
 def check_roles(messages: list[dict[str, Any]], where: str, prompt_key: str) -> None:
@@ -101,14 +150,16 @@ class DatasetTask:
     @classmethod
     def load(
         cls, path: str | Path, reward_fn: RewardFn, prompt_key: str = "prompt", answer_key: str = "answer",
-        system_prompt: str | None = None, max_line_bytes: int = MAX_LINE_BYTES, **kwargs: Any,
+        system_prompt: str | None = None, max_line_bytes: int = MAX_LINE_BYTES, image_key: str | None = "image",
+        **kwargs: Any,
     ) -> DatasetTask:
         """Read and check every row up front, so a bad row fails before training starts."""
         check_reward_fn(reward_fn, getattr(reward_fn, "__name__", "reward_fn"))
         rows = located_rows(path, max_line_bytes)
         if not rows:
             raise DataError(f"{path}: no rows")
-        data = [(row_messages(row, where, prompt_key, system_prompt), row.get(answer_key)) for where, row in rows]
+        data = [(row_messages(row, where, prompt_key, system_prompt, image_key), row.get(answer_key))
+                for where, row in rows]
         return cls(data, reward_fn, **kwargs)
 
     def prompts(self, step: int, count: int) -> list[Prompt]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from treerl.rollout import Completion, EmbeddedSampler, SamplingParams
 from treerl.rollout.tasks.base import rng_for
+from treerl.tree import ImageSpan
 
 
 @dataclass
@@ -32,11 +33,14 @@ class InterruptibleSampler:
     def version(self) -> int:
         return self.inner.version
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """`params.n` completions per prompt, decoded `segment_tokens` at a time on the newest weights."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: list[tuple[ImageSpan, ...]] | None = None) -> list[list[Completion]]:
+        """`params.n` completions per prompt, decoded `segment_tokens` at a time on the newest weights (a prompt's
+        images stay where they are: a resumed reply only extends its prompt)."""
         budget = params.max_new_tokens
         self.refresh()
-        first = self.inner.generate(prompts, replace(params, max_new_tokens=min(self.segment_tokens, budget)))
+        first = self.inner.generate(prompts, replace(params, max_new_tokens=min(self.segment_tokens, budget)),
+                                    images=images)
         replies = [(p, completion) for p, group in enumerate(first) for completion in group]
         segment = 0
         while unfinished := [(i, p, c) for i, (p, c) in enumerate(replies) if c.finish_reason == "length"
@@ -48,6 +52,7 @@ class InterruptibleSampler:
             more = self.inner.generate(
                 [prompts[p] + c.tokens for _, p, c in unfinished],
                 replace(params, n=1, max_new_tokens=min(self.segment_tokens, budget - done), seed=seed),
+                images=None if images is None else [images[p] for _, p, _ in unfinished],
             )
             for (i, p, c), [extra] in zip(unfinished, more):
                 replies[i] = (p, Completion(c.tokens + extra.tokens, c.logprobs + extra.logprobs, extra.finish_reason,

@@ -79,7 +79,7 @@ def train_async(config: Config) -> AsyncTrainResult:
             sampler = EmbeddedSampler(run.policy, version=run.start_step,  # evaluation only
                                       autocast=autocast_dtype(config.trainer.precision))
             weights = SharedWeights.of(run.policy, version=run.start_step)
-        task = Rollout(config.rollout, run.tokenizer, sampler).task
+        task = Rollout(config.rollout, run.tokenizer, sampler, run.images).task
         pool = RolloutPool(config, task, weights, version=run.start_step)
         reference = load_reference(config, run) if config.algo.kl_coef > 0 else None
         source = f"{len(client.servers)} inference servers" if client is not None else "their own policy copies"

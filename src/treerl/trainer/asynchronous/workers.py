@@ -40,15 +40,15 @@ from typing import Any, Callable
 import torch
 
 from treerl.errors import ServerError, UserError
-from treerl.rollout import EmbeddedSampler, Rollout, RolloutStats, load_tokenizer
+from treerl.rollout import EmbeddedSampler, Rollout, RolloutStats
 from treerl.rollout.collect import server_client
 from treerl.rollout.tasks.base import Prompt, rng_for
 from treerl.trainer.asynchronous.interruptible import InterruptibleSampler
 from treerl.trainer.asynchronous.weights import SharedWeights
-from treerl.trainer.core.build import load_policy
+from treerl.trainer.core.build import load_policy, policy_images, policy_tokenizer
 from treerl.trainer.core.config import Config
 from treerl.trainer.core.precision import autocast_dtype
-from treerl.tree import TokenSequence
+from treerl.tree import ImageSpan, TokenSequence
 
 
 @dataclass
@@ -78,12 +78,17 @@ class GroupResult:
 
     @classmethod
     def of(cls, job: int, sequences: list[TokenSequence], version: int) -> GroupResult:
-        packed = [(s.tokens.numpy(), {k: v.numpy() for k, v in s.fields.items()}, s.info, s.name) for s in sequences]
+        packed = [(s.tokens.numpy(), {k: v.numpy() for k, v in s.fields.items()}, s.info, s.name,
+                   [(i.start, i.length, i.pixel_values.numpy(), None if i.grid_thw is None else i.grid_thw.numpy())
+                    for i in s.images]) for s in sequences]
         return cls(job, packed, version)
 
     def sequences(self) -> list[TokenSequence]:
-        return [TokenSequence(torch.from_numpy(tokens), {k: torch.from_numpy(v) for k, v in fields.items()}, info, name)
-                for tokens, fields, info, name in self.packed]
+        return [TokenSequence(torch.from_numpy(tokens), {k: torch.from_numpy(v) for k, v in fields.items()}, info, name,
+                              images=tuple(ImageSpan(start, length, torch.from_numpy(pixels),
+                                                     None if grid is None else torch.from_numpy(grid))
+                                           for start, length, pixels, grid in images))
+                for tokens, fields, info, name, images in self.packed]
 
 
 def send(connection: Connection, message: Any) -> None:
@@ -142,7 +147,7 @@ def embedded_rollout(config: Config, weights: SharedWeights | None,
 
     sampler = embedded if config.trainer.on_update == "finish" else InterruptibleSampler(
         embedded, refresh, config.trainer.interrupt_tokens)
-    rollout = Rollout(config.rollout, tokenizer, sampler)
+    rollout = Rollout(config.rollout, tokenizer, sampler, policy_images(config.model, len(tokenizer)))
     rollout.watch(beat)
 
     def held(version: int) -> int:
@@ -165,9 +170,8 @@ def server_rollout(config: Config, weights: SharedWeights | None,
         client.connect()
     except UserError as e:  # the servers answered when the run started: one that does not now has failed
         raise ServerError(str(e)) from None
-    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
-                               trust_remote_code=config.model.trust_remote_code)
-    rollout = Rollout(config.rollout, tokenizer, client)
+    tokenizer = policy_tokenizer(config.model)
+    rollout = Rollout(config.rollout, tokenizer, client, policy_images(config.model, len(tokenizer)))
     rollout.watch(beat)
     return rollout, lambda version: version
 

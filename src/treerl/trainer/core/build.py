@@ -20,8 +20,9 @@ from treerl.attention import UnsupportedModel
 from treerl.distributed import DistributedModel
 from treerl.engine import AutocastEngine, DfsEngine, Engine, FlatEngine, PackedEngine, PolicyHead, ValueHead
 from treerl.engine.support import check_no_dropout
-from treerl.models import add_lora, build_model, check_model_dir
+from treerl.models import add_lora, build_model, check_model_dir, policy_config, shows_images
 from treerl.rollout import load_tokenizer
+from treerl.rollout.images import ImageProcessor, image_processor
 from treerl.trainer.core.balancer import Balancer
 from treerl.trainer.core.config import Config, ConfigError, EngineConfig, ModelConfig, TrainerConfig
 from treerl.trainer.core.learner import Learner, NonfiniteGuard
@@ -52,10 +53,9 @@ def load_policy(config: ModelConfig, device: torch.device) -> tuple[PreTrainedMo
     gradient checkpointing and LoRA adapters if configured."""
     if config.path is not None:
         check_model_dir(config.path, "model.path")
-    tokenizer_path = config.tokenizer_path or config.path
     if config.tokenizer_path is not None and not Path(config.tokenizer_path).exists():
         raise ConfigError(f"model.tokenizer_path={config.tokenizer_path!r} does not exist")
-    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=config.trust_remote_code)
+    tokenizer = policy_tokenizer(config)
     model = build_model(
         path=config.path, shape=config.shape, vocab_size=None if config.path else len(tokenizer),
         dtype=getattr(torch, config.dtype or "float32"), device=device, seed=config.seed,
@@ -70,6 +70,20 @@ def load_policy(config: ModelConfig, device: torch.device) -> tuple[PreTrainedMo
     if config.lora.rank:
         model = add_lora(model, config.lora.rank, config.lora.alpha, config.lora.target_modules)
     return model, tokenizer
+
+
+def policy_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
+    """The policy's tokenizer: `model.tokenizer_path`, else the checkpoint's, else the built-in one (with the image
+    tokens for a vision-language shape)."""
+    return load_tokenizer(config.tokenizer_path or config.path, trust_remote_code=config.trust_remote_code,
+                          vision=shows_images(config.shape))
+
+
+def policy_images(config: ModelConfig, vocab_size: int) -> ImageProcessor | None:
+    """The policy's image processor (None: a text model), from its config alone: the trainer and every rollout worker
+    render prompts that show images with it."""
+    model_config = policy_config(config.path, config.shape, vocab_size, config.trust_remote_code)
+    return image_processor(model_config, config.path)
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:

@@ -36,7 +36,8 @@ from treerl.engine import AutocastEngine, DfsEngine, FlatEngine
 from treerl.engine.base import check_model
 from treerl.models import base_fingerprint, check_device, is_lora
 from treerl.trainer.core.balancer import Balancer
-from treerl.trainer.core.build import build_critic_learner, build_policy_learner, load_policy
+from treerl.rollout.images import ImageProcessor
+from treerl.trainer.core.build import build_critic_learner, build_policy_learner, load_policy, policy_images
 from treerl.trainer.core.checkpoint import (
     CRITIC_DIR,
     Trainable,
@@ -129,6 +130,7 @@ class Run:
     config: Config
     env: DistEnv
     tokenizer: PreTrainedTokenizerBase
+    images: ImageProcessor | None  # the policy's image processor (a vision-language model), for prompts with images
     actor: Learner  # the policy: its wrapper, optimizer, schedule, engine and optimizer step
     balancer: Balancer  # how each minibatch is split over the ranks
     report: Reporter
@@ -174,7 +176,8 @@ class Run:
         balancer = Balancer(env, config.trainer, loop_state)
         guard = NonfiniteGuard(config.trainer.nonfinite, loop_state)
         actor = build_policy_learner(config, model, strategy, balancer, guard, temperature)
-        run = cls(config, env, tokenizer, actor, balancer, Reporter(config, env), run_id=start.run_id,
+        images = policy_images(config.model, len(tokenizer))
+        run = cls(config, env, tokenizer, images, actor, balancer, Reporter(config, env), run_id=start.run_id,
                   loop_state=loop_state, replaces=start.replaces)
         if config.algo.resolved().advantage == "gae":
             run.critic = build_critic_learner(config, strategy, len(tokenizer), device, balancer, guard)

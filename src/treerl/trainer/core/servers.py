@@ -38,6 +38,7 @@ from treerl.rollout.collect import server_client
 from treerl.trainer.core.checkpoint import full_weights, write_pretrained_atomically
 from treerl.trainer.core.config import Config, ConfigError
 from treerl.trainer.core.run import Run, on_main
+from treerl.tree import ImageSpan
 
 log = logging.getLogger("treerl.trainer")
 SHARED_MEMORY = Path("/dev/shm")
@@ -72,8 +73,9 @@ class ServerSampler:
             raise
         return sampler
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        return self.client.generate(prompts, params)
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: list[tuple[ImageSpan, ...]] | None = None) -> list[list[Completion]]:
+        return self.client.generate(prompts, params, **({"images": images} if images is not None else {}))
 
     def sync(self) -> None:
         """Every rank: if the servers hold an older version, write the policy and have every server load it (rank 0

@@ -293,7 +293,8 @@ def evaluation_rollout(run: Run, sampler: Sampler) -> Rollout | None:
     config = run.config
     if not config.trainer.eval_prompts:
         return None
-    return Rollout(replace(config.rollout, prompts_per_step=config.trainer.eval_prompts), run.tokenizer, sampler)
+    return Rollout(replace(config.rollout, prompts_per_step=config.trainer.eval_prompts), run.tokenizer, sampler,
+                   run.images)
 
 
 def evaluate(run: Run, evaluation: Rollout | None, step: int, label: str | None) -> float:

@@ -52,7 +52,7 @@ def train_sync(config: Config) -> TrainResult:
         else:
             sampler = build_sampler(config.rollout, run.policy, autocast=autocast_dtype(config.trainer.precision))
             sampler.version = run.start_step
-        rollout = Rollout(config.rollout, run.tokenizer, sampler)
+        rollout = Rollout(config.rollout, run.tokenizer, sampler, run.images)
         rollouts.append(rollout)
         reference = load_reference(config, run) if config.algo.kl_coef > 0 else None
         evaluation = evaluation_rollout(run, sampler)

@@ -18,6 +18,12 @@ One JSON object per line, a conversation:
        ]}
      ]}
 
+A user or tool message may show images: its content a list of parts, `{"type": "text", "text": ...}` and
+`{"type": "image", "image": "shots/1.png"}` (a local path, a base64 data URL, or OpenAI's `image_url` part), for a
+vision-language model (treerl.rollout.images). A conversation that shows images is rendered again each time a step
+reads it: its pixels are not held between steps (a dataset of screenshots would not fit in memory), only its token
+counts are.
+
 A `{"branches": [...]}` item ends its list; a branch may end in branches of its own, so a
 conversation is a tree. Every root-to-leaf path is one training sequence, trained on its
 assistant messages (their text and the stop token that ends them; `"train": false` leaves an
@@ -35,7 +41,7 @@ exactly like the model's sampled ones.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -43,10 +49,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from treerl.errors import DataError
+from treerl.errors import DataError, UserError
 from treerl.rollout.chat import ChatFormat, Message
+from treerl.rollout.images import ImageProcessor, image_parts
 from treerl.rollout.tasks.base import rng_for
-from treerl.rollout.tasks.dataset import located_rows
+from treerl.rollout.tasks.dataset import is_content, located_rows
 from treerl.rollout.tokenizer import PLAIN_CHAT_TEMPLATE
 from treerl.tree import TokenSequence
 from treerl.tree.io import MAX_LINE_BYTES
@@ -59,13 +66,14 @@ def example_path() -> Path:
     return Path(str(resources.files("treerl") / "data" / "sft_example.jsonl"))
 
 
-def chat_format(tokenizer: PreTrainedTokenizerBase, kind: str) -> ChatFormat:
+def chat_format(tokenizer: PreTrainedTokenizerBase, kind: str, images: ImageProcessor | None = None) -> ChatFormat:
     """`template`: the tokenizer's chat template (load_tokenizer gives template-less ones the plain format);
-    `plain`: "Role: content" lines whatever the tokenizer has."""
+    `plain`: "Role: content" lines whatever the tokenizer has. `images`: the model's image processor, if it takes
+    images."""
     if kind == "plain":
         tokenizer = copy.copy(tokenizer)
         tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
-    return ChatFormat(tokenizer)
+    return ChatFormat(tokenizer, images=images)
 
 
 def paths(items: list[Any], where: str) -> list[list[dict[str, Any]]]:
@@ -84,8 +92,11 @@ def paths(items: list[Any], where: str) -> list[list[dict[str, Any]]]:
             if not isinstance(branches, list) or not branches:
                 raise DataError(f"{here}: 'branches' must be a non-empty list of message lists")
             return [prefix + rest for b, branch in enumerate(branches) for rest in paths(branch, f"{here}.branches[{b}]")]
-        if item.get("role") not in ROLES or not isinstance(item.get("content"), str):
-            raise DataError(f"{here}: a message needs 'role' (one of {', '.join(ROLES)}) and a string 'content'")
+        if item.get("role") not in ROLES or not is_content(item.get("content")):
+            raise DataError(f"{here}: a message needs 'role' (one of {', '.join(ROLES)}) and a 'content': a string, "
+                            "or a list of text and image parts")
+        if item["role"] == "assistant" and not isinstance(item["content"], str):
+            raise DataError(f"{here}: an assistant reply is trained as text: its 'content' must be a string")
         if not isinstance(item.get("train", True), bool):
             raise DataError(f"{here}: 'train' must be true or false")
         check_no_tool_calls(item, here)
@@ -102,29 +113,39 @@ def check_no_tool_calls(message: dict[str, Any], where: str) -> None:
                         "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)")
 
 
-def render_path(chat: ChatFormat, messages: list[dict[str, Any]], where: str) -> tuple[list[int], list[float]]:
-    """Tokens of one path and its loss mask (1 on trained assistant replies and their stop token)."""
+def render_path(chat: ChatFormat, messages: list[dict[str, Any]], where: str) -> TokenSequence:
+    """One path as a sequence: its tokens, loss mask (1 on trained assistant replies and their stop token) and the
+    images it shows."""
     replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     if not replies:
         raise DataError(f"{where}: a path without an assistant message has nothing to train")
     first = replies[0]
-    tokens = chat.prompt([_plain(m) for m in messages[:first]])
+    try:
+        return _render(chat, messages, first, replies[-1], where)
+    except UserError as e:  # an image that cannot be read, or a model that takes none
+        raise DataError(str(e)) from None
+
+
+def _render(chat: ChatFormat, messages: list[dict[str, Any]], first: int, last: int, where: str) -> TokenSequence:
+    """`render_path` from the first assistant reply (`first`) to the last (`last`)."""
+    tokens, images = chat.prompt_with_images([_plain(m) for m in messages[:first]], who=where)
     mask = [0.0] * len(tokens)
     pending: list[Message] = []
-    for k in range(first, replies[-1] + 1):
+    for k in range(first, last + 1):
         message = messages[k]
         if message["role"] != "assistant":
             pending.append(_plain(message))
             continue
         if k != first:
-            glue = chat.continuation(pending)
+            glue, shown = chat.continuation_with_images(pending, offset=len(tokens), who=where)
             tokens += glue
+            images += shown
             mask += [0.0] * len(glue)
             pending = []
         reply = chat.tokenizer(message["content"], add_special_tokens=False)["input_ids"] + [chat.stop_token_ids[0]]
         tokens += reply
         mask += [1.0 if message.get("train", True) else 0.0] * len(reply)
-    return tokens, mask
+    return TokenSequence(tokens, {"loss_mask": torch.tensor(mask)}, images=images)
 
 
 def _plain(message: dict[str, Any]) -> Message:
@@ -133,10 +154,28 @@ def _plain(message: dict[str, Any]) -> Message:
 
 @dataclass
 class Conversation:
-    """One conversation's paths as training sequences (group = the conversation, trajectory = the path)."""
+    """One conversation's paths as training sequences (group = the conversation, trajectory = the path).
+
+    `counted`: the sequences without their images' pixels (each image a stand-in that merges as it does), for counting
+    tokens and sharing; `sequences` renders them whole: kept when the conversation shows no image, rendered again at
+    each read when it does."""
 
     id: str
-    sequences: list[TokenSequence]
+    counted: list[TokenSequence]
+    paths: list[list[dict[str, Any]]] = field(default_factory=list)
+    chat: ChatFormat | None = None  # renders a conversation that shows images
+    where: str = ""
+
+    @property
+    def sequences(self) -> list[TokenSequence]:
+        if not any(s.images for s in self.counted):
+            return self.counted
+        return [self._sequence(p, path) for p, path in enumerate(self.paths)]
+
+    def _sequence(self, p: int, path: list[dict[str, Any]]) -> TokenSequence:
+        sequence = render_path(self.chat, path, f"{self.where} path {p}")
+        sequence.info, sequence.name = {"group": self.id, "trajectory": f"{self.id}/{p}"}, f"{self.id}/path{p}"
+        return sequence
 
 
 def load_conversations(path: str | Path, chat: ChatFormat, max_line_bytes: int = MAX_LINE_BYTES) -> list[Conversation]:
@@ -151,12 +190,14 @@ def load_conversations(path: str | Path, chat: ChatFormat, max_line_bytes: int =
         if "messages" not in row:
             raise DataError(f"{where}: expected an object with 'messages'")
         cid = str(row.get("id") or f"row{i}")
-        sequences = []
-        for p, messages in enumerate(paths(row["messages"], f"{where} messages")):
-            tokens, mask = render_path(chat, messages, f"{where} path {p}")
-            sequences.append(TokenSequence(tokens, {"loss_mask": torch.tensor(mask)},
-                                      {"group": cid, "trajectory": f"{cid}/{p}"}, name=f"{cid}/path{p}"))
-        conversations.append(Conversation(cid, sequences))
+        conversation = Conversation(cid, [], paths(row["messages"], f"{where} messages"), chat, where)
+        for p, path in enumerate(conversation.paths):  # every path rendered now: a bad row fails before training
+            sequence = conversation._sequence(p, path)
+            sequence.images = tuple(image.stand_in() for image in sequence.images)  # the pixels are not kept
+            conversation.counted.append(sequence)
+        if not image_parts([m for path in conversation.paths for m in path]):
+            conversation.paths, conversation.chat = [], None  # rendered for good
+        conversations.append(conversation)
     if not conversations:
         raise DataError(f"{path}: no conversations")
     return conversations

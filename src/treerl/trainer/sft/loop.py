@@ -52,14 +52,14 @@ def sft(config: Config) -> SFTResult:
     started = time.perf_counter()
     run = Run.start(config)
     try:
-        chat = chat_format(run.tokenizer, config.sft.chat_format)
+        chat = chat_format(run.tokenizer, config.sft.chat_format, run.images)
         conversations = load_conversations(config.sft.data_path or example_path(), chat, config.sft.max_line_bytes)
         data = SFTData(conversations, config.sft.conversations_per_step, config.trainer.seed, config.sft.shuffle)
         held = [s for c in conversations[: config.sft.eval_conversations] for s in c.sequences]
-        stats = PrefixTree.build([s for c in conversations for s in c.sequences]).stats()
+        stats = PrefixTree.build([s for c in conversations for s in c.counted]).stats()
         run.report.print(f"{len(conversations)} conversations, {stats.sequences} paths, {stats.flat_tokens} tokens "
                   f"({stats.compression:.2f}x shared as a tree)")
-        run.check_model(max(len(s) for c in conversations for s in c.sequences), setting=None)
+        run.check_model(max(len(s) for c in conversations for s in c.counted), setting=None)
         loss_start = evaluate(run, held, run.start_step, "start")
         losses = []
         for step in run.steps():

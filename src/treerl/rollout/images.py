@@ -1,0 +1,163 @@
+"""Images in prompts: read from where a user's data or an agent's request keeps them, and turned into the pixels and
+placeholder tokens the model's processor makes of them.
+
+Step 1 (docs/architecture.md): the images a prompt shows, as `treerl.tree.ImageSpan`s beside its token ids.
+
+A chat message shows an image as a content part, in transformers' form (`{"type": "image", "image": ...}`) or
+OpenAI's (`{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`). The image is a PIL image, an
+`[height, width, 3]` uint8 array, the bytes of an image file, a datasets `Image` value (`{"bytes", "path"}`), a
+local file path or a base64 data URL; nothing is downloaded (an http URL is refused with a clear error). The chat
+template writes one image token per image part (Qwen-VL: `<|vision_start|><|image_pad|><|vision_end|>`, the built-in
+tokenizer: `<vision_start><image><vision_end>`); `ImageProcessor` turns the image into the model's `pixel_values`
+(and Qwen-VL's patch grid) and says how many placeholder tokens that one token expands to, as the model's own
+processor does: Qwen-VL's `Qwen2VLImageProcessor` (its images keep their size, rounded to whole merged patches,
+unless a checkpoint's preprocessor config says otherwise), LLaVA's CLIP processor (resized to the tower's size).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from treerl.engine.images import Llava, QwenVL, vision_family
+from treerl.errors import UserError
+from treerl.tree import ImageSpan
+
+IMAGE_PARTS = ("image", "image_url")  # content part types that show an image
+
+
+def image_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The image content parts of a conversation, in order."""
+    return [part for m in messages if isinstance(m.get("content"), list)
+            for part in m["content"] if isinstance(part, dict) and part.get("type") in IMAGE_PARTS]
+
+
+def part_image(part: dict[str, Any]) -> Any:
+    """What an image content part holds: transformers' `image` (or `url` / `path`), or OpenAI's `image_url.url`."""
+    if part["type"] == "image_url":
+        url = part.get("image_url")
+        return url.get("url") if isinstance(url, dict) else url
+    for key in ("image", "url", "path"):
+        if part.get(key) is not None:
+            return part[key]
+    return None
+
+
+def load_image(value: Any, who: str) -> Image.Image:
+    """`value` as an RGB PIL image; a UserError naming `who` when it is none of the accepted forms or unreadable."""
+    try:
+        if isinstance(value, Image.Image):
+            image = value
+        elif isinstance(value, np.ndarray):
+            image = Image.fromarray(value)
+        elif isinstance(value, dict) and ("bytes" in value or "path" in value):  # a datasets Image value
+            return load_image(value.get("bytes") or value.get("path"), who)
+        elif isinstance(value, (bytes, bytearray)):
+            image = Image.open(io.BytesIO(value))
+        elif isinstance(value, str) and value.startswith("data:"):
+            header, _, data = value.partition(",")
+            if not header.endswith(";base64"):
+                raise UserError(f"{who}: a data URL must be base64 (data:image/png;base64,...), got {header!r}")
+            image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+        elif isinstance(value, str) and value.split(":", 1)[0] in ("http", "https"):
+            raise UserError(f"{who}: {value[:80]!r} is a web address; treerl downloads nothing at run time: save the "
+                            "image and give its local path, its bytes or a data URL")
+        elif isinstance(value, (str, Path)):
+            if not Path(value).is_file():
+                raise UserError(f"{who}: image file {str(value)!r} does not exist")
+            image = Image.open(value)
+        else:
+            raise UserError(f"{who}: an image must be a PIL image, a uint8 array, bytes, a local path or a data URL, "
+                            f"not {type(value).__name__}")
+        image.load()
+    except UserError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, TypeError, binascii.Error) as e:
+        raise UserError(f"{who}: cannot read the image ({e})") from None
+    return image.convert("RGB")
+
+
+class ImageProcessor:
+    """A vision-language model's image preprocessing: an image -> its `pixel_values`, patch grid and placeholder count.
+
+    `path`: a local checkpoint whose `preprocessor_config.json` sets the processing (sizes, means); without one the
+    processor is built from the model config alone."""
+
+    def __init__(self, config, path: str | None = None):
+        family = vision_family(config)
+        if family is None:
+            raise UserError(f"{config.model_type} is not a vision-language model whose images treerl feeds")
+        self.config, self.family = config, family
+        self.image_token_id: int = config.image_token_id
+        self.processor = _checkpoint_processor(path) or _processor_from_config(config, family)
+
+    def span(self, image: Image.Image, start: int) -> ImageSpan:
+        """The image at token `start`, as the engines and the sampler read it (float32 pixels)."""
+        out = self.processor(images=[image], return_tensors="pt")
+        pixels = out["pixel_values"].float()
+        grid = out["image_grid_thw"][0] if "image_grid_thw" in out else None
+        if isinstance(self.family, Llava):
+            pixels = pixels[0]
+        return ImageSpan(start, self.family.placeholders(self.config, grid), pixels, grid)
+
+
+def _checkpoint_processor(path: str | None):
+    """The image processor a local checkpoint ships (its preprocessor_config.json), else None; never downloaded."""
+    if path is None or not (Path(path) / "preprocessor_config.json").is_file():
+        return None
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(path, local_files_only=True, backend="pil")
+
+
+def _processor_from_config(config, family: QwenVL | Llava):
+    """The image processor of a random-init shape: the model's own processor class, sized by its vision config."""
+    vision = config.vision_config
+    if isinstance(family, QwenVL):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        factor = vision.patch_size * vision.spatial_merge_size
+        return Qwen2VLImageProcessorPil(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                                        merge_size=vision.spatial_merge_size, min_pixels=factor**2,
+                                        max_pixels=1024 * 1024)
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    side = vision.image_size
+    return CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+
+
+def image_processor(config, path: str | None = None) -> ImageProcessor | None:
+    """The model's image processor when treerl feeds its images, else None (a text model)."""
+    return ImageProcessor(config, path) if vision_family(config) is not None else None
+
+
+def expand_images(ids: list[int], images: list[Image.Image], processor: ImageProcessor | None, who: str,
+                  offset: int = 0) -> tuple[list[int], tuple[ImageSpan, ...]]:
+    """The rendered prompt `ids`, whose chat template wrote one image token per image, with each such token expanded
+    into the image's placeholder tokens, and the images as spans over them (placed `offset` tokens further on: `ids`
+    continue a context that long)."""
+    if not images:
+        return ids, ()
+    if processor is None:
+        raise UserError(f"{who} shows an image, but the model is not a vision-language model whose images treerl "
+                        "feeds (treerl.engine.images.VISION_LANGUAGE)")
+    shown = [i for i, token in enumerate(ids) if token == processor.image_token_id]
+    if len(shown) != len(images):
+        raise UserError(f"{who} shows {len(images)} images, but the chat template wrote {len(shown)} image tokens "
+                        f"(id {processor.image_token_id}): give the model's own chat template")
+    out: list[int] = []
+    spans = []
+    last = 0
+    for where, image in zip(shown, images):
+        out += ids[last:where]
+        spans.append(processor.span(image, offset + len(out)))
+        out += [processor.image_token_id] * spans[-1].length
+        last = where + 1
+    return out + ids[last:], tuple(spans)
+
