@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from support import fresh_model
+from support import float64_throughout, fresh_model
 
 from treerl.engine import DfsEngine, PolicyHead
 from treerl.engine.images import check_images
@@ -331,3 +331,26 @@ def test_an_environment_shows_a_screenshot_a_turn_and_the_branches_share_the_ear
     assert broken.run(EmbeddedSampler(model), _ScreenTask().prompts(0, 1), stats, seed=0) == []
     assert stats.dropped == {"environment_image": 2}
     assert "the environment's answer at turn 0, image 0: cannot read the image" in stats.dropped_samples[0].reason
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl", "qwen3_5", "llava"])
+def test_each_familys_processor_makes_images_its_engines_train_exactly(name):
+    """The image processor built from each family's config makes spans the engines take (patch rows of the tower's
+    width, the grid, the placeholder count), and DfsEngine's log-probs on them are the flat reference's."""
+    from vision_models import END, START, vl_model
+
+    from treerl.engine import FlatEngine
+    from treerl.tree import TokenSequence
+
+    model = vl_model(name)
+    processor = ImageProcessor(model.config)
+    sequences = []
+    for seed in (0, 0, 1):
+        span = processor.span(_picture(seed, 16), start=3)
+        tokens = [1, 5, START] + [processor.image_token_id] * span.length + [END, 7, 8 + seed]
+        sequences.append(TokenSequence(torch.tensor(tokens), images=(span,)))
+    assert sequences[0].images[0].digest == sequences[1].images[0].digest != sequences[2].images[0].digest
+    with float64_throughout():  # transformers' norms and delta rule compute in float32 otherwise (Qwen3.5: 1e-8)
+        pairs = zip(DfsEngine().forward(model, sequences), FlatEngine(layout="sequences").forward(model, sequences))
+        for dfs, flat in pairs:
+            assert torch.allclose(dfs["logprobs"], flat["logprobs"], atol=1e-12, rtol=0)
