@@ -163,17 +163,50 @@ def test_images_a_model_cannot_take_are_refused_before_compute(build, says):
     assert calls == []
 
 
-def test_a_model_that_attends_both_ways_over_an_image_is_refused_naming_it():
-    """Gemma 3 lets an image's tokens attend to each other both ways: refused with images, for that."""
+def _gemma3() -> torch.nn.Module:
+    """Gemma 3 (a 1-layer SigLIP tower on 8 x 8 images pooled to 4 tokens), its sliding window (4) shorter than a
+    sequence, so the window binds both inside and around the images."""
     torch.manual_seed(0)
+    text = {**TEXT, "vocab_size": 300, "head_dim": 8, "sliding_window": 4, "rope_parameters": None,
+            "layer_types": ["sliding_attention", "full_attention"]}
     model = Gemma3ForConditionalGeneration(Gemma3Config(
-        text_config={**TEXT, "vocab_size": 300, "head_dim": 8, "sliding_window": 8, "rope_parameters": None},
-        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
-                       "image_size": 8, "patch_size": 2},
-        mm_tokens_per_image=4, image_token_index=260, boi_token_index=255, eoi_token_index=256)).eval()
-    batch = [TokenSequence(torch.tensor([2, 5, 255, 260, 260, 260, 260, 256, 7]),
-                           images=(ImageSpan(3, 4, torch.randn(3, 8, 8)),))]
-    with pytest.raises(UnsupportedModel, match="image tokens attend to each other both ways"):
+        text_config=text, vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                         "num_attention_heads": 4, "image_size": 8, "patch_size": 2},
+        mm_tokens_per_image=4, image_token_index=260, boi_token_index=255, eoi_token_index=256)).double().eval()
+    with torch.no_grad():  # initialised to zero, it would show every image as zeros (and cut the tower's gradient)
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.5)
+    return model
+
+
+def _gemma3_batch() -> list[TokenSequence]:
+    """A group on one image, the same text on another, and two images in one sequence (each its own block)."""
+    g = torch.Generator().manual_seed(0)
+    shots = [torch.randn(3, 8, 8, generator=g, dtype=torch.float64) for _ in range(3)]
+    image = [255, 260, 260, 260, 260, 256]
+    out = []
+    for seed, (parts, shown) in enumerate([([2, 5, *image, 7, 8], [0]), ([2, 5, *image, 7, 9, 10], [0]),
+                                           ([2, 5, *image, 7, 8], [1]), ([2, *image, 6, *image, 11, 12], [0, 2])]):
+        starts = [k + 1 for k, t in enumerate(parts) if t == 255]
+        images = tuple(ImageSpan(start, 4, shots[i]) for start, i in zip(starts, shown))
+        advantages = torch.randn(len(parts), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        out.append(TokenSequence(torch.tensor(parts), images=images, fields={"advantages": advantages}))
+    return out
+
+
+def test_gemma3s_images_attend_both_ways_in_the_flat_reference_and_the_tree_engines_refuse_them():
+    """Gemma 3 lets an image's tokens attend to each other both ways (bounded by the sliding window on local layers):
+    FlatEngine computes it with the model's own masks, equal to the model's own forward on each sequence, gradients
+    reaching the vision tower; DfsEngine refuses (its tree attention does not compute the blocks yet), naming flat."""
+    model, batch = _gemma3(), _gemma3_batch()
+    with float64_throughout():
+        assert assert_matches_model(model, batch, ORACLE.forward(model, batch), tol=1e-12) <= 1e-12
+    model.zero_grad(set_to_none=True)
+    ORACLE.forward_backward(model, batch, _loss)
+    patches = next(p for n, p in model.model.vision_tower.named_parameters() if "patch_embedding.weight" in n)
+    assert patches.grad.abs().sum() > 0
+    assert model.model.multi_modal_projector.mm_input_projection_weight.grad.abs().sum() > 0
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(UnsupportedModel, match=r"attend to each other both ways.*engine.name=flat"):
         DfsEngine().forward(model, batch)
 
 
@@ -234,11 +267,39 @@ def multimodal_section() -> list[str]:
                 worst = max(worst, *errors.values())
         assert worst <= TOL[name], (name, worst)
         lines.append(f"| {name} | exact (<= {next(b for b in (1e-12, 1e-9, 1e-6) if worst <= b):g}) |")
+    model, batch = _gemma3(), _gemma3_batch()
+    with float64_throughout():
+        worst = assert_matches_model(model, batch, ORACLE.forward(model, batch), tol=1e-12)
+    lines.append(f"| gemma3 | refused: its image tokens attend to each other both ways, which the tree attention does "
+                 f"not compute yet; FlatEngine trains it, exact (<= {next(b for b in (1e-12, 1e-9) if worst <= b):g}), "
+                 "and the embedded sampler samples from its images |")
     lines += [f"| {kind} | refused: {reason} |" for kind, reason in sorted(REFUSED_WITH_IMAGES.items())]
     others = sorted(set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) - set(VISION_LANGUAGE) - set(REFUSED_WITH_IMAGES))
     refused = f"The other {len(others)} image-text-to-text types of the installed transformers are refused with images"
     lines += ["", refused + ", before compute",
               "(their tower, positions and placeholder layout are not in `treerl.engine.images.VISION_LANGUAGE` yet);",
               "every engine trains them on text. PackedEngine refuses images."]
-    assert set(VISION_LANGUAGE) == set(BUILDS), "every served family is measured here"
+    assert set(VISION_LANGUAGE) == set(BUILDS) | {"gemma3"}, "every served family is measured here"
     return lines
+
+
+def test_gemma3s_sampler_prefills_images_both_ways_as_the_flat_reference_trains_them():
+    """The embedded sampler prefills a Gemma 3 image prompt with the model's own masks (left-padded beside a longer
+    prompt): each sampled token's behaviour log-prob is what FlatEngine recomputes."""
+    from treerl.engine import PolicyHead
+    from treerl.rollout.embedded import EmbeddedSampler
+    from treerl.rollout.sampler import SamplingParams
+
+    model = _gemma3()
+    prompts = [s for s in _gemma3_batch() if len(s.images) < 2][:1] + _gemma3_batch()[3:]
+    params = SamplingParams(n=2, max_new_tokens=4, seed=0)
+    results = EmbeddedSampler(model).generate([p.tokens.tolist() for p in prompts], params,
+                                              images=[p.images for p in prompts])
+    sequences, behaviour = [], []
+    for prompt, group in zip(prompts, results):
+        for completion in group:
+            sequences.append(TokenSequence(torch.cat([prompt.tokens, torch.tensor(completion.tokens)]),
+                                           images=prompt.images))
+            behaviour.append((len(prompt), torch.tensor(completion.logprobs, dtype=torch.float64)))
+    for out, (start, logprobs) in zip(FlatEngine(head=PolicyHead()).forward(model, sequences), behaviour):
+        assert torch.allclose(out["logprobs"][start:], logprobs, atol=1e-9, rtol=0), (out["logprobs"][start:], logprobs)

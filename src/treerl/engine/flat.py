@@ -42,7 +42,7 @@ from treerl.engine.base import (
     to_device,
 )
 from treerl.engine.head import PolicyHead
-from treerl.engine.images import ImageTable, body_positions
+from treerl.engine.images import ImageTable, body_positions, vision_family
 from treerl.engine.memory import flat_micro_batches
 from treerl.engine.recurrent import earliest_index_ties
 from treerl.engine.support import check_all_layers_routed
@@ -146,8 +146,13 @@ class FlatEngine:
         elif batch[0].images:  # one sequence: its images through the vision tower, its own rotary positions
             table = ImageTable(model, batch, grad=torch.is_grad_enabled(), attached=True)
             where, rows = (x.to(device) for x in table.span(batch[0], 0, lengths[0]))
-            hidden = final_hidden(model, **table.inputs(model, ids[None], rows[None]),
-                                  position_ids=body_positions(where, ids[None].shape))[0]
+            inputs = table.inputs(model, ids[None], rows[None])
+            positions = body_positions(where, ids[None].shape)
+            family = vision_family(model)
+            if family.both_ways:  # an image's tokens see each other both ways: the model's own mask
+                inputs["attention_mask"] = family.body_mask(model, (rows >= 0)[None].long(), inputs["inputs_embeds"],
+                                                            positions)
+            hidden = final_hidden(model, **inputs, position_ids=positions)[0]
         else:
             hidden = final_hidden(model, input_ids=ids[None], position_ids=positions[None])[0]
         outputs = self.head(model, hidden, targets)

@@ -18,7 +18,9 @@ attention, the other three rotate it.
 
 Served: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (its DeepStack features too), Qwen3.5 (hybrid: its calls run in rows, each
 padded by repeating its last token's image row and positions) and LLaVA (`VISION_LANGUAGE`: each family's tower,
-positions and own-forward inputs); other vision-language models are refused with images, naming why.
+positions and own-forward inputs). Gemma 3's image tokens attend to each other both ways: the flat reference (and the
+embedded sampler) compute that with the model's own masks, the tree engines refuse it. Other vision-language models
+are refused with images, naming why.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class QwenVL:
     """Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5: an image is `pixel_values` of one row per patch and its (t, h, w)
     `grid_thw`; the tower (`get_image_features`) merges each 2x2 of patches into one placeholder token's embedding (Qwen3-VL: and DeepStack
     features for the text body's first layers); positions are multimodal RoPE (`get_rope_index`)."""
+
+    both_ways = False  # an image's tokens attend causally, like text
 
     def placeholders(self, config, grid_thw: torch.Tensor | None) -> int:
         """Placeholder tokens of an image with this patch grid: one per `spatial_merge_size`^2 patches."""
@@ -85,6 +89,8 @@ class Llava:
     layer's patch states through the projector, `get_image_features`) gives one placeholder token per patch; positions
     are the plain 1-D ones (the depth)."""
 
+    both_ways = False  # an image's tokens attend causally, like text
+
     def placeholders(self, config, grid_thw: torch.Tensor | None = None) -> int:
         """Placeholder tokens of an image: one per patch (and the CLS state's, when the projector keeps it)."""
         vision = config.vision_config
@@ -117,15 +123,47 @@ class Llava:
         return {"pixel_values": torch.stack([i.pixel_values for i in sequence.images]).to(ids.device)}
 
 
+class Gemma3(Llava):
+    """Gemma 3: an image is `pixel_values` of shape (channels, height, width); the tower (SigLIP, then the projector
+    pooling its patches, `get_image_features`) gives `mm_tokens_per_image` placeholder tokens; positions are the plain
+    1-D ones. An image's tokens attend to each other both ways (a bidirectional block per image inside the causal
+    mask; on sliding-window layers the window still bounds what lies before): the flat reference computes it with the
+    model's own mask (`body_mask`); the tree attention does not yet, so the tree engines refuse Gemma 3's images."""
+
+    both_ways = True
+
+    def placeholders(self, config, grid_thw: torch.Tensor | None = None) -> int:
+        return config.mm_tokens_per_image
+
+    def features(self, model: PreTrainedModel, images: list[ImageSpan]) -> tuple[list, list]:
+        pixels = torch.stack([image.pixel_values for image in images]).to(_device(model))
+        return list(model.model.get_image_features(pixels, return_dict=True).pooler_output), []
+
+    def own_inputs(self, model: PreTrainedModel, sequence: TokenSequence, ids: torch.Tensor) -> dict:
+        return {**super().own_inputs(model, sequence, ids),
+                "token_type_ids": image_token_types(sequence)[None, : ids.shape[-1]].long().to(ids.device)}
+
+    def body_mask(self, model: PreTrainedModel, types: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+                  padding: torch.Tensor | None = None, cache=None) -> dict:
+        """The text body's attention masks (full and sliding layers) for tokens of these image `types` `[B, L]`,
+        as the model's own forward builds them: causal, or both ways inside each image."""
+        from transformers.models.gemma3.modeling_gemma3 import (
+            create_masks_for_vision_model,
+            get_block_sequence_ids_for_mask,
+        )
+
+        return create_masks_for_vision_model(
+            config=model.config.get_text_config(), inputs_embeds=embeds, attention_mask=padding, cache=cache,
+            position_ids=positions, block_sequence_ids=get_block_sequence_ids_for_mask(types, device=embeds.device))
+
+
 # Vision-language model types whose images treerl feeds, and how.
 VISION_LANGUAGE = {"qwen2_vl": QwenVL(), "qwen2_5_vl": QwenVL(), "qwen3_vl": QwenVL(), "qwen3_5": QwenVL(),
-                   "llava": Llava()}
+                   "llava": Llava(), "gemma3": Gemma3()}
 
 
 # Vision-language model types refused with images for a reason of their own (the others: not fed yet).
 REFUSED_WITH_IMAGES = {
-    "gemma3": "its image tokens attend to each other both ways (a bidirectional block per image inside the causal "
-              "mask), which treerl's tree attention does not compute",
     "paligemma": "its prompt and image tokens attend to each other both ways (a bidirectional prefix), which treerl's "
                  "tree attention does not compute",
 }
@@ -137,9 +175,10 @@ def vision_family(model_or_config) -> QwenVL | Llava | None:
     return VISION_LANGUAGE.get(getattr(config, "model_type", None))
 
 
-def check_images(model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> None:
+def check_images(model: PreTrainedModel, sequences: Sequence[TokenSequence], tree: bool = False) -> None:
     """Images only for a model whose vision tower treerl feeds, each shown as its model's placeholder token, as many of
-    them as the tower makes of it, and not the sequence's last token."""
+    them as the tower makes of it, and not the sequence's last token; `tree`: for an engine that computes shared
+    prefixes once, whose tree attention does not compute an image's tokens attending both ways."""
     shown = [(i, s) for i, s in enumerate(sequences) if s.images]
     if not shown:
         return
@@ -156,6 +195,12 @@ def check_images(model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> 
             f"treerl feeds ({', '.join(VISION_LANGUAGE)}); training on its placeholder tokens without the pixels "
             "behind them would be wrong"
         )
+    if tree and family.both_ways:
+        i, sequence = shown[0]
+        raise UnsupportedModel(
+            f"{sequence.label(i)} shows an image, and {model_name(model)} lets an image's tokens attend to each other "
+            "both ways, which the tree engines' attention does not compute yet: FlatEngine (engine.name=flat) trains "
+            "it exactly")
     image_token = model.config.image_token_id
     for i, sequence in shown:
         for k, image in enumerate(sequence.images):

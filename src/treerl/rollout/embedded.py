@@ -24,7 +24,7 @@ from transformers import DynamicCache, PreTrainedModel
 from treerl.engine import autocast
 from treerl.engine.base import final_hidden
 from treerl.engine.head import logit_transform
-from treerl.engine.images import ImageTable, body_positions, check_images
+from treerl.engine.images import ImageTable, body_positions, check_images, vision_family
 from treerl.engine.recurrent import cache_kwarg
 from treerl.engine.support import decoder_module
 from treerl.errors import TrainingStopped
@@ -108,6 +108,10 @@ class EmbeddedSampler:
         # the text body on the image rows, as the engines run it (the full model would compute its own positions)
         body = {**table.inputs(self.model, inputs["input_ids"], rows.to(device)), "attention_mask": mask,
                 "position_ids": where, "use_cache": True, cache_kwarg(decoder_module(self.model)): cache}
+        family = vision_family(self.model)
+        if family.both_ways:  # an image's tokens see each other both ways (Gemma 3): the model's own masks
+            body["attention_mask"] = family.body_mask(self.model, (rows >= 0).long().to(device), body["inputs_embeds"],
+                                                      where, padding=mask, cache=cache)
         hidden = final_hidden(self.model, **body)[:, -1]
         logits = logit_transform(self.model).apply(self.model.get_output_embeddings()(hidden))
         return logits, cache, mask, positions[:, :, -1] + 1

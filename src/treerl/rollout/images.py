@@ -99,6 +99,10 @@ class ImageProcessor:
 
     def span(self, image: Image.Image, start: int) -> ImageSpan:
         """The image at token `start`, as the engines and the sampler read it (float32 pixels)."""
+        if self.family.both_ways:
+            raise UserError(f"{self.config.model_type}: its chat template marks an image with a start token that its "
+                            "processor expands (into the image's tokens between start and end tokens), which treerl's "
+                            "rollouts do not do yet; train its images from Python (treerl.tree.ImageSpan, FlatEngine)")
         out = self.processor(images=[image], return_tensors="pt")
         pixels = out["pixel_values"].float()
         grid = out["image_grid_thw"][0] if "image_grid_thw" in out else None
