@@ -70,6 +70,8 @@ def test_errors_exit_with_a_message_not_a_traceback(tmp_path):
     assert result.exit_code == 2 and "model.path='/no/such/checkpoint' does not exist" in result.output
     result = CliRunner().invoke(app, ["sft", "missing.yaml"])
     assert result.exit_code == 2 and "config file 'missing.yaml' does not exist" in result.output
+    result = CliRunner().invoke(app, ["train", "shapes", "algo.loss=ppo", f"trainer.output_dir={tmp_path / 'ppo'}"])
+    assert result.exit_code == 2 and "critic (GAE), which treerl does not build for a vision-language" in result.output
 
 
 def test_sft_smoke(tmp_path):

@@ -136,3 +136,19 @@ def test_only_rank_0_logs_the_same_metrics(runs, strategy):
         for key in ("train/loss", "rollout/reward_mean", "batch/flat_tokens", "train/kl", "eval/reward_mean"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-12), (a["step"], key)
+
+
+def test_images_on_several_ranks_are_refused_before_their_step_computes():
+    """Under torchrun the vision tower's gradients would not be synced (the sync's one-token forward does not run it):
+    a minibatch that shows images is refused on every rank (each holds the whole minibatch) before any engine call."""
+    from types import SimpleNamespace
+
+    from vision_models import sequence
+
+    from treerl.errors import UserError
+    from treerl.trainer.core.learner import Learner
+
+    engine = SimpleNamespace(forward_backward=lambda *a: pytest.fail("an engine ran"))
+    learner = Learner("policy", SimpleNamespace(strategy="ddp"), None, None, engine, None, None, None)
+    with pytest.raises(UserError, match="trains on several ranks"):
+        learner._forward_backward([sequence([[1, 5], (0, 4, 4), [7, 8]])], lambda view: view.logprobs.sum(), None)
