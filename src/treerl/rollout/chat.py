@@ -17,7 +17,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from treerl.errors import UserError
-from treerl.rollout.images import IMAGE_PARTS, ImageProcessor, expand_images, image_parts, load_image, part_image
+from treerl.rollout.images import IMAGE_PARTS, ImageProcessor, expand_images, image_parts, read_images
 from treerl.tree import ImageSpan
 
 Message = dict[str, Any]  # {"role", "content"} (+ "tool_calls" on an assistant turn, "tool_call_id" on a tool turn)
@@ -72,8 +72,7 @@ class ChatFormat:
         """The first turn's context and the images it shows: each image part's token expanded into its placeholder
         tokens, the image read and processed as the model's processor does (`treerl.rollout.images`)."""
         ids = self.render(messages, add_generation_prompt=True, tools=tools)
-        pictures = [load_image(part_image(part), f"{who}, image {k}") for k, part in enumerate(image_parts(messages))]
-        return expand_images(ids, pictures, self.images, who)
+        return expand_images(ids, read_images(messages, who), self.images, who)
 
     def continuation(
         self, messages: list[Message], reply_stopped: bool = True, tools: list[Tool] | None = None
@@ -101,8 +100,8 @@ class ChatFormat:
                 "multi-turn context cannot be extended token by token; use a template without that behaviour"
             )
         head = ([] if reply_stopped else [self.stop_token_ids[0]]) + self._glue
-        pictures = [load_image(part_image(part), f"{who}, image {k}") for k, part in enumerate(image_parts(messages))]
-        tail, images = expand_images(after[len(before) :], pictures, self.images, who, offset + len(head))
+        tail, images = expand_images(after[len(before) :], read_images(messages, who), self.images, who,
+                                     offset + len(head))
         return head + tail, images
 
     def _end_of_turn_glue(self) -> list[int]:

@@ -49,6 +49,11 @@ def part_image(part: dict[str, Any]) -> Any:
     return None
 
 
+def read_images(messages: list[dict[str, Any]], who: str) -> list[Image.Image]:
+    """Every image a conversation shows, in order, read (`load_image`); errors name `who` and the image's index."""
+    return [load_image(part_image(part), f"{who}, image {k}") for k, part in enumerate(image_parts(messages))]
+
+
 def load_image(value: Any, who: str) -> Image.Image:
     """`value` as an RGB PIL image; a UserError naming `who` when it is none of the accepted forms or unreadable."""
     try:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from treerl.errors import UserError
 from treerl.rollout.chat import ChatFormat
 from treerl.rollout.rewards import RewardFailure, UserCode, check_reward
-from treerl.rollout.sampler import Completion, Sampler, SamplingParams
+from treerl.rollout.sampler import Completion, Sampler, SamplingParams, images_kwarg
 from treerl.rollout.sequences import model_call_sequence
 from treerl.rollout.stats import DroppedSample, RolloutStats
 from treerl.rollout.tasks.base import AgentTask, Environment, Prompt, rng_for
@@ -109,8 +109,8 @@ class MultiTurnWorkflow:
             n = self.group_size if turn == 0 else self.branch_factor if turn in self.branch_at else 1
             turn_seed = None if seed is None else rng_for("turn", seed, turn).getrandbits(62)  # not seed + turn: the
             # next call's seed would be this one's shifted by one, its prompts' streams the same ones again
-            shown = {"images": [t.images for t in live]} if any(t.images for t in live) else {}
-            groups = sampler.generate([t.context for t in live], replace(self.sampling, n=n, seed=turn_seed), **shown)
+            groups = sampler.generate([t.context for t in live], replace(self.sampling, n=n, seed=turn_seed),
+                                      **images_kwarg([t.images for t in live]))
             next_live = []
             for parent, group in zip(live, groups):
                 for j, completion in enumerate(group):

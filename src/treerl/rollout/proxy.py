@@ -92,7 +92,7 @@ from treerl.rollout.chat_api import (
     tool_call,
 )
 from treerl.rollout.responses_api import ResponsesRequest, continued, response_events, response_object
-from treerl.rollout.sampler import Completion, Sampler, SamplingParams
+from treerl.rollout.sampler import Completion, Sampler, SamplingParams, images_kwarg
 from treerl.rollout.tasks.base import rng_for
 from treerl.rollout.tool_parsers import TOOL_PARSERS, ToolCall, no_parser_hint, resolve_tool_parser
 from treerl.tree import ImageSpan
@@ -248,11 +248,10 @@ class RequestBatcher:
             self._batches += 1
             seed = None if self.seed is None else rng_for("batch", self.seed, self._batches).getrandbits(62)
             try:
-                images = [members[0].images for members in prompts]
-                shown = {"images": images} if any(images) else {}  # text: any sampler, with or without images
                 with self.lock:
                     results = self.sampler.generate([members[0].prompt for members in prompts],
-                                                    replace(params, seed=seed), **shown)
+                                                    replace(params, seed=seed),
+                                                    **images_kwarg([members[0].images for members in prompts]))
             except Exception as e:  # handed to each waiting request, which answers with an error
                 if isinstance(e, ServerError):  # not the agent's fault: the workflow raises it after the episodes
                     self.server_error = self.server_error or e

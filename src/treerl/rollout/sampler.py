@@ -109,6 +109,12 @@ class Sampler(Protocol):
         ...
 
 
+def images_kwarg(images: list[tuple[ImageSpan, ...]]) -> dict:
+    """`generate`'s `images` argument when some prompt shows an image, else nothing: a text batch stays callable on
+    any sampler, with or without image support."""
+    return {"images": images} if any(images) else {}
+
+
 def check_prompts(prompts: list[list[int]], vocab_size: int | None = None) -> None:
     """Reject empty prompts and out-of-vocabulary ids before anything is sent to a model."""
     if not prompts:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from treerl.rollout.chat import ChatFormat
 from treerl.rollout.rewards import RewardFailure, UserCode, call_reward
-from treerl.rollout.sampler import Sampler, SamplingParams
+from treerl.rollout.sampler import Sampler, SamplingParams, images_kwarg
 from treerl.rollout.sequences import model_call_sequence
 from treerl.rollout.stats import DroppedSample, RolloutStats
 from treerl.rollout.tasks.base import Prompt, SingleTurnTask
@@ -43,8 +43,7 @@ class SingleTurnWorkflow:
         contexts = [c for (c, _), ok in zip(rendered, fits) if ok]
         images = [i for (_, i), ok in zip(rendered, fits) if ok]
         params = replace(self.sampling, seed=seed)
-        shown = {"images": images} if any(images) else {}  # text prompts: any sampler, with or without image support
-        groups = sampler.generate(contexts, params, **shown) if prompts else []
+        groups = sampler.generate(contexts, params, **images_kwarg(images)) if prompts else []
         sequences = []
         for prompt, context, image, group in zip(prompts, contexts, images, groups):
             for j, completion in enumerate(group):

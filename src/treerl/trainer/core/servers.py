@@ -35,6 +35,7 @@ from pathlib import Path
 from treerl.errors import ServerError
 from treerl.rollout import Completion, CompletionsClient, SamplingParams, build_sampler
 from treerl.rollout.collect import server_client
+from treerl.rollout.sampler import images_kwarg
 from treerl.trainer.core.checkpoint import full_weights, write_pretrained_atomically
 from treerl.trainer.core.config import Config, ConfigError
 from treerl.trainer.core.run import Run, on_main
@@ -75,7 +76,7 @@ class ServerSampler:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  images: list[tuple[ImageSpan, ...]] | None = None) -> list[list[Completion]]:
-        return self.client.generate(prompts, params, **({"images": images} if images is not None else {}))
+        return self.client.generate(prompts, params, **images_kwarg(images or []))
 
     def sync(self) -> None:
         """Every rank: if the servers hold an older version, write the policy and have every server load it (rank 0
