@@ -145,3 +145,29 @@ def test_an_unreachable_server_is_a_user_error_naming_the_setting():
     client = CompletionsClient(f"http://127.0.0.1:{port}", timeout=5)
     with pytest.raises(UserError, match=r"rollout.server_url='http://127.0.0.1:\d+': cannot reach the inference server"):
         client.generate([[1, 2]], SamplingParams())
+
+
+def test_a_server_that_dies_mid_answer_is_a_server_error():
+    """A server killed while it sends its answer (a body shorter than its Content-Length) is a ServerError naming the
+    request, like one that never answers, not http.client's IncompleteRead."""
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def answer_half() -> None:
+        conn, _ = listener.accept()
+        request = b""
+        while not request.endswith(b"{}"):  # the whole request read, so closing sends no reset
+            request += conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"a\": 1")
+        conn.close()
+
+    threading.Thread(target=answer_half, daemon=True).start()
+    client = CompletionsClient([f"http://127.0.0.1:{listener.getsockname()[1]}"], timeout=5)
+    try:
+        with pytest.raises(ServerError, match="no answer"):
+            client._post(client.servers[0], "/pause", {})
+    finally:
+        listener.close()

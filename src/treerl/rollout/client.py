@@ -50,6 +50,7 @@ Every failure is a `ServerError`: one line naming the server, the endpoint, the 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import logging
 import threading
@@ -403,7 +404,8 @@ class CompletionsClient:
                 raw = response.read()
         except urllib.error.HTTPError as e:
             raise ServerError(f"{where}: HTTP {e.code}: {error_message(e.read())}", status=e.code) from None
-        except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out: the server died or hangs
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, cut off mid-answer,
+            # timed out: the server died or hangs
             reason = getattr(e, "reason", None) or e
             raise ServerError(f"{where}: no answer ({reason})") from None
         try:
