@@ -567,6 +567,15 @@ MUTATIONS = [
              "            os.replace(path, name)\n", "            shutil.rmtree(path)\n",
              ("tests/trainer/test_kill.py",),
              "a kill while a step's checkpoint is being replaced loses that step (its old copy is deleted at resume)"),
+    # ------------------------------------------------------------------ vision-language policies under torchrun (issue 33)
+    Mutation("ddp-unused-gradient-zero", "src/treerl/distributed/parallel.py",
+             "            if not took:\n                parameter.grad = None", "            if not took:\n                pass",
+             ("tests/distributed/test_data_parallel.py::test_a_vision_language_policy_trains_on_two_ranks_as_in_one_process",),
+             "under DDP a parameter no call used (a vision tower on a text step) gets a zero gradient: weight decay moves it"),
+    Mutation("learner-never-says-images", "src/treerl/trainer/core/learner.py",
+             "gradient_step(images=any(s.images for s in minibatch))", "gradient_step()",
+             ("tests/trainer/test_torchrun.py::test_the_gradient_sync_is_told_whether_a_minibatch_shows_images",),
+             "under FSDP2 a step that shows images on one rank only hangs in the gradient sync (the tower's groups differ)"),
 ]
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
-from support import free_port
+from support import float64_throughout, free_port
 
 from treerl.distributed import balance
 from treerl.engine import DfsEngine, FlatEngine
@@ -135,7 +135,8 @@ def test_trees_are_split_across_ranks(two_rank_results):
 def test_gradients_sync_once_per_step_not_once_per_node(two_rank_results):
     """The DFS engine runs one backward per tree node; the wrappers must still reduce once per step."""
     print({s: r["calls"] for s, r in two_rank_results.items()})
-    assert two_rank_results["ddp"]["calls"] == {"all_reduce": 1}  # the tiny model's gradients fit one DDP bucket
+    # which parameters some rank's calls gave a gradient (one small all-reduce), then the gradients: one DDP bucket
+    assert two_rank_results["ddp"]["calls"] == {"all_reduce": 2}
     fsdp_groups = 2 + 1  # one per decoder layer, and the root
     assert two_rank_results["fsdp2"]["calls"] == {"all_gather_single": fsdp_groups, "reduce_scatter_single": fsdp_groups}
 
@@ -188,3 +189,103 @@ def test_a_rank_exits_with_its_code_and_its_output_flushed():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
                           check=False)
     assert (done.returncode, done.stdout) == (3, "saved"), done.stderr
+
+
+# Vision-language models: a text-only step, then a step showing images, on 2 ranks and in one process.
+VL_MODELS = ("qwen2_5_vl", "llava")
+
+
+def vl_steps(name: str) -> list[list[TokenSequence]]:
+    """Step 1 shows no image (the tower must stay untouched: no gradient, no weight decay); step 2 a GRPO group on one
+    image prompt and an agent episode with a screenshot a turn (the tower's gradient summed over both ranks)."""
+    from vision_models import sequence
+
+    llava = name == "llava"
+    text = [sequence([[1, 5, 6], [7 + k, 8, 9, 10 + k]], seed=k, llava=llava) for k in range(4)]
+    prompt = [[1, 5, 6], (0, 4, 4), [7]]
+    shown = [sequence(prompt + [[8 + k, 9, 10]], seed=k, llava=llava) for k in range(3)]
+    shown += [sequence([[1, 5], (1, 4, 4), [20], (2, 2, 4), [21, 22]], seed=5, llava=llava),
+              sequence([[1, 5], (1, 4, 4), [20], (3, 4, 4), [23]], seed=6, llava=llava)]
+    return [text, shown]
+
+
+def vl_loss(view):
+    return -(view.logprobs * view.fields["advantages"]).sum()  # a sum: each rank's part adds up to the whole
+
+
+def vl_train(model, dp, steps, rank: int = 0, world: int = 1, engine=None) -> None:
+    """SGD with weight decay (which moves a parameter with a zero gradient, and skips one with none)."""
+    optimizer = torch.optim.SGD(dp.parameters() if dp is not None else model.parameters(), lr=0.1, weight_decay=0.1)
+    for sequences in steps:
+        if dp is None:
+            (engine or FlatEngine()).forward_backward(model, sequences, vl_loss)
+        else:
+            assignment = balance(sequences, world, micro_batch_tokens=48)
+            with dp.gradient_step(images=any(s.images for s in sequences)) as inner:
+                for micro_batch in assignment.micro_batches(rank):
+                    DfsEngine().forward_backward(inner, [sequences[i] for i in micro_batch], vl_loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _vl_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from vision_models import BUILDS
+
+    from treerl.distributed import DistributedModel, close_distributed, exit_process, init_distributed
+
+    env = init_distributed()
+    for name in VL_MODELS:
+        for strategy in STRATEGIES:
+            torch.manual_seed(0)
+            model = BUILDS[name]().double()
+            dp = DistributedModel(model, strategy)
+            with float64_throughout():  # transformers' float32 casts would put a 1e-7 floor under the comparison
+                vl_train(model, dp, vl_steps(name), env.rank, env.world_size)
+            state = dp.full_state_dict()
+            if env.is_main:
+                torch.save(state, os.path.join(out_dir, f"{name}-{strategy}.pt"))
+    assert close_distributed() == "gloo"
+    exit_process(0)
+
+
+@pytest.fixture(scope="module")
+def two_rank_vl_results(tmp_path_factory) -> str:
+    out_dir = str(tmp_path_factory.mktemp("dp-vl"))
+    mp.spawn(_vl_worker, args=(2, free_port(), out_dir), nprocs=2, join=True)
+    return out_dir
+
+
+@two_ranks
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", VL_MODELS)
+def test_a_vision_language_policy_trains_on_two_ranks_as_in_one_process(name, strategy, two_rank_vl_results):
+    """The sync's forward runs the tower on a blank image, so its gradients are summed over the ranks (each rank's
+    micro-batches show other images); after a step that shows none, the tower's gradients are None as in one process
+    (the optimizer's weight decay leaves it alone)."""
+    from vision_models import BUILDS
+
+    from treerl.engine.images import tower_parameters
+
+    torch.manual_seed(0)
+    model = BUILDS[name]().double()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with float64_throughout():
+        vl_train(model, None, vl_steps(name))
+    want = model.state_dict()
+    got = torch.load(os.path.join(two_rank_vl_results, f"{name}-{strategy}.pt"))
+    assert set(got) == set(want)
+    # a floor for updates that are zero in exact arithmetic (CLIP's key bias: softmax ignores a bias all keys share)
+    floor = 1e-12 * torch.linalg.norm(torch.cat([(want[k] - before[k]).flatten() for k in want]))
+    for key in want:
+        update, want_update = got[key] - before[key], want[key] - before[key]
+        assert torch.linalg.norm(update - want_update) <= 1e-9 * torch.linalg.norm(want_update) + floor, key
+    tower = {k for k, p in model.named_parameters() if any(p is q for q in tower_parameters(model))}
+    assert any(not torch.equal(want[k], before[k]) for k in tower)  # the image step trained the tower
+    # what one process never gave a gradient (LLaVA's last tower layer, whose output the projector skips) stays put:
+    # no weight decay from a zero gradient made up for the sync
+    unused = [k for k in want if torch.equal(want[k], before[k])]
+    assert unused == [] if name == "qwen2_5_vl" else unused
+    assert all(torch.equal(got[k], before[k]) for k in unused)

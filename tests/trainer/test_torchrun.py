@@ -138,17 +138,29 @@ def test_only_rank_0_logs_the_same_metrics(runs, strategy):
                 assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-12), (a["step"], key)
 
 
-def test_images_on_several_ranks_are_refused_before_their_step_computes():
-    """Under torchrun the vision tower's gradients would not be synced (the sync's one-token forward does not run it):
-    a minibatch that shows images is refused on every rank (each holds the whole minibatch) before any engine call."""
+def test_the_gradient_sync_is_told_whether_a_minibatch_shows_images():
+    """Every rank holds the whole minibatch, so each tells its gradient sync the same: whether any call shows images
+    (FSDP2 then runs the tower on a blank image so that every rank reduces it; tests/distributed checks the sync)."""
+    import contextlib
     from types import SimpleNamespace
 
     from vision_models import sequence
 
-    from treerl.errors import UserError
     from treerl.trainer.core.learner import Learner
 
-    engine = SimpleNamespace(forward_backward=lambda *a: pytest.fail("an engine ran"))
-    learner = Learner("policy", SimpleNamespace(strategy="ddp"), None, None, engine, None, None, None)
-    with pytest.raises(UserError, match="trains on several ranks"):
-        learner._forward_backward([sequence([[1, 5], (0, 4, 4), [7, 8]])], lambda view: view.logprobs.sum(), None)
+    told = []
+
+    @contextlib.contextmanager
+    def gradient_step(images=False):
+        told.append(images)
+        yield None
+
+    stats = SimpleNamespace(loss=0.0, flat_tokens=0, model_tokens=0, metrics={}, seconds=0.0)
+    engine = SimpleNamespace(forward_backward=lambda *a: stats)
+    learner = Learner("policy", SimpleNamespace(strategy="ddp", gradient_step=gradient_step), None, None, engine,
+                      SimpleNamespace(env=SimpleNamespace(rank=1)), None, None)
+    shown, text = sequence([[1, 5], (0, 4, 4), [7, 8]]), sequence([[1, 5, 7, 8]])
+    on_rank_0 = SimpleNamespace(micro_batches=lambda rank: [[0]] if rank == 0 else [])  # rank 1 computes nothing
+    for minibatch in ([text, shown], [text]):
+        learner._forward_backward(minibatch, lambda view: view.logprobs.sum(), on_rank_0)
+    assert told == [True, False]

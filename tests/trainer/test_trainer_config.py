@@ -119,3 +119,19 @@ def test_minibatches_keep_groups_whole_and_cover_the_batch():
     again = minibatch_indices(batch, 4, torch.Generator().manual_seed(0))
     assert parts == again
     assert minibatch_indices(batch[:3], 4, torch.Generator().manual_seed(0)) == [[0, 1, 2]]  # one group: one part
+
+
+def test_a_frozen_vision_tower_is_frozen_and_a_text_policy_cannot_freeze_one():
+    """`model.freeze_vision_tower=true`: the tower and its projector take no gradient, the language model does; a
+    text policy with the setting is a config error, not a silently ignored key."""
+    import torch
+
+    from treerl.engine.images import tower_parameters
+    from treerl.trainer.core.build import load_policy
+
+    config = load_config("shapes", ["model.freeze_vision_tower=true"]).model
+    model, _ = load_policy(config, torch.device("cpu"))
+    tower = {id(p) for p in tower_parameters(model)}
+    assert tower and all(p.requires_grad == (id(p) not in tower) for p in model.parameters())
+    with pytest.raises(ConfigError, match="freeze_vision_tower=true, and the policy .* has no vision tower"):
+        load_policy(load_config(None, ["model.freeze_vision_tower=true"]).model, torch.device("cpu"))

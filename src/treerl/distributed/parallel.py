@@ -16,7 +16,8 @@ Two facts shape this module:
 gathered for the whole step (`reshard_after_forward=False` on the layers,
 `set_reshard_after_backward(False)`) instead of all-gathering each layer for every node. On exit
 one zero-weighted one-token forward/backward through the wrapper fires the wrapper's own
-gradient reduction exactly once over the accumulated gradients: DDP all-reduces its buckets,
+gradient reduction exactly once over the accumulated gradients (a parameter that only some calls used, e.g. a
+vision tower on the ranks whose calls showed images, still takes part: `gradient_step`): DDP all-reduces its buckets,
 FSDP2 reduce-scatters each group and reshards. Gradients are SUMMED over ranks (a DDP comm hook;
 FSDP2's divide factor 1 with a plain SUM, which gloo supports in every dtype): with each rank's loss
 divided by the global denominator (e.g. the loss tokens of the whole global batch), the summed
@@ -49,6 +50,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel
+
+from treerl.engine.images import blank_image_inputs
 
 Strategy = Literal["none", "ddp", "fsdp2"]
 
@@ -177,7 +180,7 @@ class DistributedModel:
             module.set_force_sum_reduction_for_comms(True)
         # FSDP2 picks its root at the first forward; the engines never call the root's forward.
         with torch.no_grad():
-            self._one_token_forward()
+            self._sync_forward()
         self._reshard()
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
@@ -197,26 +200,43 @@ class DistributedModel:
             self._reshard()
 
     @contextlib.contextmanager
-    def gradient_step(self) -> Iterator[PreTrainedModel]:
-        """Any number of engine.forward_backward calls inside; on exit `.grad` holds the sum over ranks."""
+    def gradient_step(self, images: bool = False) -> Iterator[PreTrainedModel]:
+        """Any number of engine.forward_backward calls inside; on exit `.grad` holds the sum over ranks.
+
+        `images`: whether any rank's calls showed images (the same on every rank): FSDP2 reduces a vision tower only
+        when every rank holds a gradient for it, so the sync's forward then shows the tower a blank image."""
         if self.strategy == "none":
             yield self.model
             return
         if self.strategy == "ddp":
             with self.wrapper.no_sync():
                 yield self.model
-        else:
-            self.model.set_requires_gradient_sync(False)
-            self.model.set_reshard_after_backward(False)
-            self._unshard()
-            try:
-                yield self.model
-            finally:
-                self.model.set_requires_gradient_sync(True)
-                self.model.set_reshard_after_backward(True)
-        # One forward through the wrapper arms its reduction; the zero loss adds nothing to the gradients.
-        logits = self._one_token_forward()
-        (logits.sum() * 0.0).backward()
+            self._ddp_sync()
+            return
+        self.model.set_requires_gradient_sync(False)
+        self.model.set_reshard_after_backward(False)
+        self._unshard()
+        try:
+            yield self.model
+        finally:
+            self.model.set_requires_gradient_sync(True)
+            self.model.set_reshard_after_backward(True)
+        # One forward through the root arms its reduction; the zero loss adds nothing to the gradients.
+        (self._sync_forward(images).sum() * 0.0).backward()
+
+    def _ddp_sync(self) -> None:
+        """DDP all-reduces once every parameter's gradient hook fired after a forward through it; a parameter only some
+        calls use (a vision tower, an unused layer, an expert) would leave its bucket waiting. So the zero loss touches
+        every trained parameter; a parameter no rank's calls gave a gradient gets None back, as in one process (the
+        optimizer then skips it, weight decay included)."""
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        used = torch.tensor([p.grad is not None for p in trained], dtype=torch.int32, device=_comm_device())
+        dist.all_reduce(used, op=dist.ReduceOp.MAX)
+        touch = sum(p.reshape(-1)[0] for p in trained)
+        (self._sync_forward().sum() * 0.0 + touch * 0.0).backward()
+        for parameter, took in zip(trained, used.tolist()):
+            if not took:
+                parameter.grad = None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters on CPU on rank 0 (empty elsewhere). Collective under FSDP2: call on every rank."""
@@ -227,10 +247,14 @@ class DistributedModel:
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def _one_token_forward(self) -> torch.Tensor:
-        device = self.model.get_input_embeddings().weight.device
-        ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-        return self.wrapper(input_ids=ids, use_cache=False).logits
+    def _sync_forward(self, images: bool = False) -> torch.Tensor:
+        """Logits of a forward through the wrapper (the engines call the model, so the wrapper's reduction fires only
+        after this): one token, or `images`: a vision-language model's blank image and a token (its tower takes part)."""
+        inputs = blank_image_inputs(self.model) if images else None
+        if inputs is None:
+            device = self.model.get_input_embeddings().weight.device
+            inputs = {"input_ids": torch.zeros(1, 1, dtype=torch.long, device=device)}
+        return self.wrapper(**inputs, use_cache=False).logits
 
     def _unshard(self) -> None:
         for module in self._fsdp_modules:

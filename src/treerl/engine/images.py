@@ -68,6 +68,13 @@ class QwenVL:
     def tower_parameters(self, model: PreTrainedModel):
         return model.model.visual.parameters()
 
+    def blank(self, config) -> ImageSpan:
+        """The smallest image the tower takes (one merged patch of zeros), at the start of a sequence."""
+        vision = config.vision_config
+        merge = vision.spatial_merge_size
+        width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        return ImageSpan(0, 1, torch.zeros(merge * merge, width), torch.tensor([1, merge, merge]))
+
     def positions(self, model: PreTrainedModel, sequence: TokenSequence) -> torch.Tensor:
         depth = torch.arange(len(sequence))
         if not sequence.images:
@@ -115,6 +122,12 @@ class Llava:
 
     def tower_parameters(self, model: PreTrainedModel):
         return [*model.model.vision_tower.parameters(), *model.model.multi_modal_projector.parameters()]
+
+    def blank(self, config) -> ImageSpan:
+        """An image of zeros at the start of a sequence (the tower takes one size)."""
+        vision = config.vision_config
+        pixels = torch.zeros(vision.num_channels, vision.image_size, vision.image_size)
+        return ImageSpan(0, self.placeholders(config), pixels)
 
     def positions(self, model: PreTrainedModel, sequence: TokenSequence) -> torch.Tensor:
         return torch.arange(len(sequence))[None]
@@ -242,6 +255,25 @@ def body_positions(positions: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 def own_forward_inputs(model: PreTrainedModel, sequence: TokenSequence, ids: torch.Tensor) -> dict:
     """What the model's own forward takes beside `ids` for the sequence's images, as its processor hands them over."""
     return vision_family(model).own_inputs(model, sequence, ids) if sequence.images else {}
+
+
+def blank_image_inputs(model: PreTrainedModel) -> dict | None:
+    """The model's own forward inputs for one blank image and a token after it; None for a model without a tower that
+    treerl feeds. A data-parallel wrapper reduces the gradients of the parameters its forward ran: the gradient sync's
+    forward shows this image, so the vision tower's gradients are summed over ranks with the rest."""
+    family = vision_family(model)
+    if family is None:
+        return None
+    image = family.blank(model.config)
+    sequence = TokenSequence(torch.tensor([model.config.image_token_id] * image.length + [0]), images=(image,))
+    ids = sequence.tokens[None].to(_device(model))
+    return {"input_ids": ids, **family.own_inputs(model, sequence, ids)}
+
+
+def tower_parameters(model: PreTrainedModel) -> list[torch.nn.Parameter]:
+    """The vision tower's parameters (and its projector's); none for a model without a tower that treerl feeds."""
+    family = vision_family(model)
+    return [] if family is None else list(family.tower_parameters(model))
 
 
 def _device(model: PreTrainedModel) -> torch.device:

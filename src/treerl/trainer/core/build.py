@@ -19,6 +19,7 @@ from treerl.algo import build_critic
 from treerl.attention import UnsupportedModel
 from treerl.distributed import DistributedModel
 from treerl.engine import AutocastEngine, DfsEngine, Engine, FlatEngine, PackedEngine, PolicyHead, ValueHead
+from treerl.engine.images import tower_parameters
 from treerl.engine.support import check_no_dropout
 from treerl.models import add_lora, build_model, check_model_dir, policy_config, shows_images
 from treerl.rollout import load_tokenizer
@@ -67,9 +68,21 @@ def load_policy(config: ModelConfig, device: torch.device) -> tuple[PreTrainedMo
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only {vocab}")
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if config.freeze_vision_tower:
+        freeze_vision_tower(model)
     if config.lora.rank:
         model = add_lora(model, config.lora.rank, config.lora.alpha, config.lora.target_modules)
     return model, tokenizer
+
+
+def freeze_vision_tower(model: PreTrainedModel) -> None:
+    """`model.freeze_vision_tower`: the engines then send the tower no gradient (nor run it again for one)."""
+    tower = tower_parameters(model)
+    if not tower:
+        raise ConfigError(f"model.freeze_vision_tower=true, and the policy ({type(model).__name__}) has no vision tower "
+                          "that treerl feeds: drop the setting for a text model")
+    for parameter in tower:
+        parameter.requires_grad_(False)
 
 
 def policy_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:

@@ -69,6 +69,7 @@ class ModelConfig:
     attn_implementation: str = "sdpa"  # transformers attention for the flat engine and sampling (sdpa | eager | ...)
     trust_remote_code: bool = False  # run Python code shipped with model.path (auto_map); only for code you trust
     gradient_checkpointing: bool = False  # recompute each decoder layer in backward instead of keeping its activations (less memory, ~1 more forward)
+    freeze_vision_tower: bool = False  # a vision-language policy: train its language model only (the tower and its projector get no gradient)
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.rank > 0)
 
 

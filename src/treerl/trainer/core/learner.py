@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 from treerl.distributed import Assignment, DistributedModel, tree_features
 from treerl.engine import Engine, LossFn
-from treerl.errors import TrainingStopped, UserError
+from treerl.errors import TrainingStopped
 from treerl.trainer.core.balancer import Balancer
 from treerl.trainer.core.checkpoint import Trainable
 from treerl.trainer.core.loop_state import LoopState
@@ -103,11 +103,8 @@ class Learner:
         """This rank's micro-batches under one gradient sync: summed stats, and (tree features, seconds) of each."""
         local: dict[str, float] = {"train/loss": 0.0, "perf/flat_tokens": 0.0, "perf/model_tokens": 0.0}
         measured = []
-        if self.dp.strategy != "none" and any(s.images for s in minibatch):  # every rank holds the whole minibatch
-            raise UserError("a batch shows images, and this run trains on several ranks (torchrun): the vision tower's "
-                            "gradients would not be synced across them (the sync's one-token forward does not run "
-                            "the tower), so a vision-language policy trains on images in one process for now")
-        with self.dp.gradient_step() as model:
+        # every rank holds the whole minibatch, so all agree whether a call shows images
+        with self.dp.gradient_step(images=any(s.images for s in minibatch)) as model:
             for micro_batch in assignment.micro_batches(self.balancer.env.rank):
                 part = [minibatch[i] for i in micro_batch]
                 stats = self.engine.forward_backward(model, part, loss_fn)
