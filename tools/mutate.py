@@ -576,6 +576,14 @@ MUTATIONS = [
              "gradient_step(images=any(s.images for s in minibatch))", "gradient_step()",
              ("tests/trainer/test_torchrun.py::test_the_gradient_sync_is_told_whether_a_minibatch_shows_images",),
              "under FSDP2 a step that shows images on one rank only hangs in the gradient sync (the tower's groups differ)"),
+    Mutation("gemma3-image-cut-by-a-chunk", "src/treerl/engine/dfs.py",
+             "whole_images=family is not None and family.both_ways)", "whole_images=False)",
+             ("tests/engine/test_images.py::test_gemma3s_images_attend_both_ways_in_every_plan",),
+             "a long node's chunk cuts a Gemma 3 image: its first tokens never see its last ones"),
+    Mutation("gemma3-later-keys-include-the-query", "src/treerl/attention/kernels.py",
+             "            allowed = k > q\n", "            allowed = k >= q\n",
+             ("tests/engine/test_images.py::test_gemma3s_images_attend_both_ways_in_every_plan",),
+             "an image token attends to itself twice in Gemma 3's both-ways blocks"),
 ]
 
 

@@ -101,3 +101,18 @@ def test_a_sequence_that_shows_images_is_not_written_to_json_lines_without_them(
     with pytest.raises(DataError, match=r"sequence 1 shows 1 image\(s\); JSON lines hold tokens and fields only"):
         write_jsonl([TokenSequence(torch.tensor([1, 2])), _sequence([1], [(0, 2)], [3])], path)
     assert not path.exists()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.lists(st.integers(1, 5), min_size=1, max_size=4), st.integers(0, 3))
+def test_chunks_never_cut_an_image_when_asked(chunk, lengths, gap):
+    """`chunked(..., whole_images=True)` (Gemma 3: an image's tokens see each other both ways): every image lies in
+    one piece, a piece is longer than the chunk only by holding an image, and the tree's tokens are unchanged."""
+    sequence = _sequence([1] * gap, [(seed, n) for seed, n in enumerate(lengths)], [2, 3])
+    tree = PrefixTree.build([sequence])
+    pieces = tree.chunked(chunk, whole_images=True).nodes[1:]
+    assert [p.start for p in pieces[1:]] == [p.end for p in pieces[:-1]] and pieces[-1].end == len(sequence)
+    for image in sequence.images:
+        assert any(p.start <= image.start and image.end <= p.end for p in pieces), (image.start, image.end, pieces)
+    for p in pieces:
+        assert p.length <= chunk or any(p.start <= i.start < i.end <= p.end and i.length > 1 for i in sequence.images)

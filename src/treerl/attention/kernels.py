@@ -45,6 +45,7 @@ class Part:
     q_period: int | None = None
     q_positions: torch.Tensor | None = None
     q_max: int | None = None
+    later: bool = False  # only the keys after each query: the rest of a block whose tokens attend both ways (Gemma 3's images)
 
     def query_positions(self, q_len: int, device=None) -> torch.Tensor:
         if self.q_positions is not None:
@@ -80,7 +81,10 @@ class AttentionSpec:
         """Boolean `[q_len, k_len]`: which keys each query may see."""
         q = part.query_positions(q_len, device)[:, None]
         k = torch.arange(part.k_start, part.k_start + k_len, device=device)[None, :]
-        allowed = k <= q if part.causal else torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+        if part.later:
+            allowed = k > q
+        else:
+            allowed = k <= q if part.causal else torch.ones(q_len, k_len, dtype=torch.bool, device=device)
         if self.window is not None:
             allowed = allowed & (q - k < self.window)
         if self.chunk is not None:
@@ -90,7 +94,7 @@ class AttentionSpec:
 
 def backend(q: torch.Tensor, spec: AttentionSpec, part: Part, k_len: int) -> str:
     """Which kernel runs: a fused one where the scores are plain, the exact math version otherwise."""
-    plain = spec.softcap is None and not spec.binds(part, q.shape[-2], k_len)
+    plain = spec.softcap is None and not part.later and not spec.binds(part, q.shape[-2], k_len)
     return fused_backend(q.device.type, q.dtype) if plain else "math"
 
 

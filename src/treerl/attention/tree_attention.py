@@ -12,7 +12,9 @@ per-layer path store. A token of segment j attends to
 - its own segment, causally (one kernel call per segment);
 - its ancestors in other segments of the unit, fully: the queries below an in-unit node are
   contiguous in preorder, so each *block* (rows, a prefix of a segment) is one kernel call; the
-  engine lays them out (treerl.engine.unit_inputs.attention_layout).
+  engine lays them out (treerl.engine.unit_inputs.attention_layout);
+- where a run of its segment attends both ways (Gemma 3's image tokens), that run's later keys too (one kernel call
+  per run, `UnitLayout.both_ways`: the causal part already gave the earlier ones).
 Exactly the pairs the tree allows are computed; the parts are merged by log-sum-exp (as ring
 attention does, treerl.attention.kernels), and each part's backward gets the merged output and
 log-sum-exp. A sliding window or chunk narrows the parts (and the path to the keys some query can
@@ -72,8 +74,11 @@ class UnitLayout:
     `segments` tile the row in order; `positions` (on the device) is each row's absolute position.
     """
 
-    def __init__(self, segments: list[Segment], blocks: list[Block], positions: torch.Tensor, path_end: int):
+    def __init__(self, segments: list[Segment], blocks: list[Block], positions: torch.Tensor, path_end: int,
+                 both_ways: list[Segment] | None = None):
         self.segments, self.blocks, self.positions, self.path_end = segments, blocks, positions, path_end
+        # runs of rows, each inside one segment, whose tokens also see the run's later tokens (Gemma 3's images)
+        self.both_ways = both_ways or []
         self.rows = segments[-1].end if segments else 0
         self.first_position = min((s.position for s in segments), default=path_end)
         self.last_position = max((s.position + s.length - 1 for s in segments), default=path_end)
@@ -220,6 +225,10 @@ def _block_part(b: Block, layout: UnitLayout) -> Part:
                 q_max=b.q_max)
 
 
+def _later_part(s: Segment) -> Part:
+    return Part(q_start=s.position, k_start=s.position, causal=False, later=True)
+
+
 def _path_part(layout: UnitLayout, lo: int, groups: int) -> Part:
     return Part(q_start=0, k_start=lo, causal=False, q_positions=layout.folded_positions(groups),
                 q_max=layout.last_position)
@@ -240,7 +249,7 @@ class _UnitAttention(torch.autograd.Function):
         own_saved = [saved for _, _, saved in parts]
         lo = path_start(spec, layout.path_end)
         use_path = path is not None and lo < layout.path_end
-        if not layout.blocks and not use_path and sinks is None:
+        if not layout.blocks and not layout.both_ways and not use_path and sinks is None:
             out = torch.cat([o for o, _, _ in parts], dim=2)
             lse = torch.cat([l for _, l, _ in parts], dim=2)
             block_saved, path_saved = [], ()
@@ -252,6 +261,11 @@ class _UnitAttention(torch.autograd.Function):
                 key = slice(b.key.row, b.key.end)
                 o, l, saved = attend(q[:, :, b.q_lo : b.q_hi], ke[:, :, key], ve[:, :, key], spec, _block_part(b, layout))
                 _merge_into(out, lse, slice(b.q_lo, b.q_hi), o, l)
+                block_saved.append(saved)
+            for s in layout.both_ways:  # the later keys of a run that attends both ways
+                rows = slice(s.row, s.end)
+                o, l, saved = attend(q[:, :, rows], ke[:, :, rows], ve[:, :, rows], spec, _later_part(s))
+                _merge_into(out, lse, rows, o, l)
                 block_saved.append(saved)
             path_saved = ()
             if use_path:
@@ -290,6 +304,13 @@ class _UnitAttention(torch.autograd.Function):
             dq[:, :, r] += dq_b
             dk[:, :, key] += dk_b
             dv[:, :, key] += dv_b
+        for s, saved in zip(layout.both_ways, ctx.block_saved[len(layout.blocks):]):
+            r = slice(s.row, s.end)
+            dq_b, dk_b, dv_b = attend_backward(dout[:, :, r], q[:, :, r], ke[:, :, r], ve[:, :, r], out[:, :, r],
+                                               lse[:, :, r], saved, spec, _later_part(s))
+            dq[:, :, r] += dq_b
+            dk[:, :, r] += dk_b
+            dv[:, :, r] += dv_b
         dk, dv = _reduce_heads(dk, groups), _reduce_heads(dv, groups)
         if ctx.use_path:
             path, lo = ctx.path, ctx.lo
@@ -376,6 +397,9 @@ class TreeCall:
         slot = self.slot(module)
         if key.shape[2] != query.shape[2]:  # keys beyond the call's own tokens
             layer = self._with_appended(slot[0], layer, key.shape[2] - query.shape[2])
+        if self.layout.both_ways and (layer.dense or query.shape[0] > 1):
+            raise UnsupportedModel(f"layer {slot[0]}: tokens that attend to each other both ways (an image's) in a "
+                                   "call of rows or of dense attention, which treerl does not compute: use FlatEngine")
         if layer.dense:  # an indexer's choice, a bias per query and key, a sink per query
             return dense_attention(query, key, value, layer, self.path, self.unit, self.layout, slot)
         rows = query.shape[0]

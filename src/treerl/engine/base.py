@@ -205,7 +205,7 @@ def check_batch(model: PreTrainedModel, head: Head, sequences: Sequence[TokenSeq
         vocab_size=model.get_input_embeddings().num_embeddings,
         max_positions=getattr(config, "max_position_embeddings", None),
     )
-    check_images(model, sequences, tree)
+    check_images(model, sequences)
     check_model(model, head, tree, max(len(s) for s in sequences), carries_state)
     if tree and not carries_state and any(s.images for s in sequences):
         raise UnsupportedModel(f"{model_name(model)}: this engine packs nodes into rows and does not feed images yet; "

@@ -55,7 +55,7 @@ from treerl.engine.base import (
     runs_in_rows,
 )
 from treerl.engine.head import PolicyHead
-from treerl.engine.images import ImageTable, body_positions
+from treerl.engine.images import ImageTable, body_positions, vision_family
 from treerl.engine.memory import MemoryMode, check_memory_settings, graph_budget_tokens, graph_bytes, micro_batch_tokens
 from treerl.engine.recurrent import (
     PathIndexKeys,
@@ -122,7 +122,8 @@ class DfsEngine:
         if self.batch_tokens < 0:
             raise ValueError(f"batch_tokens must be >= 0, got {self.batch_tokens}")
         check_memory_settings(self.memory, self.max_tokens, self.memory_budget_tokens, self.memory_budget_bytes)
-        return PrefixTree.build(sequences).chunked(self.chunk_tokens)
+        family = vision_family(model)  # Gemma 3: an image's tokens see each other both ways, so no piece cuts one
+        return PrefixTree.build(sequences).chunked(self.chunk_tokens, whole_images=family is not None and family.both_ways)
 
     def plan(self, model: PreTrainedModel, tree: PrefixTree) -> WalkPlan:
         """Which nodes run together and which graphs are kept, within the memory budget (in graph tokens)."""
@@ -172,11 +173,11 @@ class _Walk:
         device = _device(model)
         self.outputs = WalkOutputs(tree, self.head.outputs, slots, output_dtype(model), device, loss_fn)
         self.images = None  # the step's images through the vision tower once (treerl.engine.images)
-        node_images = None
+        node_images, both_ways = None, False
         if any(s.images for s in tree.sequences):
             self.images = ImageTable(model, tree.sequences, grad=loss_fn is not None)
-            node_images = _NodeImages(tree, self.images)
-        self.inputs, self.all_slots = build_unit_inputs(tree, plan, slots, device, node_images)
+            node_images, both_ways = _NodeImages(tree, self.images), vision_family(model).both_ways
+        self.inputs, self.all_slots = build_unit_inputs(tree, plan, slots, device, node_images, both_ways)
 
     def attention(self) -> contextlib.AbstractContextManager:
         """The model's attention routed through treerl's for the walk, or left to a model that attends in its own code

@@ -18,9 +18,9 @@ attention, the other three rotate it.
 
 Served: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (its DeepStack features too), Qwen3.5 (hybrid: its calls run in rows, each
 padded by repeating its last token's image row and positions) and LLaVA (`VISION_LANGUAGE`: each family's tower,
-positions and own-forward inputs). Gemma 3's image tokens attend to each other both ways: the flat reference (and the
-embedded sampler) compute that with the model's own masks, the tree engines refuse it. Other vision-language models
-are refused with images, naming why.
+positions and own-forward inputs), and Gemma 3, whose image tokens attend to each other both ways: the flat reference
+(and the embedded sampler) compute that with the model's own masks, DfsEngine with one more attention part per image
+(its later keys, treerl.attention.tree_attention). Other vision-language models are refused with images, naming why.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class Gemma3(Llava):
     pooling its patches, `get_image_features`) gives `mm_tokens_per_image` placeholder tokens; positions are the plain
     1-D ones. An image's tokens attend to each other both ways (a bidirectional block per image inside the causal
     mask; on sliding-window layers the window still bounds what lies before): the flat reference computes it with the
-    model's own mask (`body_mask`); the tree attention does not yet, so the tree engines refuse Gemma 3's images."""
+    model's own mask (`body_mask`), DfsEngine with each image's later keys as one more part of its attention."""
 
     both_ways = True
 
@@ -188,10 +188,9 @@ def vision_family(model_or_config) -> QwenVL | Llava | None:
     return VISION_LANGUAGE.get(getattr(config, "model_type", None))
 
 
-def check_images(model: PreTrainedModel, sequences: Sequence[TokenSequence], tree: bool = False) -> None:
+def check_images(model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> None:
     """Images only for a model whose vision tower treerl feeds, each shown as its model's placeholder token, as many of
-    them as the tower makes of it, and not the sequence's last token; `tree`: for an engine that computes shared
-    prefixes once, whose tree attention does not compute an image's tokens attending both ways."""
+    them as the tower makes of it, and not the sequence's last token."""
     shown = [(i, s) for i, s in enumerate(sequences) if s.images]
     if not shown:
         return
@@ -208,12 +207,6 @@ def check_images(model: PreTrainedModel, sequences: Sequence[TokenSequence], tre
             f"treerl feeds ({', '.join(VISION_LANGUAGE)}); training on its placeholder tokens without the pixels "
             "behind them would be wrong"
         )
-    if tree and family.both_ways:
-        i, sequence = shown[0]
-        raise UnsupportedModel(
-            f"{sequence.label(i)} shows an image, and {model_name(model)} lets an image's tokens attend to each other "
-            "both ways, which the tree engines' attention does not compute yet: FlatEngine (engine.name=flat) trains "
-            "it exactly")
     image_token = model.config.image_token_id
     for i, sequence in shown:
         for k, image in enumerate(sequence.images):

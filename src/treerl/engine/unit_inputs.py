@@ -64,14 +64,16 @@ NodeImages = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def build_unit_inputs(tree: PrefixTree, plan: WalkPlan, slots: OutputSlots, device: torch.device,
-                      images: NodeImages | None = None) -> tuple[dict[int, UnitInputs], torch.Tensor]:
+                      images: NodeImages | None = None, both_ways: bool = False,
+                      ) -> tuple[dict[int, UnitInputs], torch.Tensor]:
     """Every unit's inputs (by `id(unit)`), and the slots of every sequence one after another, on `device`; with
-    `images`, each unit's rotary positions and image rows too."""
+    `images`, each unit's rotary positions and image rows too (`both_ways`: an image's tokens see each other both
+    ways, Gemma 3's)."""
     index = HostIndex()
     inputs = {id(unit): _unit_inputs(tree, plan, slots, unit, index) for unit in plan.all_units()}
     if images is not None:
         for unit in plan.all_units():
-            _add_images(inputs[id(unit)], unit, plan, images, index)
+            _add_images(inputs[id(unit)], unit, plan, images, index, both_ways)
     all_slots = index.add(torch.cat([slots.sequence(s) for s in range(len(tree.sequences))]))
     device_index = index.to(device)
     view = lambda x: device_index[x] if isinstance(x, slice) else x
@@ -159,13 +161,19 @@ def _row_unit_inputs(tree: PrefixTree, plan: WalkPlan, slots: OutputSlots, unit:
     return data
 
 
-def _add_images(data: UnitInputs, unit: Unit, plan: WalkPlan, images: NodeImages, index: HostIndex) -> None:
+def _add_images(data: UnitInputs, unit: Unit, plan: WalkPlan, images: NodeImages, index: HostIndex,
+                both_ways: bool) -> None:
     """The unit's rows' positions (`[rows, tokens]`, flattened) and image rows, laid out as its token ids: nodes one
-    after another, or (a row unit) each row's chain padded to the width by repeating its last token's."""
+    after another, or (a row unit) each row's chain padded to the width by repeating its last token's. `both_ways`:
+    the runs of image rows go to the attention layout (each a block whose tokens see each other both ways, as the
+    model's own mask makes a run of image tokens: transformers' `get_block_sequence_ids_for_mask`)."""
     if data.layout is None:
         return
     if data.shape is None:
         parts = [images(n, plan.run[n]) for n in data.segments]
+        if both_ways:
+            data.layout.both_ways = [run for n, (_, rows) in zip(data.segments, parts)
+                                     for run in _image_runs(data.segments[n], rows)]
     else:
         parts = []
         for chain in unit.rows:
@@ -176,6 +184,13 @@ def _add_images(data: UnitInputs, unit: Unit, plan: WalkPlan, images: NodeImages
                           torch.cat([rows, rows[-1:].expand(pad)])))
     data.rope = index.add(torch.cat([rope for rope, _ in parts], dim=1))
     data.image_rows = index.add(torch.cat([rows for _, rows in parts]))
+
+
+def _image_runs(segment: Segment, rows: torch.Tensor) -> list[Segment]:
+    """The maximal runs of a node's image tokens (`rows >= 0`), as rows and positions of the unit."""
+    shown = torch.cat([torch.zeros(1, dtype=torch.int8), (rows >= 0).to(torch.int8), torch.zeros(1, dtype=torch.int8)])
+    edges = (shown[1:] - shown[:-1]).nonzero()[:, 0].tolist()  # a run starts at +1, ends at -1, alternating
+    return [Segment(segment.row + lo, hi - lo, segment.position + lo) for lo, hi in zip(edges[::2], edges[1::2])]
 
 
 def attention_layout(tree: PrefixTree, segments: dict[int, Segment]) -> tuple[list[Segment], list[Block]]:

@@ -95,8 +95,10 @@ class PrefixTree:
         raw.merge_chains()
         return cls(sequences, raw.finish(sequences))
 
-    def chunked(self, chunk_tokens: int) -> PrefixTree:
-        """The same tree with every node longer than `chunk_tokens` split into a chain of pieces."""
+    def chunked(self, chunk_tokens: int, whole_images: bool = False) -> PrefixTree:
+        """The same tree with every node longer than `chunk_tokens` split into a chain of pieces; `whole_images`: never
+        inside an image (a piece then ends before it, or after it when it starts the piece), for a model whose image
+        tokens see each other both ways."""
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         if all(n.length <= chunk_tokens for n in self.nodes):
@@ -106,8 +108,8 @@ class PrefixTree:
         for node in self.nodes[1:]:  # preorder: a parent's pieces exist before its children's
             parent = last_piece[node.parent]
             source = self.sequences_through(node.index)
-            for lo in range(node.start, node.end, chunk_tokens):
-                hi = min(lo + chunk_tokens, node.end)
+            images = [(i.start, i.end) for i in self.sequences[source].images] if whole_images else []
+            for lo, hi in _pieces(node.start, node.end, chunk_tokens, images):
                 parent = raw.add(parent, lo, hi, source)
                 raw.ends[parent] = [s for s in node.ends if lo < len(self.sequences[s]) <= hi]
             last_piece[node.index] = parent
@@ -159,6 +161,19 @@ class PrefixTree:
             mean_branching=sum(internal) / len(internal) if internal else 0.0,
             max_branching=max(internal, default=0),
         )
+
+
+def _pieces(start: int, end: int, size: int, whole: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[start, end) cut into pieces of at most `size`, except that no cut falls inside a `whole` span."""
+    pieces, lo = [], start
+    while lo < end:
+        hi = min(lo + size, end)
+        for a, b in whole:
+            if a < hi < b:
+                hi = a if a > lo else b
+        pieces.append((lo, hi))
+        lo = hi
+    return pieces
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
