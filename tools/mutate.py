@@ -584,6 +584,15 @@ MUTATIONS = [
              "            allowed = k > q\n", "            allowed = k >= q\n",
              ("tests/engine/test_images.py::test_gemma3s_images_attend_both_ways_in_every_plan",),
              "an image token attends to itself twice in Gemma 3's both-ways blocks"),
+    # ------------------------------------------------------------------ context parallelism (issue 34)
+    Mutation("cp-earlier-keys-of-a-run-dropped", "src/treerl/attention/context_parallel.py",
+             "            if a > s.row:\n", "            if False:\n",
+             ("tests/engine/test_context_parallel.py",),
+             "a rank's queries in the middle of a causal run do not see the run's keys other ranks hold"),
+    Mutation("cp-key-gradients-not-summed", "src/treerl/attention/context_parallel.py",
+             "        dist.all_reduce(grad, group=ctx.cp.group)\n        local = ", "        local = ",
+             ("tests/engine/test_context_parallel.py",),
+             "a key's gradient from other ranks' queries never reaches the rank that computed the key"),
 ]
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treerl.attention.context_parallel import ContextParallel, ShardLayout, gather_keys
 from treerl.attention.dispatch import LayerAttention, UnsupportedModel
 from treerl.attention.kernels import AttentionSpec, Part, attend, attend_backward
 
@@ -333,6 +334,79 @@ class _UnitAttention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None, None, None
 
 
+class _ShardAttention(torch.autograd.Function):
+    """One context-parallel rank's queries (`shard`) against the unit's gathered K/V and the path's: the parts of
+    `_UnitAttention` clipped to its rows (treerl.attention.context_parallel), merged by log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, path: PathKV | None, unit: UnitKV, layout: UnitLayout, layer: Slot,
+                spec: AttentionSpec, shard: ShardLayout):
+        unit.keys[layer], unit.values[layer] = k, v  # the whole unit's: every rank holds the whole path
+        heads, kv_heads = q.shape[1], k.shape[1]
+        groups = heads // kv_heads
+        ke, ve = _expand_heads(k, groups), _expand_heads(v, groups)
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32))
+        out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=lse.dtype)
+        saved_parts = []
+        for rows, keys, part in shard.parts:
+            o, l, saved = attend(q[:, :, rows], ke[:, :, keys], ve[:, :, keys], spec, part)
+            _merge_into(out, lse, rows, o, l)
+            saved_parts.append(saved)
+        lo = path_start(spec, layout.path_end)
+        use_path = path is not None and lo < layout.path_end and shard.rows > 0
+        path_saved = ()
+        if use_path:
+            anc_k, anc_v = path.ancestors(layer, lo, layout.path_end)
+            o, l, path_saved = attend(_fold(q, kv_heads), anc_k, anc_v, spec, _shard_path_part(shard, layout, lo, groups))
+            _merge_into(out, lse, slice(None), _unfold(o, heads), _unfold(l, heads))
+        if sinks is not None:
+            _merge_into(out, lse, slice(None), torch.zeros_like(out), sinks.to(lse.dtype).view(1, heads, 1).expand_as(lse))
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.path, ctx.unit, ctx.layout, ctx.layer, ctx.spec, ctx.lo = path, unit, layout, layer, spec, lo
+        ctx.shard, ctx.use_path, ctx.saved_parts, ctx.path_saved = shard, use_path, saved_parts, path_saved
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        layout, spec, shard = ctx.layout, ctx.spec, ctx.shard
+        heads, kv_heads = q.shape[1], k.shape[1]
+        groups = heads // kv_heads
+        ke, ve = _expand_heads(k, groups), _expand_heads(v, groups)
+        dout = dout.contiguous()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(ke), torch.zeros_like(ve)
+        for (rows, keys, part), saved in zip(shard.parts, ctx.saved_parts):
+            dq_p, dk_p, dv_p = attend_backward(dout[:, :, rows], q[:, :, rows], ke[:, :, keys], ve[:, :, keys],
+                                               out[:, :, rows], lse[:, :, rows], saved, spec, part)
+            dq[:, :, rows] += dq_p
+            dk[:, :, keys] += dk_p
+            dv[:, :, keys] += dv_p
+        dk, dv = _reduce_heads(dk, groups), _reduce_heads(dv, groups)
+        if ctx.use_path:
+            path, lo = ctx.path, ctx.lo
+            anc_k, anc_v = path.ancestors(ctx.layer, lo, layout.path_end)
+            fold = lambda x: _fold(x, kv_heads)
+            dq_p, dk_p, dv_p = attend_backward(fold(dout), fold(q), anc_k, anc_v, fold(out), fold(lse), ctx.path_saved,
+                                               spec, _shard_path_part(shard, layout, lo, groups))
+            dq = dq + _unfold(dq_p, heads)
+            path.add_ancestor_grads(ctx.layer, lo, layout.path_end, dk_p, dv_p)  # this rank's share; summed later
+        unit = ctx.unit
+        if unit.key_grads is not None:  # this rank's descendants' share; the gather's backward sums the ranks'
+            dk = dk + unit.key_grads[ctx.layer].to(dk.dtype)
+            dv = dv + unit.value_grads[ctx.layer].to(dv.dtype)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            p_sink = torch.exp(sinks.to(lse.dtype).view(1, heads, 1) - lse)
+            dsinks = -(p_sink * (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)).sum((0, 2)).to(sinks.dtype)
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
+
+
+def _shard_path_part(shard: ShardLayout, layout: UnitLayout, lo: int, groups: int) -> Part:
+    return Part(q_start=0, k_start=lo, causal=False, q_positions=shard.folded_positions(groups),
+                q_max=layout.last_position)
+
+
 class TreeCall:
     """The attention of one unit (over the path, if any): handed to every layer through the attention kwargs.
 
@@ -347,8 +421,10 @@ class TreeCall:
     """
 
     def __init__(self, path: PathKV | None, unit: UnitKV, layout: UnitLayout, wants_mask: bool = False,
-                 replays: bool = False, appended: dict[int, tuple[int, torch.Tensor | None]] | None = None):
+                 replays: bool = False, appended: dict[int, tuple[int, torch.Tensor | None]] | None = None,
+                 cp: ContextParallel | None = None, shard: ShardLayout | None = None):
         self.path, self.unit, self.layout = path, unit, layout
+        self.cp, self.shard = cp, shard  # context parallelism: this rank's rows of the unit
         # layer -> (keys its attention appends after the row's own, their additive bias): DeepSeek-V4's compressed
         # entries, reported by the engine's cache (treerl.engine.recurrent.compressed_entries)
         self.appended = {} if appended is None else appended
@@ -397,6 +473,15 @@ class TreeCall:
         slot = self.slot(module)
         if key.shape[2] != query.shape[2]:  # keys beyond the call's own tokens
             layer = self._with_appended(slot[0], layer, key.shape[2] - query.shape[2])
+        if self.cp is not None:
+            if layer.dense or query.shape[0] > 1:
+                raise UnsupportedModel(f"layer {slot[0]}: a call of rows or of dense attention under context "
+                                       "parallelism, which treerl does not compute yet")
+            rows = self.layout.rows
+            key, value = gather_keys(key, self.cp, rows), gather_keys(value, self.cp, rows)
+            out = _ShardAttention.apply(query, key, value, layer.sinks, self.path, self.unit, self.layout, slot,
+                                        layer.spec, self.shard)
+            return out.transpose(1, 2).contiguous()
         if self.layout.both_ways and (layer.dense or query.shape[0] > 1):
             raise UnsupportedModel(f"layer {slot[0]}: tokens that attend to each other both ways (an image's) in a "
                                    "call of rows or of dense attention, which treerl does not compute: use FlatEngine")

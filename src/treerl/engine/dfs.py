@@ -40,7 +40,8 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
-from treerl.attention import PathKV, TreeCall, engine_attention
+from treerl.attention import PathKV, TreeCall, UnsupportedModel, engine_attention
+from treerl.attention.context_parallel import ContextParallel, ShardLayout, gather_outputs
 from treerl.engine.base import (
     Head,
     LossFn,
@@ -67,7 +68,7 @@ from treerl.engine.recurrent import (
     iter_state_grads,
 )
 from treerl.engine.selective_scan import continued_scans
-from treerl.engine.support import attention_layers, check_all_layers_routed
+from treerl.engine.support import attention_layers, check_all_layers_routed, model_name
 from treerl.engine.unit_inputs import UnitInputs, build_unit_inputs
 from treerl.engine.walk_outputs import WalkOutputs
 from treerl.tree import ROOT, PrefixTree, TokenSequence
@@ -90,6 +91,7 @@ class DfsEngine:
     memory_budget_bytes: int | None = None  # instead: bytes held at once (graph and the path's K/V), from the model
     memory_budget_tokens: int | None = None  # instead: tokens of autograd graph held at once (tests, experiments)
     plan_cost: PlanCost | None = None  # None: PlanCost.for_device
+    context_parallel: ContextParallel | None = None  # split every call's rows over these ranks (attention models)
 
     def forward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> list[dict[str, torch.Tensor]]:
         tree = self._tree(model, sequences)
@@ -122,6 +124,8 @@ class DfsEngine:
         if self.batch_tokens < 0:
             raise ValueError(f"batch_tokens must be >= 0, got {self.batch_tokens}")
         check_memory_settings(self.memory, self.max_tokens, self.memory_budget_tokens, self.memory_budget_bytes)
+        if self.context_parallel is not None:
+            check_context_parallel(model, sequences)
         family = vision_family(model)  # Gemma 3: an image's tokens see each other both ways, so no piece cuts one
         return PrefixTree.build(sequences).chunked(self.chunk_tokens, whole_images=family is not None and family.both_ways)
 
@@ -162,6 +166,7 @@ class _Walk:
                  loss_fn: LossFn | None):
         self.model, self.tree, self.plan, self.loss_fn = model, tree, plan, loss_fn
         self.head = engine.head
+        self.cp = engine.context_parallel
         self.mixers = find_mixers(model)
         self.own_code = attends_in_own_code(model)  # its layers attend over the K/V the cache returns
         self.layers = attention_layers(model, self.mixers.mixer_classes)
@@ -236,6 +241,9 @@ class _Walk:
         if data.layout is None:
             return None
         self.outputs.stats.model_tokens += data.layout.rows
+        if self.cp is not None:
+            with torch.set_grad_enabled(grad):
+                return self._compute_shard(data, again)
         call = TreeCall(self.path, data.kv, data.layout, wants_mask=self.index_path is not None,
                         replays=self.loss_fn is not None and gradient_checkpointing(self.model))
         inputs = {"input_ids": data.ids[None], "position_ids": data.positions[None]}
@@ -266,6 +274,32 @@ class _Walk:
                 return self.head.replay(self.model, hidden, data.targets, self.outputs.known(data.slots))
             return self.head(self.model, hidden, data.targets)
 
+    def _compute_shard(self, data: UnitInputs, again: bool) -> dict[str, torch.Tensor]:
+        """`_compute` of this context-parallel rank's rows of the unit (treerl.attention.context_parallel): its rows
+        through the model and the head, the head's outputs of the whole unit gathered from every rank."""
+        cp, rows = self.cp, data.layout.rows
+        device = data.ids.device
+        if data.shard is None:
+            data.shard = ShardLayout(data.layout, cp)
+        local, runs = cp.local_rows(rows, device), cp.call_rows(rows, device)
+        call = TreeCall(self.path, data.kv, data.layout, cp=cp, shard=data.shard)
+        hidden = final_hidden(self.model, input_ids=data.ids[runs][None], position_ids=data.positions[runs][None],
+                              treerl_call=call).flatten(0, 1)
+        call.forward_done = True
+        check_all_layers_routed(self.model, call.layers_called, self.layers)
+        read = data.rows if data.rows is not None else torch.arange(rows, device=device)  # the rows the head reads
+        owner = cp.owner(rows, device)[read]
+        mine = (owner == cp.rank).nonzero()[:, 0]
+        where = torch.full((rows,), -1, dtype=torch.long, device=device)
+        where[local] = torch.arange(len(local), device=device)
+        hidden, targets = hidden[where[read[mine]]], data.targets[mine]
+        if again:
+            known = {name: value[mine] for name, value in self.outputs.known(data.slots).items()}
+            outputs = self.head.replay(self.model, hidden, targets, known)
+        else:
+            outputs = self.head(self.model, hidden, targets)
+        return gather_outputs(outputs, cp, owner)
+
     def backward(self, unit: Unit, data: UnitInputs) -> None:
         """Back-propagate the unit's slot gradients (and, via the store, its K/V's).
 
@@ -284,6 +318,23 @@ class _Walk:
             torch.autograd.backward(tensors, grads)
         if self.states is not None:
             self.states.add_grads(data.cache.initial)  # to the parent's final state
+
+
+def check_context_parallel(model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> None:
+    """What context parallelism computes so far: attention models (hybrid state passing, images and a model's own
+    attention code are refused, naming why), before any compute."""
+    why = None
+    if find_mixers(model):
+        why = "its layers carry a recurrent state, which context parallelism does not pass between ranks yet"
+    elif attends_in_own_code(model):
+        why = "it computes attention in its own code over its cache's keys, which the ranks do not share"
+    elif gradient_checkpointing(model):
+        why = "gradient checkpointing replays the layers, whose key gathers context parallelism does not replay yet"
+    elif any(s.images for s in sequences):
+        why = "a sequence shows images, which context parallelism does not feed yet"
+    if why is not None:
+        raise UnsupportedModel(f"{model_name(model)} under context parallelism: {why}; train it without "
+                               "(engine.context_parallel unset)")
 
 
 class _NodeImages:

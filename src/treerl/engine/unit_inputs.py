@@ -52,6 +52,7 @@ class UnitInputs:
         self.kv = UnitKV()
         self.graph: dict[str, torch.Tensor] | None = None  # head outputs with their autograd graph
         self.shape: tuple[int, int] | None = None  # row units: (rows, width) of the call; None: one packed row
+        self.shard = None  # context parallelism: this rank's parts of the unit's attention (ShardLayout), built once
         self.row_of: dict[int, int] = {}  # row units: node -> its row
         self.open_rows: list[int] = []  # row units: the rows whose last node hands its state to calls below
         self.cache = None  # row units: the call's TreeStateCache (initial and final recurrent states)

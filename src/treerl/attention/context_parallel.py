@@ -1,0 +1,187 @@
+"""Context parallelism: each DFS call's rows split over R ranks, attention over the gathered keys, exact.
+
+Step 5 (docs/architecture.md): DfsEngine's calls when one path is too long for one device.
+
+A unit's rows (treerl.attention.tree_attention) are dealt to the R ranks of a group in 2R chunks, zigzag: rank r
+holds chunks r and 2R - 1 - r, so that on one long causal run every rank has as many query-key pairs as the others
+(the early chunk sees few keys, the late one many). Everything but attention is per token: each rank runs the
+model's layers on its own rows only. Attention gathers the unit's K/V from all ranks (one all-gather per layer and
+K/V, `gather_keys`), and each rank computes its own queries against them: every part of the tree attention (own
+causal runs, in-unit ancestors, both-ways image runs) clipped to its rows (`ShardLayout`), and the path. The path's
+K/V are the gathered ones, so every rank holds the whole path (replicated, not sharded: a path's K/V are small
+beside a call's activations, which are sharded). Backward: each rank's gradient to the gathered K/V (its queries'
+share, and what its descendants' queries sent through the path store) is summed over the ranks and each takes its
+rows' (`gather_keys`' backward). The head runs on each rank's own rows; its outputs are gathered (`gather_outputs`:
+every rank then evaluates the same losses, and each sends back only its rows' gradient). So each rank's parameter
+gradients are its rows' share: their sum over the group is the single-process gradient (the trainer's gradient sync
+sums them, as it sums data-parallel ranks').
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from treerl.attention.kernels import Part
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """The ranks (a torch.distributed group; None: the default one) that split every call's rows."""
+
+    rank: int
+    size: int
+    group: object = None
+
+    @classmethod
+    def over(cls, group=None) -> ContextParallel:
+        """This process's place in `group` (the default group: every rank of torchrun)."""
+        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+
+    def ranges(self, rows: int, rank: int | None = None) -> list[tuple[int, int]]:
+        """The rows `[lo, hi)` of a call of `rows` that `rank` (default: this one) holds: chunks r and 2R - 1 - r of
+        2R nearly equal chunks (zigzag), in order; empty ones left out."""
+        r = self.rank if rank is None else rank
+        cuts = [rows * i // (2 * self.size) for i in range(2 * self.size + 1)]
+        chunks = [(cuts[r], cuts[r + 1]), (cuts[2 * self.size - 1 - r], cuts[2 * self.size - r])]
+        return [(lo, hi) for lo, hi in chunks if hi > lo]
+
+    def owner(self, rows: int, device: torch.device) -> torch.Tensor:
+        """`[rows]`: the rank that holds each row."""
+        owner = torch.empty(rows, dtype=torch.long)
+        for rank in range(self.size):
+            for lo, hi in self.ranges(rows, rank):
+                owner[lo:hi] = rank
+        return owner.to(device)
+
+    def local_rows(self, rows: int, device: torch.device) -> torch.Tensor:
+        """This rank's rows, in the order its calls hold them."""
+        return torch.cat([torch.arange(lo, hi) for lo, hi in self.ranges(rows)] or [torch.zeros(0, dtype=torch.long)]
+                         ).to(device)
+
+    def call_rows(self, rows: int, device: torch.device) -> torch.Tensor:
+        """The rows this rank's model call runs: its own, or (a call of fewer rows than ranks left it none) the first
+        row as a stand-in, since the rank must still take part in every layer's gather; a stand-in's outputs and
+        keys are never read."""
+        local = self.local_rows(rows, device)
+        return local if len(local) else torch.zeros(1, dtype=torch.long, device=device)
+
+
+class ShardLayout:
+    """One rank's queries of a unit: which parts of the unit's attention they compute, each as
+    (rows of the local queries, rows of the unit's keys, the part), and their positions. Built once per unit."""
+
+    def __init__(self, layout, cp: ContextParallel):
+        rows = cp.local_rows(layout.rows, layout.positions.device)
+        self.rows = len(rows)
+        self.positions = layout.positions[rows]
+        self.parts: list[tuple[slice, slice, Part]] = []
+        offset = 0
+        for lo, hi in cp.ranges(layout.rows):
+            self._clip(layout, lo, hi, offset)
+            offset += hi - lo
+        self._folded: dict[int, torch.Tensor] = {}
+
+    def _clip(self, layout, lo: int, hi: int, offset: int) -> None:
+        """The parts of queries `[lo, hi)` (held from local row `offset` on)."""
+        local = lambda a, b: slice(offset + a - lo, offset + b - lo)
+        for s in layout.segments:  # own causal runs: the keys before the first query fully, then a causal square
+            a, b = max(s.row, lo), min(s.end, hi)
+            if a >= b:
+                continue
+            first = s.position + a - s.row
+            if a > s.row:
+                self.parts.append((local(a, b), slice(s.row, a), Part(q_start=first, k_start=s.position, causal=False)))
+            self.parts.append((local(a, b), slice(a, b), Part(q_start=first, k_start=first, causal=True)))
+        for block in layout.blocks:  # in-unit ancestors, fully
+            a, b = max(block.q_lo, lo), min(block.q_hi, hi)
+            if a < b:
+                key = block.key
+                self.parts.append((local(a, b), slice(key.row, key.end),
+                                   Part(q_start=0, k_start=key.position, causal=False,
+                                        q_positions=layout.positions[a:b], q_max=block.q_max)))
+        for s in layout.both_ways:  # runs whose tokens see their later tokens too (Gemma 3's images)
+            a, b = max(s.row, lo), min(s.end, hi)
+            if a < b:
+                self.parts.append((local(a, b), slice(s.row, s.end),
+                                   Part(q_start=s.position + a - s.row, k_start=s.position, causal=False, later=True)))
+
+    def folded_positions(self, groups: int) -> torch.Tensor:
+        """Positions of the local rows repeated `groups` times (queries folded per K/V head)."""
+        if groups not in self._folded:
+            self._folded[groups] = self.positions.repeat(groups)
+        return self._folded[groups]
+
+
+class _GatherKeys(torch.autograd.Function):
+    """All ranks' rows of a call's K/V `[1, heads, local, D]` -> the call's `[1, heads, rows, D]`; backward: the
+    gradient summed over the ranks, this rank's rows of it."""
+
+    @staticmethod
+    def forward(ctx, x, cp: ContextParallel, rows: int):
+        ctx.cp, ctx.rows, ctx.held = cp, rows, x.shape[2]
+        return _all_rows(x, cp, rows, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.cp.group)
+        local = ctx.cp.local_rows(ctx.rows, grad.device)
+        if len(local) < ctx.held:  # a stand-in row (`call_rows`): no gradient
+            return grad.new_zeros((*grad.shape[:2], ctx.held, grad.shape[3])), None, None
+        return grad.index_select(2, local), None, None
+
+
+def gather_keys(x: torch.Tensor, cp: ContextParallel, rows: int) -> torch.Tensor:
+    """The call's K/V from every rank's rows (differentiable: see `_GatherKeys`)."""
+    return _GatherKeys.apply(x, cp, rows)
+
+
+class _GatherOutputs(torch.autograd.Function):
+    """Every rank's head outputs `[local]` -> the call's `[N]` in its order (`owner`: the rank of each); backward:
+    this rank's entries of the gradient, which every rank computed alike from the same losses."""
+
+    @staticmethod
+    def forward(ctx, x, cp: ContextParallel, owner: torch.Tensor):
+        ctx.mine = (owner == cp.rank).nonzero()[:, 0]
+        counts = torch.bincount(owner, minlength=cp.size).tolist()
+        pieces = _gather_padded(x, cp, max(counts), dim=0)
+        out = x.new_empty(owner.shape[0])
+        for rank, (piece, count) in enumerate(zip(pieces, counts)):
+            out[(owner == rank).nonzero()[:, 0]] = piece[:count]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.mine], None, None
+
+
+def gather_outputs(outputs: dict[str, torch.Tensor], cp: ContextParallel, owner: torch.Tensor
+                   ) -> dict[str, torch.Tensor]:
+    """The head's outputs of the whole call, on every rank (differentiable: see `_GatherOutputs`)."""
+    return {name: _GatherOutputs.apply(value, cp, owner) for name, value in outputs.items()}
+
+
+def _all_rows(x: torch.Tensor, cp: ContextParallel, rows: int, dim: int) -> torch.Tensor:
+    """Each rank's rows of `x` along `dim` put back in the call's order."""
+    pieces = _gather_padded(x, cp, max(sum(hi - lo for lo, hi in cp.ranges(rows, r)) for r in range(cp.size)), dim)
+    shape = list(x.shape)
+    shape[dim] = rows
+    out = x.new_empty(shape)
+    for rank, piece in enumerate(pieces):
+        at = 0
+        for lo, hi in cp.ranges(rows, rank):
+            out.narrow(dim, lo, hi - lo).copy_(piece.narrow(dim, at, hi - lo))
+            at += hi - lo
+    return out
+
+
+def _gather_padded(x: torch.Tensor, cp: ContextParallel, size: int, dim: int) -> list[torch.Tensor]:
+    """Every rank's `x` (padded along `dim` to `size`, as an all-gather needs one shape)."""
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, size - x.shape[dim]]
+    padded = torch.nn.functional.pad(x, pad).contiguous()
+    pieces = [torch.empty_like(padded) for _ in range(cp.size)]
+    dist.all_gather(pieces, padded, group=cp.group)
+    return pieces
