@@ -15,7 +15,7 @@ from treerl.attention import UnsupportedModel
 from treerl.attention.context_parallel import ContextParallel
 from treerl.engine import DfsEngine, FlatEngine
 from treerl.models import build_model
-from treerl.testing import EngineRun, compare_runs
+from treerl.testing import EngineRun, compare_runs, run_engine
 from treerl.tree import TokenSequence
 
 pytestmark = pytest.mark.slow  # 2 and 4 processes that import torch and transformers
@@ -57,15 +57,6 @@ def loss(view):
     return -(view.logprobs * view.fields["advantages"]).sum() - 0.1 * view.entropy.sum()
 
 
-def _run(engine, net, sequences) -> EngineRun:
-    outputs = engine.forward(net, sequences)
-    net.zero_grad(set_to_none=True)
-    stats = engine.forward_backward(net, sequences, loss)
-    grads = {n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None}
-    net.zero_grad(set_to_none=True)
-    return EngineRun(outputs, stats.loss, grads)
-
-
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -81,7 +72,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         sequences = batch(net.config.vocab_size)
         for plan, settings in PLANS.items():
             with float64_throughout():
-                run = _run(DfsEngine(context_parallel=cp, **settings), net, sequences)
+                run = run_engine(DfsEngine(context_parallel=cp, **settings), net, sequences, loss)
             for grad in run.grads.values():  # each rank's is its rows' share
                 dist.all_reduce(grad)
             results[f"{name}/{plan}"] = vars(run)  # plain tensors and dicts: what torch.load reads safely
@@ -89,7 +80,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         low = build_model(shape="tiny-qwen3", dtype=torch.float32)
         sequences = [TokenSequence(s.tokens, {"advantages": s.fields["advantages"].float()}) for s in batch(512)]
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            run = _run(DfsEngine(context_parallel=cp, chunk_tokens=10, batch_tokens=24), low, sequences)
+            run = run_engine(DfsEngine(context_parallel=cp, chunk_tokens=10, batch_tokens=24), low, sequences, loss)
         for grad in run.grads.values():
             dist.all_reduce(grad)
         results["bf16"] = vars(run)
@@ -113,7 +104,7 @@ def test_context_parallel_ranks_compute_the_flat_references_logprobs_and_gradien
     net = model(name)
     sequences = batch(net.config.vocab_size)
     with float64_throughout():
-        reference = _run(FlatEngine(layout="sequences"), net, sequences)
+        reference = run_engine(FlatEngine(layout="sequences"), net, sequences, loss)
     for plan in PLANS:
         errors = compare_runs(results[f"{name}/{plan}"], reference)
         worst = max(errors, key=errors.get)
@@ -128,13 +119,13 @@ def test_bfloat16_error_of_two_ranks_is_one_process_error(ranks):
     high = build_model(shape="tiny-qwen3", dtype=torch.float64)
     low = build_model(shape="tiny-qwen3", dtype=torch.float32)
     sequences = batch(512)
-    reference = _run(FlatEngine(layout="sequences"), high, sequences)
+    reference = run_engine(FlatEngine(layout="sequences"), high, sequences, loss)
     single = [TokenSequence(s.tokens, {"advantages": s.fields["advantages"].float()}) for s in sequences]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        one = compare_runs(_run(DfsEngine(chunk_tokens=10, batch_tokens=24), low, single), reference)
+        one = compare_runs(run_engine(DfsEngine(chunk_tokens=10, batch_tokens=24), low, single, loss), reference)
     two = compare_runs(results["bf16"], reference)
     for part, ratio in {"logprobs": 1.5, "entropy": 1.5, "gradient": 1.5}.items():
-        worst = lambda errors: max(e for k, e in errors.items() if k.endswith(part))
+        worst = lambda errors, part=part: max(e for k, e in errors.items() if k.endswith(part))
         assert worst(two) <= ratio * worst(one), (part, worst(two), worst(one))
 
 

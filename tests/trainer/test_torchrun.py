@@ -50,6 +50,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         # rank 0 verified the checkpoint and every rank loaded it, the fitted cost model's samples too
         assert resumed.steps == 3
         train(_config(os.path.join(out_dir, f"ppo-{strategy}"), f"trainer.data_parallel={strategy}", *PPO))
+    for strategy in STRATEGIES:  # the 2 ranks split every DFS call's rows instead of the batch
+        train(_config(os.path.join(out_dir, f"cp-{strategy}"), "trainer.context_parallel=2",
+                      f"trainer.data_parallel={strategy}"))
     for dtype in LOW_PRECISION:  # FSDP2 reduces float32 / bfloat16 gradients with a plain SUM on gloo
         train(_config(os.path.join(out_dir, f"fsdp2-{dtype}"), "trainer.data_parallel=fsdp2", f"model.dtype={dtype}",
                       PRECISION[dtype]))
@@ -88,6 +91,19 @@ def assert_same_weights(got_dir, want_dir, rtol: float = 1e-6) -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_ranks_end_with_the_single_process_parameters(runs, strategy):
     assert_same_weights(checkpoint_dir(runs / strategy, 2), checkpoint_dir(runs / "single", 2))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_context_parallel_ranks_end_with_the_single_process_parameters_and_metrics(runs, strategy):
+    """`torchrun --nproc-per-node 2 -m treerl train ... trainer.context_parallel=2`: one data-parallel group whose 2
+    ranks split each call's rows; the same weights and logged metrics as one process."""
+    assert_same_weights(checkpoint_dir(runs / f"cp-{strategy}", 2), checkpoint_dir(runs / "single", 2))
+    rows = lambda name: [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(rows("single"), rows(f"cp-{strategy}"), strict=True):
+        assert "dist/imbalance" not in b  # one data-parallel group: nothing to balance
+        for key in ("train/loss", "rollout/reward_mean", "train/kl", "batch/flat_tokens", "eval/reward_mean"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-12), (a["step"], key)
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
@@ -158,7 +174,7 @@ def test_the_gradient_sync_is_told_whether_a_minibatch_shows_images():
     stats = SimpleNamespace(loss=0.0, flat_tokens=0, model_tokens=0, metrics={}, seconds=0.0)
     engine = SimpleNamespace(forward_backward=lambda *a: stats)
     learner = Learner("policy", SimpleNamespace(strategy="ddp", gradient_step=gradient_step), None, None, engine,
-                      SimpleNamespace(env=SimpleNamespace(rank=1)), None, None)
+                      SimpleNamespace(data_rank=1, context_rank=0), None, None)
     shown, text = sequence([[1, 5], (0, 4, 4), [7, 8]]), sequence([[1, 5, 7, 8]])
     on_rank_0 = SimpleNamespace(micro_batches=lambda rank: [[0]] if rank == 0 else [])  # rank 1 computes nothing
     for minibatch in ([text, shown], [text]):

@@ -268,14 +268,8 @@ class _UnitAttention(torch.autograd.Function):
                 o, l, saved = attend(q[:, :, rows], ke[:, :, rows], ve[:, :, rows], spec, _later_part(s))
                 _merge_into(out, lse, rows, o, l)
                 block_saved.append(saved)
-            path_saved = ()
-            if use_path:
-                anc_k, anc_v = path.ancestors(layer, lo, layout.path_end)
-                o, l, path_saved = attend(_fold(q, kv_heads), anc_k, anc_v, spec, _path_part(layout, lo, groups))
-                _merge_into(out, lse, slice(None), _unfold(o, heads), _unfold(l, heads))
-            if sinks is not None:
-                sink = sinks.to(lse.dtype).view(1, heads, 1).expand_as(lse)
-                _merge_into(out, lse, slice(None), torch.zeros_like(out), sink)
+            path_saved = _path_and_sinks(q, out, lse, sinks, path if use_path else None, layer, spec, lo,
+                                         layout.path_end, _path_part(layout, lo, groups))
             out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.path, ctx.unit, ctx.layout, ctx.layer, ctx.spec, ctx.lo = path, unit, layout, layer, spec, lo
@@ -313,25 +307,49 @@ class _UnitAttention(torch.autograd.Function):
             dk[:, :, r] += dk_b
             dv[:, :, r] += dv_b
         dk, dv = _reduce_heads(dk, groups), _reduce_heads(dv, groups)
-        if ctx.use_path:
-            path, lo = ctx.path, ctx.lo
-            anc_k, anc_v = path.ancestors(ctx.layer, lo, layout.path_end)
-            fold = lambda x: _fold(x, kv_heads)
-            dq_p, dk_p, dv_p = attend_backward(fold(dout), fold(q), anc_k, anc_v, fold(out), fold(lse), ctx.path_saved,
-                                               spec, _path_part(layout, lo, groups))
-            dq = dq + _unfold(dq_p, heads)
-            path.add_ancestor_grads(ctx.layer, lo, layout.path_end, dk_p, dv_p)
-        unit = ctx.unit
-        if unit.key_grads is not None:
-            dk = dk + unit.key_grads[ctx.layer].to(dk.dtype)
-            dv = dv + unit.value_grads[ctx.layer].to(dv.dtype)
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            # d out / d sink = -p_sink * out, p_sink = exp(sink - lse): the sink only grows the denominator.
-            compute = lse.dtype
-            p_sink = torch.exp(sinks.to(compute).view(1, heads, 1) - lse)
-            dsinks = -(p_sink * (dout.to(compute) * out.to(compute)).sum(-1)).sum((0, 2)).to(sinks.dtype)
+        dq, dk, dv, dsinks = _path_sinks_and_descendants_backward(ctx, dout, q, out, lse, sinks, dq, dk, dv,
+                                                                  _path_part(layout, ctx.lo, groups))
         return dq, dk, dv, dsinks, None, None, None, None, None
+
+
+def _path_and_sinks(q, out, lse, sinks, path: PathKV | None, layer: Slot, spec: AttentionSpec, lo: int, end: int,
+                    part: Part) -> tuple:
+    """Merge the path's K/V `[lo, end)` (every query folded per K/V head; None: no path part) and the sinks into
+    (out, lse), in place; what the path part's backward needs."""
+    heads = q.shape[1]
+    saved = ()
+    if path is not None:
+        anc_k, anc_v = path.ancestors(layer, lo, end)
+        o, l, saved = attend(_fold(q, anc_k.shape[1]), anc_k, anc_v, spec, part)
+        _merge_into(out, lse, slice(None), _unfold(o, heads), _unfold(l, heads))
+    if sinks is not None:
+        _merge_into(out, lse, slice(None), torch.zeros_like(out), sinks.to(lse.dtype).view(1, heads, 1).expand_as(lse))
+    return saved
+
+
+def _path_sinks_and_descendants_backward(ctx, dout, q, out, lse, sinks, dq, dk, dv, part: Part) -> tuple:
+    """The path part's backward (its K/V gradient to the path store), what descendants sent to this unit's K/V
+    added, and the sinks' gradient."""
+    heads, kv_heads = q.shape[1], dk.shape[1]
+    if ctx.use_path:
+        path, lo, end = ctx.path, ctx.lo, ctx.layout.path_end
+        anc_k, anc_v = path.ancestors(ctx.layer, lo, end)
+        fold = lambda x: _fold(x, kv_heads)
+        dq_p, dk_p, dv_p = attend_backward(fold(dout), fold(q), anc_k, anc_v, fold(out), fold(lse), ctx.path_saved,
+                                           ctx.spec, part)
+        dq = dq + _unfold(dq_p, heads)
+        path.add_ancestor_grads(ctx.layer, lo, end, dk_p, dv_p)
+    unit = ctx.unit
+    if unit.key_grads is not None:
+        dk = dk + unit.key_grads[ctx.layer].to(dk.dtype)
+        dv = dv + unit.value_grads[ctx.layer].to(dv.dtype)
+    dsinks = None
+    if sinks is not None and ctx.needs_input_grad[3]:
+        # d out / d sink = -p_sink * out, p_sink = exp(sink - lse): the sink only grows the denominator.
+        compute = lse.dtype
+        p_sink = torch.exp(sinks.to(compute).view(1, heads, 1) - lse)
+        dsinks = -(p_sink * (dout.to(compute) * out.to(compute)).sum(-1)).sum((0, 2)).to(sinks.dtype)
+    return dq, dk, dv, dsinks
 
 
 class _ShardAttention(torch.autograd.Function):
@@ -354,13 +372,8 @@ class _ShardAttention(torch.autograd.Function):
             saved_parts.append(saved)
         lo = path_start(spec, layout.path_end)
         use_path = path is not None and lo < layout.path_end and shard.rows > 0
-        path_saved = ()
-        if use_path:
-            anc_k, anc_v = path.ancestors(layer, lo, layout.path_end)
-            o, l, path_saved = attend(_fold(q, kv_heads), anc_k, anc_v, spec, _shard_path_part(shard, layout, lo, groups))
-            _merge_into(out, lse, slice(None), _unfold(o, heads), _unfold(l, heads))
-        if sinks is not None:
-            _merge_into(out, lse, slice(None), torch.zeros_like(out), sinks.to(lse.dtype).view(1, heads, 1).expand_as(lse))
+        path_saved = _path_and_sinks(q, out, lse, sinks, path if use_path else None, layer, spec, lo, layout.path_end,
+                                     _shard_path_part(shard, layout, lo, groups))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.path, ctx.unit, ctx.layout, ctx.layer, ctx.spec, ctx.lo = path, unit, layout, layer, spec, lo
@@ -383,22 +396,9 @@ class _ShardAttention(torch.autograd.Function):
             dk[:, :, keys] += dk_p
             dv[:, :, keys] += dv_p
         dk, dv = _reduce_heads(dk, groups), _reduce_heads(dv, groups)
-        if ctx.use_path:
-            path, lo = ctx.path, ctx.lo
-            anc_k, anc_v = path.ancestors(ctx.layer, lo, layout.path_end)
-            fold = lambda x: _fold(x, kv_heads)
-            dq_p, dk_p, dv_p = attend_backward(fold(dout), fold(q), anc_k, anc_v, fold(out), fold(lse), ctx.path_saved,
-                                               spec, _shard_path_part(shard, layout, lo, groups))
-            dq = dq + _unfold(dq_p, heads)
-            path.add_ancestor_grads(ctx.layer, lo, layout.path_end, dk_p, dv_p)  # this rank's share; summed later
-        unit = ctx.unit
-        if unit.key_grads is not None:  # this rank's descendants' share; the gather's backward sums the ranks'
-            dk = dk + unit.key_grads[ctx.layer].to(dk.dtype)
-            dv = dv + unit.value_grads[ctx.layer].to(dv.dtype)
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            p_sink = torch.exp(sinks.to(lse.dtype).view(1, heads, 1) - lse)
-            dsinks = -(p_sink * (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)).sum((0, 2)).to(sinks.dtype)
+        # the path store and the descendants' K/V gradients take this rank's share; the key gather sums the ranks'
+        dq, dk, dv, dsinks = _path_sinks_and_descendants_backward(ctx, dout, q, out, lse, sinks, dq, dk, dv,
+                                                                  _shard_path_part(shard, layout, ctx.lo, groups))
         return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel
 
+from treerl.attention.context_parallel import ContextParallel
 from treerl.engine.images import blank_image_inputs
 
 Strategy = Literal["none", "ddp", "fsdp2"]
@@ -87,6 +88,32 @@ def init_distributed(backend: str | None = None) -> DistEnv:
     if not dist.is_initialized():
         dist.init_process_group(backend or ("nccl" if cuda else "gloo"), device_id=device if cuda else None)
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The ranks as a 2-D grid, data parallel x context parallel: each data-parallel group (`data_rank` of
+    `data_size`) trains its share of the batch, its `context` ranks (None: one) splitting every call's rows."""
+
+    data_rank: int
+    data_size: int
+    context: ContextParallel | None = None
+
+
+def build_mesh(env: DistEnv, context_parallel: int = 1) -> Mesh:
+    """torch's DeviceMesh ("dp", "cp") over the run's ranks: ranks `d * cp ... (d + 1) * cp - 1` form data-parallel
+    group d. One process (no torchrun): a mesh of one."""
+    if context_parallel == 1:
+        return Mesh(env.rank, env.world_size)
+    if env.world_size % context_parallel:
+        raise ValueError(f"trainer.context_parallel={context_parallel} does not divide the {env.world_size} ranks "
+                         "torchrun started")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(env.device.type, (env.world_size // context_parallel, context_parallel),
+                            mesh_dim_names=("dp", "cp"))
+    return Mesh(env.rank // context_parallel, env.world_size // context_parallel,
+                ContextParallel.over(mesh.get_group("cp")))
 
 
 def close_distributed(wait_for_all: bool = True) -> str | None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch.distributed as dist
 
-from treerl.distributed import Assignment, CostModel, DistEnv, balance, evaluate
+from treerl.distributed import Assignment, CostModel, DistEnv, Mesh, balance, evaluate
 from treerl.trainer.core.config import TrainerConfig
 from treerl.trainer.core.loop_state import LoopState
 from treerl.tree import TokenSequence
@@ -36,10 +36,26 @@ class Balancer:
     trainer: TrainerConfig  # micro_batch_tokens, fit_cost_model
     loop_state: LoopState  # the run's checkpointed state: the measured samples are its cost_samples
     cost: CostModel = field(default_factory=CostModel)
+    mesh: Mesh | None = None  # data parallel x context parallel (trainer.context_parallel); None: all data parallel
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's data-parallel group: the micro-batches it trains (with its context-parallel peers)."""
+        return self.mesh.data_rank if self.mesh is not None else self.env.rank
+
+    @property
+    def data_size(self) -> int:
+        return self.mesh.data_size if self.mesh is not None else self.env.world_size
+
+    @property
+    def context_rank(self) -> int:
+        """This rank's place in its context-parallel group (0: it reports the group's measurements and metrics)."""
+        return self.mesh.context.rank if self.mesh is not None and self.mesh.context is not None else 0
 
     def assign(self, sequences: list[TokenSequence]) -> Assignment:
-        """The same balanced assignment on every rank (a deterministic function of the batch and cost model)."""
-        return balance(sequences, self.env.world_size, self.trainer.micro_batch_tokens, cost=self.cost)
+        """The same balanced assignment on every rank (a deterministic function of the batch and cost model), over
+        the data-parallel groups."""
+        return balance(sequences, self.data_size, self.trainer.micro_batch_tokens, cost=self.cost)
 
     def record(self, measured: list[tuple[np.ndarray, float]]) -> None:
         """Keep every rank's measured (tree features, seconds) and refit the cost model the same way on each rank."""
@@ -62,8 +78,8 @@ class Balancer:
                 self.cost = fitted
 
     def metrics(self, assignment: Assignment, minibatch: list[TokenSequence]) -> dict[str, float]:
-        """The `dist/` metrics of an assignment (none with one rank): how even and how shared the split was."""
-        if self.env.world_size == 1:
+        """The `dist/` metrics of an assignment (none with one group): how even and how shared the split was."""
+        if self.data_size == 1:
             return {}
         stats = evaluate(assignment, minibatch, self.cost)
         return {

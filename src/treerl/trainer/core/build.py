@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treerl.algo import build_critic
 from treerl.attention import UnsupportedModel
+from treerl.attention.context_parallel import ContextParallel
 from treerl.distributed import DistributedModel
 from treerl.engine import AutocastEngine, DfsEngine, Engine, FlatEngine, PackedEngine, PolicyHead, ValueHead
 from treerl.engine.images import tower_parameters
@@ -32,15 +33,17 @@ from treerl.trainer.core.precision import autocast_dtype
 
 
 def build_train_engine(config: EngineConfig, temperature: float = 1.0, head: PolicyHead | ValueHead | None = None,
-                       precision: str = "fp32") -> Engine:
+                       precision: str = "fp32", context_parallel: ContextParallel | None = None) -> Engine:
     """The engine `engine.name` names; its log-probs are those of softmax(logits / temperature) (or `head`'s outputs).
-    Under trainer.precision=bf16-mixed every call of it runs under autocast."""
+    Under trainer.precision=bf16-mixed every call of it runs under autocast; DfsEngine's calls split over
+    `context_parallel`'s ranks."""
     head = head or PolicyHead(temperature=temperature, chunk_rows=config.head_chunk_rows)
     engine: Engine
     if config.name == "dfs":
         engine = DfsEngine(head=head, chunk_tokens=config.chunk_tokens, batch_tokens=config.batch_tokens,
                            recompute=config.recompute, memory=config.memory, max_tokens=config.max_tokens,  # type: ignore[arg-type]
-                           memory_budget_tokens=config.memory_budget_tokens, memory_budget_bytes=config.memory_budget_bytes)
+                           memory_budget_tokens=config.memory_budget_tokens, memory_budget_bytes=config.memory_budget_bytes,
+                           context_parallel=context_parallel)
     elif config.name == "packed":
         engine = PackedEngine(head=head, max_tokens=config.max_tokens)
     else:
@@ -116,7 +119,8 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
 def build_policy_learner(config: Config, model: PreTrainedModel, strategy: str, balancer: Balancer,
                          guard: NonfiniteGuard, temperature: float) -> Learner:
     """The policy's learner; its measured engine times refit the balancer's cost model."""
-    engine = build_train_engine(config.engine, temperature, precision=config.trainer.precision)
+    engine = build_train_engine(config.engine, temperature, precision=config.trainer.precision,
+                                context_parallel=balancer.mesh.context if balancer.mesh is not None else None)
     return build_learner("policy", model, strategy, config.trainer, engine, balancer, guard, records_costs=True)
 
 
@@ -133,7 +137,8 @@ def build_critic_learner(config: Config, strategy: str, vocab_size: int, device:
                          trust_remote_code=config.model.trust_remote_code)
     model.eval()  # no dropout: the values the advantages use and the ones trained are one function
     schedule = dataclasses.replace(config.trainer, lr=config.critic.lr or config.trainer.lr)
-    engine = build_train_engine(config.engine, head=ValueHead(), precision=config.trainer.precision)
+    engine = build_train_engine(config.engine, head=ValueHead(), precision=config.trainer.precision,
+                                context_parallel=balancer.mesh.context if balancer.mesh is not None else None)
     return build_learner("critic", model, strategy, schedule, engine, balancer, guard)
 
 

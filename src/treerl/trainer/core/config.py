@@ -141,6 +141,7 @@ class TrainerConfig:
     # Data parallel (under torchrun; a plain `python`/`treerl` run is one rank).
     data_parallel: str = "auto"  # auto (ddp when there are several ranks) | none | ddp | fsdp2
     fit_cost_model: bool = True  # refit treerl.distributed's cost model from measured engine times to balance ranks
+    context_parallel: int = 1  # ranks that split each DFS call's rows (docs/training.md#context-parallelism); the data-parallel ranks are WORLD_SIZE / this
 
     # Evaluation: the policy's mean reward on a fixed set of prompts (sampled like the rollout).
     eval_prompts: int = 64  # prompts (episodes) per evaluation; 0: no evaluation
@@ -229,6 +230,13 @@ def check_choices(config: Config) -> None:
                           "each step is not implemented for LoRA; sample with the embedded sampler (no server_url), "
                           "and serve the result with `treerl export`")
     check_truncated_sampling(config)
+    if config.trainer.context_parallel < 1:
+        raise ConfigError(f"trainer.context_parallel={config.trainer.context_parallel} must be >= 1")
+    if config.trainer.context_parallel > 1 and config.engine.name != "dfs":
+        raise ConfigError(f"trainer.context_parallel={config.trainer.context_parallel} splits DfsEngine's calls: "
+                          f"engine.name={config.engine.name} has none to split (use engine.name=dfs)")
+    if config.trainer.context_parallel > 1 and config.trainer.mode == "async":
+        raise ConfigError("trainer.context_parallel > 1 needs torchrun, which trainer.mode=async does not run under")
     if config.algo.resolved().advantage == "gae" and config.trainer.mode == "async":
         raise ConfigError(
             f"algo.advantage=gae (the default of algo.loss={config.algo.loss}) trains a critic, which "

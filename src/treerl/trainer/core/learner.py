@@ -105,7 +105,7 @@ class Learner:
         measured = []
         # every rank holds the whole minibatch, so all agree whether a call shows images
         with self.dp.gradient_step(images=any(s.images for s in minibatch)) as model:
-            for micro_batch in assignment.micro_batches(self.balancer.env.rank):
+            for micro_batch in assignment.micro_batches(self.balancer.data_rank):
                 part = [minibatch[i] for i in micro_batch]
                 stats = self.engine.forward_backward(model, part, loss_fn)
                 local["train/loss"] += stats.loss
@@ -114,6 +114,8 @@ class Learner:
                 for key, value in stats.metrics.items():
                     local[f"train/{key}"] = local.get(f"train/{key}", 0.0) + value
                 measured.append((tree_features(part), stats.seconds))
+        if self.balancer.context_rank != 0:  # its context-parallel group's rank 0 reports the group's (the same) calls
+            return {key: 0.0 for key in local}, []
         return local, measured
 
     def clip_gradients(self) -> float:

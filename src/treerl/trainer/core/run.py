@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from treerl.distributed import DistEnv, init_distributed
+from treerl.distributed import DistEnv, Mesh, build_mesh, init_distributed
 from treerl.engine import AutocastEngine, DfsEngine, FlatEngine
 from treerl.engine.base import check_model
 from treerl.models import base_fingerprint, check_device, is_lora
@@ -122,6 +122,14 @@ def data_parallel_strategy(trainer: TrainerConfig, env: DistEnv) -> str:
     return trainer.data_parallel
 
 
+def run_mesh(trainer: TrainerConfig, env: DistEnv) -> Mesh:
+    """The data-parallel x context-parallel grid of `trainer.context_parallel` over torchrun's ranks."""
+    if env.world_size % trainer.context_parallel:
+        raise ConfigError(f"trainer.context_parallel={trainer.context_parallel} must divide the {env.world_size} "
+                          "ranks torchrun started (--nproc-per-node x nodes)")
+    return build_mesh(env, trainer.context_parallel)
+
+
 @dataclass
 class Run:
     """The state of one training run on this rank: its context (config, ranks, tokenizer, step), what it trains
@@ -173,7 +181,7 @@ class Run:
         base = base_fingerprint(model) if is_lora(model) else None  # before sharding: the full frozen weights
         strategy = data_parallel_strategy(config.trainer, env)
         loop_state = LoopState(lora_base=base)
-        balancer = Balancer(env, config.trainer, loop_state)
+        balancer = Balancer(env, config.trainer, loop_state, mesh=run_mesh(config.trainer, env))
         guard = NonfiniteGuard(config.trainer.nonfinite, loop_state)
         actor = build_policy_learner(config, model, strategy, balancer, guard, temperature)
         images = policy_images(config.model, len(tokenizer))

@@ -361,7 +361,7 @@ def prepare(run: Run, sequences: list[TokenSequence], reference: Reference | Non
     """
     algo = run.config.algo.resolved()
     assignment = run.balancer.assign(sequences)
-    mine = [sequences[i] for i in assignment.sequences(run.env.rank)]
+    mine = [sequences[i] for i in assignment.sequences(run.balancer.data_rank)]
     proximal = algo.loss == "decoupled_ppo" and not proximal_in_loss
     policy_fields = (["old_logprobs"] if run.config.trainer.recompute_logprobs else []) + (
         ["prox_logprobs"] if proximal else [])
@@ -378,7 +378,7 @@ def prepare(run: Run, sequences: list[TokenSequence], reference: Reference | Non
         with run.critic.dp.gathered() as critic:
             fill_fields(run.critic.engine, critic, mine, {"values": "values"})
     share_fields(sequences, assignment, policy_fields + (["ref_logprobs"] if reference is not None else [])
-                 + (["values"] if run.critic is not None else []))
+                 + (["values"] if run.critic is not None else []), run.balancer.data_rank)
     if proximal_in_loss:
         for seq in sequences:
             seq.fields["prox_logprobs"] = seq.fields["old_logprobs"].clone()
@@ -386,12 +386,11 @@ def prepare(run: Run, sequences: list[TokenSequence], reference: Reference | Non
     validate_batch(algo, sequences)
 
 
-def share_fields(sequences: list[TokenSequence], assignment: Assignment, names: list[str]) -> None:
-    """Each rank filled `names` for its own sequences; afterwards every rank has them for all."""
+def share_fields(sequences: list[TokenSequence], assignment: Assignment, names: list[str], data_rank: int) -> None:
+    """Each data-parallel group filled `names` for its own sequences; afterwards every rank has them for all."""
     if not names or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    rank = dist.get_rank()
-    local = {i: {n: sequences[i].fields[n].cpu() for n in names} for i in assignment.sequences(rank)}
+    local = {i: {n: sequences[i].fields[n].cpu() for n in names} for i in assignment.sequences(data_rank)}
     gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, local)
     for part in gathered:
