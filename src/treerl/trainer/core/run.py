@@ -35,8 +35,8 @@ from treerl.distributed import DistEnv, Mesh, build_mesh, init_distributed
 from treerl.engine import AutocastEngine, DfsEngine, FlatEngine
 from treerl.engine.base import check_model
 from treerl.models import base_fingerprint, check_device, is_lora
-from treerl.trainer.core.balancer import Balancer
 from treerl.rollout.images import ImageProcessor
+from treerl.trainer.core.balancer import Balancer
 from treerl.trainer.core.build import build_critic_learner, build_policy_learner, load_policy, policy_images
 from treerl.trainer.core.checkpoint import (
     CRITIC_DIR,
