@@ -46,6 +46,7 @@ BALANCE_SHRINK = ["--balance-scale", "0.02", "--scale", "0.004", *TINY_MODEL]
 ASYNC_SHRINK = [f"--set={o}" for o in TRAIN_SHRINK]
 PROFILE_SHRINK = ["--workloads", "grpo,agent", "--engines", "flat,dfs", *BENCH_SHRINK]  # the profiler is slow
 PRECISION_SHRINK = ["--prompt-tokens", "24", "--response-tokens", "4", "--samples", "2", *TINY_MODEL]
+CP_SHRINK = ["--cp", "1,2", "--cp-tokens", "256", "--no-memory", *TINY_MODEL]  # the last --cp wins
 
 
 @dataclasses.dataclass
@@ -131,7 +132,7 @@ def shrunk(words: list[str]) -> list[str]:
         rest = rest + TRAIN_SHRINK
     elif command == "bench":
         shrink = {"--async": ASYNC_SHRINK, "--balance": BALANCE_SHRINK, "--profile": PROFILE_SHRINK,
-                  "--precision": PRECISION_SHRINK}
+                  "--precision": PRECISION_SHRINK, "--cp": CP_SHRINK}
         options = next((options for flag, options in shrink.items() if flag in rest), BENCH_SHRINK)
         if any(w in " ".join(rest) for w in IMAGE_WORKLOADS):  # images need the command's vision-language shape
             options = options[: -len(TINY_MODEL)] if options[-len(TINY_MODEL) :] == TINY_MODEL else options
@@ -243,7 +244,8 @@ def test_every_table_row_has_the_headers_cells():
 
 
 # Written by treerl itself (bench outputs, tests/zoo.py's table), not documents to read.
-OUTPUT_FILES = {"bench.md", "balance.md", "async_compare.md", "precision.md", "profile.md", "table.md", "weight_push.md"}
+OUTPUT_FILES = {"bench.md", "balance.md", "async_compare.md", "precision.md", "profile.md", "table.md", "weight_push.md",
+                "context_parallel.md"}
 
 
 def test_every_cited_document_exists():

@@ -1,7 +1,7 @@
 """`treerl bench`: engines side by side on the same trees; `--profile`: where each engine's time goes;
 `--balance`: data-parallel assignment; `--async`: synchronous vs asynchronous RL training;
 `--precision`: one training step per precision; `--weight-push URL`: what pushing weights to an inference server
-costs.
+costs; `--cp 1,2,4`: one long trajectory under context parallelism, and when CP pays on a GPU cluster.
 
 Beside the steps (docs/architecture.md): the benchmark's command line.
 """
@@ -25,6 +25,7 @@ from treerl.bench.engines import (
     workload_names,
 )
 from treerl.bench.precision import VARIANTS as PRECISION_VARIANTS
+from treerl.bench.context_parallel import CpBenchConfig
 from treerl.bench.precision import PrecisionBenchConfig
 
 
@@ -76,6 +77,9 @@ def bench(
                                            "of one weight push (write + load) through /dev/shm and disk instead"),
     model_path: str | None = typer.Option(None, help="--weight-push: the directory of the model the server serves"),
     server_model: str = typer.Option("policy", help="--weight-push: the server's model name"),
+    cp: str | None = typer.Option(None, "--cp", help="context parallelism: comma-separated rank counts (e.g. 1,2,4): "
+                                  "one long trajectory (--cp-tokens) over that many gloo processes, and the GPU model"),
+    cp_tokens: int = typer.Option(32768, help="--cp: tokens of the trajectory"),
     out: Path = typer.Option(Path("outputs/bench"), help="where JSON, markdown and PNG go"),
 ) -> None:
     """Measure what prefix sharing buys: time, memory and speedup over flat, against the FLOP ideal."""
@@ -83,7 +87,10 @@ def bench(
         shape=shape, vocab_size=vocab_size or None, device=device, dtype=dtype, scale=scale, repeats=repeats,
         memory=memory, workloads=workloads.split(","), engines=engines.split(","), threads=threads,
     )
-    if weight_push:
+    if cp:
+        run_cp_bench(CpBenchConfig(shape=shape, vocab_size=vocab_size or None, tokens=cp_tokens,
+                                   ranks=[int(r) for r in cp.split(",")], memory=memory), out)
+    elif weight_push:
         run_weight_push(weight_push, model_path, server_model, repeats, out)
     elif compare_async:
         run_async_compare(train_config, override, [int(s) for s in seeds.split(",")], target, threads or 1, out)
@@ -112,6 +119,22 @@ def run_engine_bench(config: BenchConfig, out: Path, scaling: bool = True) -> No
         print("\nPeak memory (MiB) of one step, G samples of one prompt:\n")
         print(memory_markdown(memory_rows))
     Console().print(f"written to {', '.join(str(p) for p in paths.values())}")
+
+
+def run_cp_bench(config: CpBenchConfig, out: Path) -> None:
+    """`--cp`: per-rank memory, bytes and time of one long trajectory, and the GPU cluster model, printed and written
+    to out/context_parallel.{json,md}."""
+    from treerl.bench.context_parallel import cluster_table, describe, lengths_for, markdown, measure, qwen3_8b
+
+    measured = measure(config)
+    predicted = cluster_table(qwen3_8b(), lengths_for(config.tokens), [1, 2, 4, 8])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "context_parallel.json").write_text(json.dumps(
+        {"settings": describe(config), "measured": measured, "predicted (Qwen3-8B)": predicted}, indent=1))
+    table = markdown(measured, predicted)
+    (out / "context_parallel.md").write_text(table + "\n")
+    print(table)
+    Console().print(f"written to {out}/context_parallel.{{json,md}}")
 
 
 def run_weight_push(url: str, model_path: str | None, server_model: str, repeats: int, out: Path) -> None:

@@ -141,7 +141,7 @@ class TrainerConfig:
     # Data parallel (under torchrun; a plain `python`/`treerl` run is one rank).
     data_parallel: str = "auto"  # auto (ddp when there are several ranks) | none | ddp | fsdp2
     fit_cost_model: bool = True  # refit treerl.distributed's cost model from measured engine times to balance ranks
-    context_parallel: int = 1  # ranks that split each DFS call's rows (docs/training.md#context-parallelism); the data-parallel ranks are WORLD_SIZE / this
+    context_parallel: int = 1  # ranks that split each DFS call's rows (docs/training.md#context-parallelism-one-long-trajectory-over-several-gpus); the data-parallel ranks are WORLD_SIZE / this
 
     # Evaluation: the policy's mean reward on a fixed set of prompts (sampled like the rollout).
     eval_prompts: int = 64  # prompts (episodes) per evaluation; 0: no evaluation

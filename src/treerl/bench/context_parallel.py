@@ -1,0 +1,208 @@
+"""`treerl bench --cp 1,2,4`: one long agent trajectory trained with context parallelism over R gloo processes on this
+machine (per-rank peak memory, bytes each rank sends, step time), and the step-time model that says when CP pays on
+a GPU cluster.
+
+Beside the steps (docs/architecture.md): step 5 split over ranks (treerl.attention.context_parallel), measured.
+
+What a rank sends, per step: every layer's K and V of every call are all-gathered in the forward (each rank sends its
+rows to the R - 1 others: (R - 1) / R of the path's K/V with a ring) and their gradient is all-reduced in the backward
+(2 (R - 1) / R of it; a reduce-scatter would halve that); the head's outputs are all-gathered (a few bytes a token).
+The path's K/V are then held whole by every rank; what CP divides by R is each call's activations.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.multiprocessing as mp
+from transformers import PretrainedConfig
+
+from treerl.bench.flops import flop_rates
+from treerl.bench.peak import peak_memory
+from treerl.models import build_model, model_config, model_geometry
+from treerl.tree import TokenSequence
+
+
+@dataclass
+class CpBenchConfig:
+    shape: str = "small-qwen3"
+    vocab_size: int | None = 4096
+    tokens: int = 32768  # one trajectory this long
+    chunk_tokens: int = 2048  # DfsEngine's longest call (the path's K/V grow call by call)
+    ranks: list[int] = field(default_factory=lambda: [1, 2, 4])
+    memory: bool = True  # also the per-rank peak (one more, untimed, profiled step)
+
+
+def trajectory(tokens: int, vocab: int) -> TokenSequence:
+    """One agent trajectory of `tokens` random tokens, every token trained with a random advantage."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (tokens,), generator=g)
+    return TokenSequence(ids, {"advantages": torch.randn(tokens, generator=g)})
+
+
+def _loss(view):
+    return -(view.logprobs * view.fields["advantages"]).sum() / view.logprobs.numel()
+
+
+def _count_bytes(sent: dict[str, float], world: int) -> None:
+    """Count what this rank sends in torch.distributed's all_gather / all_reduce, as ring algorithms send it."""
+    import torch.distributed as dist
+
+    gather, reduce = dist.all_gather, dist.all_reduce
+
+    def all_gather(pieces, tensor, *args, **kwargs):
+        sent["all_gather"] += tensor.numel() * tensor.element_size() * (world - 1)
+        return gather(pieces, tensor, *args, **kwargs)
+
+    def all_reduce(tensor, *args, **kwargs):
+        sent["all_reduce"] += tensor.numel() * tensor.element_size() * 2 * (world - 1) / world
+        return reduce(tensor, *args, **kwargs)
+
+    dist.all_gather, dist.all_reduce = all_gather, all_reduce
+
+
+def _worker(rank: int, world: int, port: int, config: CpBenchConfig, out: str) -> None:
+    """One rank: a warm-up step, a timed one, a profiled one for the peak; rank 0 writes every rank's figures."""
+    import torch.distributed as dist
+
+    from treerl.attention.context_parallel import ContextParallel
+    from treerl.engine import DfsEngine
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    cp, sent = None, {"all_gather": 0.0, "all_reduce": 0.0}
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        cp = ContextParallel.over()
+    model = build_model(shape=config.shape, vocab_size=config.vocab_size, dtype=torch.float32)
+    batch = [trajectory(config.tokens, model.config.vocab_size)]
+    engine = DfsEngine(chunk_tokens=config.chunk_tokens, context_parallel=cp)
+    engine.forward_backward(model, batch, _loss)  # warm-up
+    if world > 1:
+        _count_bytes(sent, world)
+        dist.barrier()
+    started = time.perf_counter()
+    engine.forward_backward(model, batch, _loss)
+    seconds = time.perf_counter() - started
+    row = {"rank": rank, "seconds": seconds, "sent_bytes": sum(sent.values()), **{f"sent_{k}": v for k, v in sent.items()}}
+    if config.memory:
+        model.zero_grad(set_to_none=True)
+        row["peak_bytes"] = peak_memory(lambda: engine.forward_backward(model, batch, _loss))
+    rows = [row]
+    if world > 1:
+        rows = [None] * world
+        dist.all_gather_object(rows, row)
+        dist.destroy_process_group()
+    if rank == 0:
+        torch.save(rows, out)
+
+
+def measure(config: CpBenchConfig) -> list[dict]:
+    """Per CP size: the ranks' step seconds, bytes sent and peak memory (each size its own processes)."""
+    table = []
+    for world in config.ranks:
+        with tempfile.TemporaryDirectory() as scratch:
+            out = os.path.join(scratch, "rows.pt")
+            mp.spawn(_worker, args=(world, _free_port(), config, out), nprocs=world, join=True)
+            rows = torch.load(out)
+        table.append({"cp": world, "tokens": config.tokens,
+                      "seconds": max(r["seconds"] for r in rows),
+                      "sent_mib_per_rank": max(r["sent_bytes"] for r in rows) / 2**20,
+                      "peak_mib_per_rank": max(r.get("peak_bytes", 0) for r in rows) / 2**20,
+                      "ranks": rows})
+    return table
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------- the GPU cluster model
+@dataclass(frozen=True)
+class Cluster:
+    """The constants of the step-time model, each with its source."""
+
+    name: str
+    flops: float  # dense BF16 FLOP/s of one GPU: H100 SXM5, 989 TFLOP/s (NVIDIA H100 Tensor Core GPU datasheet)
+    mfu: float  # fraction of it a long-context training step reaches: 0.38-0.43 for Llama 3 405B's BF16 training
+    #              (Llama 3 paper, Dubey et al. 2024, Table 4); 0.40 here
+    bandwidth: float  # bytes/s one GPU sends to its peers, one direction
+    latency: float  # seconds of one small collective: the order nccl-tests' all_gather_perf reports for 8 GPUs
+    #                 (about 10-20 us inside an NVLink node, a few times that across an InfiniBand fabric)
+
+
+CLUSTERS = (
+    Cluster("H100 SXM, CP inside a node (NVLink 4: 900 GB/s both ways, 450 one way; NVIDIA)", 989e12, 0.40, 450e9,
+            15e-6),
+    Cluster("H100 SXM, CP across nodes (InfiniBand NDR: 400 Gb/s = 50 GB/s a GPU; NVIDIA ConnectX-7)", 989e12, 0.40,
+            50e9, 50e-6),
+)
+
+
+def predicted_step(config: PretrainedConfig, tokens: int, cp: int, cluster: Cluster, chunk_tokens: int = 2048,
+                   dtype_bytes: int = 2) -> dict[str, float]:
+    """Seconds of one training step (forward + backward, 3x the forward FLOPs) on one trajectory of `tokens` in calls
+    of `chunk_tokens`, split over `cp` GPUs: compute / cp, plus the K/V traffic and the collectives' latency, unhidden
+    (no overlap with compute: an upper bound)."""
+    per_token, per_key = flop_rates(config)
+    forward = tokens * per_token + tokens * (tokens + 1) // 2 * per_key
+    compute = 3 * forward / (cp * cluster.flops * cluster.mfu)
+    g = model_geometry(config)
+    kv = tokens * g.layers * 2 * g.kv_heads * g.head_dim * dtype_bytes  # every layer's K and V of the whole path
+    comm = 0.0
+    if cp > 1:  # all-gather forward, all-reduce (2x) backward; 4 collectives a layer and call (K and V, each way)
+        comm = (cp - 1) / cp * kv * 3 / cluster.bandwidth + 4 * g.layers * math.ceil(tokens / chunk_tokens) * cluster.latency
+    return {"compute_s": compute, "comm_s": comm, "step_s": compute + comm}
+
+
+def cluster_table(config: PretrainedConfig, lengths: list[int], sizes: list[int]) -> list[dict]:
+    """The model's predicted step time and speedup over one GPU, per cluster, length and CP size."""
+    rows = []
+    for cluster in CLUSTERS:
+        for tokens in lengths:
+            one = predicted_step(config, tokens, 1, cluster)["step_s"]
+            for cp in sizes:
+                step = predicted_step(config, tokens, cp, cluster)
+                rows.append({"cluster": cluster.name, "tokens": tokens, "cp": cp, **step,
+                             "speedup": one / step["step_s"], "efficiency": one / step["step_s"] / cp})
+    return rows
+
+
+def qwen3_8b() -> PretrainedConfig:
+    """Qwen3-8B's published sizes (its config.json), built locally: nothing is downloaded."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144)
+
+
+def markdown(measured: list[dict], predicted: list[dict]) -> str:
+    """Both tables as markdown."""
+    lines = ["| CP ranks | tokens | step s (this machine) | sent MiB / rank | peak MiB / rank |", "|---|---|---|---|---|"]
+    lines += [f"| {r['cp']} | {r['tokens']} | {r['seconds']:.1f} | {r['sent_mib_per_rank']:.1f} | "
+              f"{r['peak_mib_per_rank']:.1f} |" for r in measured]
+    lines += ["", "| cluster | tokens | CP | compute s | K/V traffic s | speedup | efficiency |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['cluster']} | {r['tokens']} | {r['cp']} | {r['compute_s']:.3f} | {r['comm_s']:.3f} | "
+              f"{r['speedup']:.2f} | {r['efficiency']:.2f} |" for r in predicted]
+    return "\n".join(lines)
+
+
+def describe(config: CpBenchConfig) -> dict:
+    return {**asdict(config), "model": model_config(config.shape).to_dict() if config.shape else None,
+            "cpus": os.cpu_count(), "note": "ranks share this machine's cores: step seconds compare CP sizes only "
+                                            "roughly; memory and bytes are per rank"}
+
+
+def lengths_for(tokens: int) -> list[int]:
+    """Trajectory lengths for the cluster table: powers of two from 8K up to `tokens` x 8, at least 256K."""
+    top = max(tokens * 8, 262144)
+    return [2**k for k in range(13, int(math.log2(top)) + 1)]

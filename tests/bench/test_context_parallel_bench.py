@@ -1,0 +1,35 @@
+"""`treerl bench --cp`: the measured table comes from real ranks, and the GPU model says what its constants say."""
+
+from __future__ import annotations
+
+import pytest
+
+from treerl.bench.context_parallel import CLUSTERS, CpBenchConfig, cluster_table, measure, predicted_step, qwen3_8b
+
+
+def test_the_gpu_model_divides_compute_and_charges_traffic():
+    """One GPU: no traffic; R GPUs: 1/R of the compute plus traffic that grows with R, and the slower link costs more;
+    the longer the trajectory, the better CP's efficiency (attention compute grows as the square, traffic linearly)."""
+    config = qwen3_8b()
+    nvlink, infiniband = CLUSTERS
+    one = predicted_step(config, 32768, 1, nvlink)
+    assert one["comm_s"] == 0.0
+    four = predicted_step(config, 32768, 4, nvlink)
+    assert four["compute_s"] == pytest.approx(one["compute_s"] / 4)
+    assert 0 < four["comm_s"] < predicted_step(config, 32768, 4, infiniband)["comm_s"]
+    rows = cluster_table(config, [16384, 131072], [8])
+    by = {(r["cluster"], r["tokens"]): r["efficiency"] for r in rows}
+    for cluster in CLUSTERS:
+        assert by[cluster.name, 16384] < by[cluster.name, 131072] <= 1.0
+
+
+@pytest.mark.slow  # two processes
+def test_measured_ranks_hold_less_and_send_what_the_key_gathers_send():
+    """2 ranks on a 512-token trajectory of tiny-qwen3 (2 layers, 2 K/V heads of 16): each rank's peak is below one
+    process's, and what it sends is at least the K/V all-gather's (R - 1) / R of the path's K/V a layer."""
+    rows = measure(CpBenchConfig(shape="tiny-qwen3", vocab_size=256, tokens=512, chunk_tokens=128, ranks=[1, 2]))
+    one, two = rows
+    assert one["sent_mib_per_rank"] == 0 and two["sent_mib_per_rank"] > 0
+    kv_bytes = 512 * 2 * 2 * 2 * 16 * 4  # tokens x layers x (K, V) x kv heads x head_dim x float32
+    assert two["sent_mib_per_rank"] * 2**20 >= kv_bytes / 2
+    assert two["peak_mib_per_rank"] < one["peak_mib_per_rank"]
