@@ -14,6 +14,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from treerl.bench.context_parallel import CpBenchConfig
 from treerl.bench.engines import (
     DEFAULT_ENGINES,
     ENGINES,
@@ -25,7 +26,6 @@ from treerl.bench.engines import (
     workload_names,
 )
 from treerl.bench.precision import VARIANTS as PRECISION_VARIANTS
-from treerl.bench.context_parallel import CpBenchConfig
 from treerl.bench.precision import PrecisionBenchConfig
 
 
