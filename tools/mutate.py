@@ -69,7 +69,7 @@ MUTATIONS = [
              ("tests/tree/test_image_spans.py",),
              "two prompts with different images of one size are merged into one node: one sample's image is lost"),
     Mutation("images-fed-as-text", "src/treerl/engine/base.py",
-             "    check_images(model, sequences, tree)\n", "",
+             "    check_images(model, sequences)\n", "",
              ("tests/engine/test_images.py::test_images_a_model_cannot_take_are_refused_before_compute",),
              "a batch that shows images trains a vision-language model on its placeholder tokens without the pixels"),
     Mutation("vision-gradient-not-sent-back", "src/treerl/engine/dfs.py",
@@ -129,8 +129,7 @@ MUTATIONS = [
     Mutation("gemma3-flat-image-causal", "src/treerl/engine/flat.py",
              "            if family.both_ways:  # an image's tokens see each other both ways: the model's own mask",
              "            if False:",
-             ("tests/engine/test_images.py::"
-              "test_gemma3s_images_attend_both_ways_in_the_flat_reference_and_the_tree_engines_refuse_them",),
+             ("tests/engine/test_images.py::test_gemma3s_images_attend_both_ways_in_every_plan",),
              "the flat reference trains Gemma 3's image tokens causally: not the model's own function"),
     Mutation("gemma3-sampler-prefill-causal", "src/treerl/rollout/embedded.py",
              "        if family.both_ways:  # an image's tokens see each other both ways (Gemma 3): the model's own masks",
@@ -593,6 +592,14 @@ MUTATIONS = [
              "        dist.all_reduce(grad, group=ctx.cp.group)\n        local = ", "        local = ",
              ("tests/engine/test_context_parallel.py",),
              "a key's gradient from other ranks' queries never reaches the rank that computed the key"),
+    Mutation("checkpoint-names-not-mapped-back", "src/treerl/trainer/core/checkpoint.py",
+             "    weights = model_names(model, read_weights(folder))", "    weights = read_weights(folder)",
+             ("tests/cli/test_train_cmd.py::test_ppo_trains_a_critic_that_sees_the_images",),
+             "a vision-language run cannot resume: its checkpoint holds the original layout's names"),
+    Mutation("vl-critic-keeps-the-lm-head", "src/treerl/algo/critic.py",
+             "    model.lm_head = None\n", "",
+             ("tests/cli/test_train_cmd.py::test_ppo_trains_a_critic_that_sees_the_images",),
+             "a vision-language critic holds a vocabulary-wide LM head it never reads"),
 ]
 
 

@@ -239,6 +239,23 @@ def test_gemma3s_images_attend_both_ways_in_every_plan(window):
     assert model.model.multi_modal_projector.mm_input_projection_weight.grad.abs().sum() > 0
 
 
+def test_a_critic_reads_the_images_and_its_values_are_exact():
+    """A vision-language policy's critic (its model with a value layer for its LM head): DfsEngine's values and
+    gradients, the tower's included, equal the flat reference's."""
+    from treerl.algo.critic import with_value_layer
+    from treerl.engine import ValueHead
+
+    torch.manual_seed(0)
+    critic = with_value_layer(BUILDS["qwen2_5_vl"]().double().eval(), seed=1)
+    batch = grpo_and_agent()
+    values_loss = lambda view: ((view.values - view.fields["advantages"]) ** 2).sum()
+    with float64_throughout():
+        errors = compare_runs(run_engine(DfsEngine(head=ValueHead(), chunk_tokens=3), critic, batch, values_loss),
+                              run_engine(FlatEngine(head=ValueHead(), layout="sequences"), critic, batch, values_loss))
+    assert max(errors.values()) <= TOL["qwen2_5_vl"], errors
+    assert any(k.startswith("grad.model.visual.") for k in errors) and "grad.score.weight" in errors
+
+
 def test_the_packing_engine_refuses_images():
     with pytest.raises(UnsupportedModel, match="does not feed images yet; DfsEngine and FlatEngine do"):
         PackedEngine().forward(vl_model("qwen2_vl"), grpo_and_agent())

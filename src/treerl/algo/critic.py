@@ -4,7 +4,8 @@ Steps 3 and 5 (docs/architecture.md): PPO's critic gives GAE its values (3) and 
 
 A critic is a transformers `*ForTokenClassification` model with one label on a causal LM body
 (verl's choice): `model.base_model` is the decoder the engines drive, `model.score` the value
-layer that `treerl.engine.head.ValueHead` applies. Run it with `DfsEngine(head=ValueHead())`:
+layer that `treerl.engine.head.ValueHead` applies. A vision-language policy's critic is its own model
+class (tower and all: the values read the images too) with `score` in place of the LM head. Run it with `DfsEngine(head=ValueHead())`:
 `forward` gives per-token values (values[t] = V(tokens[:t]), aligned with logprobs[t]) and
 `forward_backward(critic, batch, build_value_loss(config, normalizer))` trains them.
 """
@@ -19,7 +20,8 @@ from treerl.algo.config import AlgoConfig
 from treerl.algo.loss import field
 from treerl.algo.normalizer import LossNormalizer
 from treerl.engine.base import LossFn, LossResult, SequenceView
-from treerl.models import build_model
+from treerl.engine.images import vision_family
+from treerl.models import build_model, policy_config
 
 
 def build_critic(
@@ -32,12 +34,33 @@ def build_critic(
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
 ) -> PreTrainedModel:
-    """A value model: the body of a local causal LM checkpoint (or shape `shape`, random) plus a fresh value layer."""
+    """A value model: the body of a local causal LM checkpoint (or shape `shape`, random) plus a fresh value layer; of
+    a vision-language one, its whole model (the critic sees the images too) with the value layer in its LM head's
+    place."""
+    if vision_family(policy_config(path, shape, vocab_size, trust_remote_code)) is not None:
+        model = build_model(path, shape, vocab_size, dtype, device, seed, attn_implementation,
+                            trust_remote_code=trust_remote_code)
+        return with_value_layer(model, seed)
     return build_model(
         path, shape, vocab_size, dtype, device, seed, attn_implementation,
         auto_class=AutoModelForTokenClassification, overrides=dict(num_labels=1, classifier_dropout=0.0),
         trust_remote_code=trust_remote_code,
     )
+
+
+def with_value_layer(model: PreTrainedModel, seed: int) -> PreTrainedModel:
+    """A vision-language model (no token-classification class in transformers) as a critic: `model.score`, a fresh
+    one-output layer initialised as transformers initialises a classifier, and no LM head (a vocabulary-wide matrix
+    the critic never reads)."""
+    text = model.config.get_text_config()
+    weight = model.get_input_embeddings().weight
+    generator = torch.Generator().manual_seed(seed)
+    score = torch.nn.Linear(text.hidden_size, 1, bias=False)
+    with torch.no_grad():
+        score.weight.copy_(torch.randn(1, text.hidden_size, generator=generator) * text.initializer_range)
+    model.score = score.to(device=weight.device, dtype=weight.dtype)
+    model.lm_head = None
+    return model
 
 
 def build_value_loss(config: AlgoConfig, normalizer: LossNormalizer) -> LossFn:

@@ -429,7 +429,7 @@ def load_weights(folder: Path, model: PreTrainedModel) -> None:
     """A checkpoint part's safetensors weights into `model` (sharded or not); every name and shape must fit."""
     if is_lora(model):
         return load_adapters(folder, model)
-    weights = read_weights(folder)
+    weights = model_names(model, read_weights(folder))
     expected = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     for name, tensor in weights.items():
         if name in expected and tuple(expected[name].shape) != tuple(tensor.shape):
@@ -442,6 +442,18 @@ def load_weights(folder: Path, model: PreTrainedModel) -> None:
             f"checkpoint {folder} does not fit the model: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(incompatible.unexpected_keys)[:5]}"
         )
+
+
+def model_names(model: PreTrainedModel, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights under the names the model holds them by: `save_pretrained` writes a family's original
+    layout (Qwen-VL: `model.layers.*`, `visual.*` for the model's `model.language_model.layers.*`, `model.visual.*`),
+    and the renamings `from_pretrained` applies map it back. (Conversions that merge weights, e.g. experts fused on
+    load, are not renamings: such a checkpoint is refused by the name check.)"""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
+    return {rename_source_key(name, renamings, [])[0]: tensor for name, tensor in weights.items()}
 
 
 def load_adapters(folder: Path, model: PreTrainedModel) -> None:

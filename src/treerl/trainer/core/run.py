@@ -188,10 +188,6 @@ class Run:
         run = cls(config, env, tokenizer, images, actor, balancer, Reporter(config, env), run_id=start.run_id,
                   loop_state=loop_state, replaces=start.replaces)
         if config.algo.resolved().advantage == "gae":
-            if images is not None:
-                raise ConfigError(f"algo.loss={config.algo.loss} estimates advantages with a critic (GAE), which "
-                                  "treerl does not build for a vision-language policy yet (its value model would have "
-                                  "to see the images): use a critic-free loss, e.g. algo.loss=dr_grpo or grpo")
             run.critic = build_critic_learner(config, strategy, len(tokenizer), device, balancer, guard)
         if start.path is not None:
             run._resume(start.path, base)
