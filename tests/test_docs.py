@@ -46,7 +46,7 @@ BALANCE_SHRINK = ["--balance-scale", "0.02", "--scale", "0.004", *TINY_MODEL]
 ASYNC_SHRINK = [f"--set={o}" for o in TRAIN_SHRINK]
 PROFILE_SHRINK = ["--workloads", "grpo,agent", "--engines", "flat,dfs", *BENCH_SHRINK]  # the profiler is slow
 PRECISION_SHRINK = ["--prompt-tokens", "24", "--response-tokens", "4", "--samples", "2", *TINY_MODEL]
-CP_SHRINK = ["--cp", "1,2", "--cp-tokens", "256", "--no-memory", *TINY_MODEL]  # the last --cp wins
+CP_SHRINK = ["--cp", "2", "--cp-tokens", "256", "--no-memory", *TINY_MODEL]  # the last --cp wins
 
 
 @dataclasses.dataclass
@@ -134,8 +134,9 @@ def shrunk(words: list[str]) -> list[str]:
         shrink = {"--async": ASYNC_SHRINK, "--balance": BALANCE_SHRINK, "--profile": PROFILE_SHRINK,
                   "--precision": PRECISION_SHRINK, "--cp": CP_SHRINK}
         options = next((options for flag, options in shrink.items() if flag in rest), BENCH_SHRINK)
-        if any(w in " ".join(rest) for w in IMAGE_WORKLOADS):  # images need the command's vision-language shape
-            options = options[: -len(TINY_MODEL)] if options[-len(TINY_MODEL) :] == TINY_MODEL else options
+        if any(w in " ".join(rest) for w in IMAGE_WORKLOADS):  # images need a vision-language shape: the tiny one
+            options = options[: -len(TINY_MODEL)] + ["--shape", "tiny-qwen2.5-vl"] \
+                if options[-len(TINY_MODEL) :] == TINY_MODEL else options
         rest = rest + options
     return [sys.executable, "-m", "treerl.cli.main", *rest]
 
