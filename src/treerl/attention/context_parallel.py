@@ -10,11 +10,11 @@ K/V, `gather_keys`), and each rank computes its own queries against them: every 
 causal runs, in-unit ancestors, both-ways image runs) clipped to its rows (`ShardLayout`), and the path. The path's
 K/V are the gathered ones, so every rank holds the whole path (replicated, not sharded: a path's K/V are small
 beside a call's activations, which are sharded). Backward: each rank's gradient to the gathered K/V (its queries'
-share, and what its descendants' queries sent through the path store) is summed over the ranks and each takes its
-rows' (`gather_keys`' backward). The head runs on each rank's own rows; its outputs are gathered (`gather_outputs`:
-every rank then evaluates the same losses, and each sends back only its rows' gradient). So each rank's parameter
-gradients are its rows' share: their sum over the group is the single-process gradient (the trainer's gradient sync
-sums them, as it sums data-parallel ranks').
+share, and what its descendants' queries sent through the path store) is summed over the ranks, each receiving its
+rows' (one reduce-scatter, `gather_keys`' backward). The head runs on each rank's own rows; its outputs are gathered
+(`gather_outputs`: every rank then evaluates the same losses, and each sends back only its rows' gradient). So each
+rank's parameter gradients are its rows' share: their sum over the group is the single-process gradient (the
+trainer's gradient sync sums them, as it sums data-parallel ranks').
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ class ContextParallel:
                 owner[lo:hi] = rank
         return owner.to(device)
 
-    def local_rows(self, rows: int, device: torch.device) -> torch.Tensor:
-        """This rank's rows, in the order its calls hold them."""
-        return torch.cat([torch.arange(lo, hi) for lo, hi in self.ranges(rows)] or [torch.zeros(0, dtype=torch.long)]
-                         ).to(device)
+    def local_rows(self, rows: int, device: torch.device, rank: int | None = None) -> torch.Tensor:
+        """The rows `rank` (default: this one) holds, in the order its calls hold them."""
+        return torch.cat([torch.arange(lo, hi) for lo, hi in self.ranges(rows, rank)]
+                         or [torch.zeros(0, dtype=torch.long)]).to(device)
 
     def call_rows(self, rows: int, device: torch.device) -> torch.Tensor:
         """The rows this rank's model call runs: its own, or (a call of fewer rows than ranks left it none) the first
@@ -117,7 +117,7 @@ class ShardLayout:
 
 class _GatherKeys(torch.autograd.Function):
     """All ranks' rows of a call's K/V `[1, heads, local, D]` -> the call's `[1, heads, rows, D]`; backward: the
-    gradient summed over the ranks, this rank's rows of it."""
+    gradient summed over the ranks, each rank receiving its rows' (one reduce-scatter)."""
 
     @staticmethod
     def forward(ctx, x, cp: ContextParallel, rows: int):
@@ -126,12 +126,17 @@ class _GatherKeys(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.cp.group)
-        local = ctx.cp.local_rows(ctx.rows, grad.device)
-        if len(local) < ctx.held:  # a stand-in row (`call_rows`): no gradient
+        cp, rows = ctx.cp, ctx.rows
+        held = [cp.local_rows(rows, grad.device, rank) for rank in range(cp.size)]
+        size = max(len(h) for h in held)
+        rows_first = grad[0].transpose(0, 1)  # [rows, heads, D]: reduce_scatter_tensor splits the first dimension
+        pieces = [torch.nn.functional.pad(rows_first.index_select(0, h), (0, 0, 0, 0, 0, size - len(h))) for h in held]
+        mine = rows_first.new_empty((size, *rows_first.shape[1:]))
+        dist.reduce_scatter_tensor(mine, torch.cat(pieces).contiguous(), group=cp.group)
+        local = len(held[cp.rank])
+        if local < ctx.held:  # a stand-in row (`call_rows`): no gradient
             return grad.new_zeros((*grad.shape[:2], ctx.held, grad.shape[3])), None, None
-        return grad.index_select(2, local), None, None
+        return mine[:local].transpose(0, 1)[None], None, None
 
 
 def gather_keys(x: torch.Tensor, cp: ContextParallel, rows: int) -> torch.Tensor:

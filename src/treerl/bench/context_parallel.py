@@ -5,8 +5,8 @@ a GPU cluster.
 Beside the steps (docs/architecture.md): step 5 split over ranks (treerl.attention.context_parallel), measured.
 
 What a rank sends, per step: every layer's K and V of every call are all-gathered in the forward (each rank sends its
-rows to the R - 1 others: (R - 1) / R of the path's K/V with a ring) and their gradient is all-reduced in the backward
-(2 (R - 1) / R of it; a reduce-scatter would halve that); the head's outputs are all-gathered (a few bytes a token).
+rows to the R - 1 others: (R - 1) / R of the path's K/V with a ring) and their gradient is reduce-scattered in the
+backward ((R - 1) / R of it again); the head's outputs are all-gathered (a few bytes a token).
 The path's K/V are then held whole by every rank; what CP divides by R is each call's activations.
 """
 
@@ -51,20 +51,21 @@ def _loss(view):
 
 
 def _count_bytes(sent: dict[str, float], world: int) -> None:
-    """Count what this rank sends in torch.distributed's all_gather / all_reduce, as ring algorithms send it."""
+    """Count what this rank sends in torch.distributed's all_gather / reduce_scatter_tensor, as ring algorithms
+    send it."""
     import torch.distributed as dist
 
-    gather, reduce = dist.all_gather, dist.all_reduce
+    gather, scatter = dist.all_gather, dist.reduce_scatter_tensor
 
     def all_gather(pieces, tensor, *args, **kwargs):
         sent["all_gather"] += tensor.numel() * tensor.element_size() * (world - 1)
         return gather(pieces, tensor, *args, **kwargs)
 
-    def all_reduce(tensor, *args, **kwargs):
-        sent["all_reduce"] += tensor.numel() * tensor.element_size() * 2 * (world - 1) / world
-        return reduce(tensor, *args, **kwargs)
+    def reduce_scatter_tensor(output, tensor, *args, **kwargs):
+        sent["reduce_scatter"] += tensor.numel() * tensor.element_size() * (world - 1) / world
+        return scatter(output, tensor, *args, **kwargs)
 
-    dist.all_gather, dist.all_reduce = all_gather, all_reduce
+    dist.all_gather, dist.reduce_scatter_tensor = all_gather, reduce_scatter_tensor
 
 
 def _worker(rank: int, world: int, port: int, config: CpBenchConfig, out: str) -> None:
@@ -75,7 +76,7 @@ def _worker(rank: int, world: int, port: int, config: CpBenchConfig, out: str) -
     from treerl.engine import DfsEngine
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    cp, sent = None, {"all_gather": 0.0, "all_reduce": 0.0}
+    cp, sent = None, {"all_gather": 0.0, "reduce_scatter": 0.0}
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -158,8 +159,8 @@ def predicted_step(config: PretrainedConfig, tokens: int, cp: int, cluster: Clus
     g = model_geometry(config)
     kv = tokens * g.layers * 2 * g.kv_heads * g.head_dim * dtype_bytes  # every layer's K and V of the whole path
     comm = 0.0
-    if cp > 1:  # all-gather forward, all-reduce (2x) backward; 4 collectives a layer and call (K and V, each way)
-        comm = (cp - 1) / cp * kv * 3 / cluster.bandwidth + 4 * g.layers * math.ceil(tokens / chunk_tokens) * cluster.latency
+    if cp > 1:  # all-gather forward, reduce-scatter backward; 4 collectives a layer and call (K and V, each way)
+        comm = (cp - 1) / cp * kv * 2 / cluster.bandwidth + 4 * g.layers * math.ceil(tokens / chunk_tokens) * cluster.latency
     return {"compute_s": compute, "comm_s": comm, "step_s": compute + comm}
 
 
