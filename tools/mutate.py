@@ -589,7 +589,7 @@ MUTATIONS = [
              ("tests/engine/test_context_parallel.py",),
              "a rank's queries in the middle of a causal run do not see the run's keys other ranks hold"),
     Mutation("cp-key-gradients-not-summed", "src/treerl/attention/context_parallel.py",
-             "        dist.reduce_scatter_tensor(mine, torch.cat(pieces).contiguous(), group=cp.group)\n",
+             "        dist.reduce_scatter_single(mine, torch.cat(pieces).contiguous(), group=cp.group)\n",
              "        mine = pieces[cp.rank]\n",
              ("tests/engine/test_context_parallel.py",),
              "a key's gradient from other ranks' queries never reaches the rank that computed the key"),

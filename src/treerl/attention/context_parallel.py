@@ -129,10 +129,10 @@ class _GatherKeys(torch.autograd.Function):
         cp, rows = ctx.cp, ctx.rows
         held = [cp.local_rows(rows, grad.device, rank) for rank in range(cp.size)]
         size = max(len(h) for h in held)
-        rows_first = grad[0].transpose(0, 1)  # [rows, heads, D]: reduce_scatter_tensor splits the first dimension
+        rows_first = grad[0].transpose(0, 1)  # [rows, heads, D]: reduce_scatter_single splits the first dimension
         pieces = [torch.nn.functional.pad(rows_first.index_select(0, h), (0, 0, 0, 0, 0, size - len(h))) for h in held]
         mine = rows_first.new_empty((size, *rows_first.shape[1:]))
-        dist.reduce_scatter_tensor(mine, torch.cat(pieces).contiguous(), group=cp.group)
+        dist.reduce_scatter_single(mine, torch.cat(pieces).contiguous(), group=cp.group)
         local = len(held[cp.rank])
         if local < ctx.held:  # a stand-in row (`call_rows`): no gradient
             return grad.new_zeros((*grad.shape[:2], ctx.held, grad.shape[3])), None, None

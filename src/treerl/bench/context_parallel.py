@@ -51,21 +51,21 @@ def _loss(view):
 
 
 def _count_bytes(sent: dict[str, float], world: int) -> None:
-    """Count what this rank sends in torch.distributed's all_gather / reduce_scatter_tensor, as ring algorithms
+    """Count what this rank sends in torch.distributed's all_gather / reduce_scatter_single, as ring algorithms
     send it."""
     import torch.distributed as dist
 
-    gather, scatter = dist.all_gather, dist.reduce_scatter_tensor
+    gather, scatter = dist.all_gather, dist.reduce_scatter_single
 
     def all_gather(pieces, tensor, *args, **kwargs):
         sent["all_gather"] += tensor.numel() * tensor.element_size() * (world - 1)
         return gather(pieces, tensor, *args, **kwargs)
 
-    def reduce_scatter_tensor(output, tensor, *args, **kwargs):
+    def reduce_scatter_single(output, tensor, *args, **kwargs):
         sent["reduce_scatter"] += tensor.numel() * tensor.element_size() * (world - 1) / world
         return scatter(output, tensor, *args, **kwargs)
 
-    dist.all_gather, dist.reduce_scatter_tensor = all_gather, reduce_scatter_tensor
+    dist.all_gather, dist.reduce_scatter_single = all_gather, reduce_scatter_single
 
 
 def _worker(rank: int, world: int, port: int, config: CpBenchConfig, out: str) -> None:
