@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -41,6 +43,7 @@ def _config(output_dir: str, *extra: str):
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    faulthandler.enable()  # a rank killed by a signal prints where it was
     torch.set_num_threads(1)
     for strategy in STRATEGIES:
         result = train(_config(os.path.join(out_dir, strategy), f"trainer.data_parallel={strategy}"))
@@ -70,7 +73,17 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp")
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    try:
+        mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    except mp.ProcessExitedException as e:
+        # Once in a full CI-like run (none in 9 runs of this module alone) a rank died of SIGSEGV mid-run in gloo's
+        # CPU collectives, as its abort at exit does (treerl.distributed.exit_process): the runs start again, once,
+        # from scratch; a second death, or any assertion, fails the module. faulthandler printed where it was.
+        if e.signal_name is None:
+            raise
+        warnings.warn(f"a rank died of {e.signal_name}; the two-rank runs start again once", stacklevel=1)
+        out = tmp_path_factory.mktemp("dp-again")
+        mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         assert name not in os.environ  # the single-process run below really is one process
     train(_config(str(out / "single")))
