@@ -56,6 +56,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     for strategy in STRATEGIES:  # the 2 ranks split every DFS call's rows instead of the batch
         train(_config(os.path.join(out_dir, f"cp-{strategy}"), "trainer.context_parallel=2",
                       f"trainer.data_parallel={strategy}"))
+    train(_config(os.path.join(out_dir, "cp-ppo"), "trainer.context_parallel=2", *PPO))  # the critic's calls split too
     for dtype in LOW_PRECISION:  # FSDP2 reduces float32 / bfloat16 gradients with a plain SUM on gloo
         train(_config(os.path.join(out_dir, f"fsdp2-{dtype}"), "trainer.data_parallel=fsdp2", f"model.dtype={dtype}",
                       PRECISION[dtype]))
@@ -144,6 +145,11 @@ def test_ppo_with_a_critic_on_two_ranks_ends_with_the_single_process_policy_and_
                             checkpoint_dir(runs / "ppo-single", 2) / part)
     before, after = (read_weights(checkpoint_dir(runs / "ppo-single", step) / "critic") for step in (1, 2))
     assert not torch.equal(before["score.weight"], after["score.weight"])  # the critic trained
+
+
+def test_ppo_with_context_parallel_ranks_ends_with_the_single_process_policy_and_critic(runs):
+    for part in ("", "critic"):
+        assert_same_weights(checkpoint_dir(runs / "cp-ppo", 2) / part, checkpoint_dir(runs / "ppo-single", 2) / part)
 
 
 def test_a_nan_loss_stops_every_rank_and_nothing_is_saved(runs):
