@@ -154,7 +154,7 @@ def test_gemma3s_bfloat16_error_no_larger_than_the_flat_references():
             flat = compare_runs(run_engine(ORACLE, low, batch, _loss), reference)
             ours = compare_runs(run_engine(DfsEngine(chunk_tokens=3), low, batch, _loss), reference)
         for part in BF16_RATIO:
-            worst = lambda errors: max(e for k, e in errors.items() if k.endswith(part))
+            worst = lambda errors, part=part: max(e for k, e in errors.items() if k.endswith(part))
             ratios[part].append(worst(ours) / worst(flat))
     for part, ratio in BF16_RATIO.items():
         assert sum(ratios[part]) / len(ratios[part]) <= ratio, (part, ratios[part])
@@ -225,13 +225,8 @@ def test_gemma3s_images_attend_both_ways_in_every_plan(window):
     cut these 4-token images): equal to the model's own forward on each sequence alone and to the flat reference (the
     model's own masks), gradients reaching the vision tower."""
     model, batch = _gemma3(window), _gemma3_batch()
-    worst = {}
-    with float64_throughout():
-        for name, plan in PLANS.items():
-            assert_matches_model(model, batch, plan.forward(model, batch), tol=1e-12)
-            errors = compare_runs(run_engine(plan, model, batch, _loss), run_engine(ORACLE, model, batch, _loss))
-            worst[name] = max(errors.values())
-    assert max(worst.values()) <= TOL["gemma3"], worst
+    worst = worst_over_plans(model, batch)
+    assert worst <= TOL["gemma3"], worst
     model.zero_grad(set_to_none=True)
     DfsEngine(chunk_tokens=3).forward_backward(model, batch, _loss)
     patches = next(p for n, p in model.model.vision_tower.named_parameters() if "patch_embedding.weight" in n)
@@ -288,6 +283,18 @@ def test_an_image_token_the_policy_wrote_is_text_as_it_was_sampled(name):
     assert max(errors.values()) <= TOL[name], errors
 
 
+def worst_over_plans(model, batch) -> float:
+    """The largest error, in any plan of `PLANS` (float64 throughout), of DfsEngine's log-probs against the model's own
+    forward on each sequence alone (bounded by 1e-12 on the way) and of its whole run against the flat reference."""
+    worst = 0.0
+    with float64_throughout():
+        for engine in PLANS.values():
+            worst = max(worst, assert_matches_model(model, batch, engine.forward(model, batch), tol=1e-12))
+            errors = compare_runs(run_engine(engine, model, batch, _loss), run_engine(ORACLE, model, batch, _loss))
+            worst = max(worst, *errors.values())
+    return worst
+
+
 def multimodal_section() -> list[str]:
     """docs/models.md's vision-language table: the types served with images, each measured here (every plan of
     `PLANS` against the model's own forward and the flat reference, float64 throughout), and what is refused."""
@@ -304,22 +311,10 @@ def multimodal_section() -> list[str]:
              "plan; the figure bounds the worst error. The vision tower runs once per distinct image a step.", "",
              "| model type | DfsEngine with images |", "|---|---|"]
     for name in BUILDS:
-        model, batch = vl_model(name), grpo_and_agent(name)
-        worst = 0.0
-        with float64_throughout():
-            for engine in PLANS.values():
-                worst = max(worst, assert_matches_model(model, batch, engine.forward(model, batch), tol=1e-12))
-                errors = compare_runs(run_engine(engine, model, batch, _loss), run_engine(ORACLE, model, batch, _loss))
-                worst = max(worst, *errors.values())
+        worst = worst_over_plans(vl_model(name), grpo_and_agent(name))
         assert worst <= TOL[name], (name, worst)
         lines.append(f"| {name} | exact (<= {next(b for b in (1e-12, 1e-9, 1e-6) if worst <= b):g}) |")
-    model, batch = _gemma3(), _gemma3_batch()  # its own batch: images of one size, the template's start/end tokens
-    worst = 0.0
-    with float64_throughout():
-        for engine in PLANS.values():
-            worst = max(worst, assert_matches_model(model, batch, engine.forward(model, batch), tol=1e-12))
-            errors = compare_runs(run_engine(engine, model, batch, _loss), run_engine(ORACLE, model, batch, _loss))
-            worst = max(worst, *errors.values())
+    worst = worst_over_plans(_gemma3(), _gemma3_batch())  # its own batch: images of one size, start/end tokens
     assert worst <= TOL["gemma3"], worst
     lines.append(f"| gemma3 | exact (<= {next(b for b in (1e-12, 1e-9, 1e-6) if worst <= b):g}); an image's tokens "
                  "attend to each other both ways (a block per image), and no chunk cuts an image |")

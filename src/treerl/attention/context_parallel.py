@@ -48,35 +48,29 @@ class ContextParallel:
         chunks = [(cuts[r], cuts[r + 1]), (cuts[2 * self.size - 1 - r], cuts[2 * self.size - r])]
         return [(lo, hi) for lo, hi in chunks if hi > lo]
 
-    def owner(self, rows: int, device: torch.device) -> torch.Tensor:
-        """`[rows]`: the rank that holds each row."""
-        owner = torch.empty(rows, dtype=torch.long)
-        for rank in range(self.size):
-            for lo, hi in self.ranges(rows, rank):
-                owner[lo:hi] = rank
-        return owner.to(device)
-
-    def local_rows(self, rows: int, device: torch.device, rank: int | None = None) -> torch.Tensor:
-        """The rows `rank` (default: this one) holds, in the order its calls hold them."""
-        return torch.cat([torch.arange(lo, hi) for lo, hi in self.ranges(rows, rank)]
-                         or [torch.zeros(0, dtype=torch.long)]).to(device)
-
-    def call_rows(self, rows: int, device: torch.device) -> torch.Tensor:
-        """The rows this rank's model call runs: its own, or (a call of fewer rows than ranks left it none) the first
-        row as a stand-in, since the rank must still take part in every layer's gather; a stand-in's outputs and
-        keys are never read."""
-        local = self.local_rows(rows, device)
-        return local if len(local) else torch.zeros(1, dtype=torch.long, device=device)
-
 
 class ShardLayout:
-    """One rank's queries of a unit: which parts of the unit's attention they compute, each as
-    (rows of the local queries, rows of the unit's keys, the part), and their positions. Built once per unit."""
+    """How a unit's rows are dealt (`held`: each rank's rows, in the order its calls hold them; `owner`: each row's
+    rank) and this rank's queries of it: which parts of the unit's attention they compute, each as (rows of the local
+    queries, rows of the unit's keys, the part), and their positions. Built once per unit."""
 
     def __init__(self, layout, cp: ContextParallel):
-        rows = cp.local_rows(layout.rows, layout.positions.device)
-        self.rows = len(rows)
-        self.positions = layout.positions[rows]
+        device = layout.positions.device
+        self.cp, self.unit_rows = cp, layout.rows
+        self.held = [torch.cat([torch.arange(lo, hi) for lo, hi in cp.ranges(layout.rows, r)]
+                               or [torch.zeros(0, dtype=torch.long)]).to(device) for r in range(cp.size)]
+        self.owner = torch.empty(layout.rows, dtype=torch.long, device=device)
+        for rank, rows in enumerate(self.held):
+            self.owner[rows] = rank
+        local = self.held[cp.rank]
+        self.rows = len(local)
+        self.where = torch.full((layout.rows,), -1, dtype=torch.long, device=device)  # each row's local index
+        self.where[local] = torch.arange(len(local), device=device)
+        # the rows this rank's model call runs: its own, or (a call of fewer rows than ranks left it none) the first
+        # row as a stand-in, since the rank must still take part in every layer's gather; its keys and outputs are
+        # never read
+        self.runs = local if len(local) else torch.zeros(1, dtype=torch.long, device=device)
+        self.positions = layout.positions[local]
         self.parts: list[tuple[slice, slice, Part]] = []
         offset = 0
         for lo, hi in cp.ranges(layout.rows):
@@ -120,28 +114,31 @@ class _GatherKeys(torch.autograd.Function):
     gradient summed over the ranks, each rank receiving its rows' (one reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, x, cp: ContextParallel, rows: int):
-        ctx.cp, ctx.rows, ctx.held = cp, rows, x.shape[2]
-        return _all_rows(x, cp, rows, dim=2)
+    def forward(ctx, x, shard: ShardLayout):
+        ctx.shard, ctx.held = shard, x.shape[2]
+        widest = max(len(rows) for rows in shard.held)
+        out = x.new_empty((*x.shape[:2], shard.unit_rows, x.shape[3]))
+        for rows, piece in zip(shard.held, _gather_padded(x, shard.cp, widest, dim=2)):
+            out.index_copy_(2, rows, piece[:, :, : len(rows)])
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        cp, rows = ctx.cp, ctx.rows
-        held = [cp.local_rows(rows, grad.device, rank) for rank in range(cp.size)]
-        size = max(len(h) for h in held)
+        shard = ctx.shard
+        widest = max(len(rows) for rows in shard.held)
         rows_first = grad[0].transpose(0, 1)  # [rows, heads, D]: reduce_scatter_single splits the first dimension
-        pieces = [torch.nn.functional.pad(rows_first.index_select(0, h), (0, 0, 0, 0, 0, size - len(h))) for h in held]
-        mine = rows_first.new_empty((size, *rows_first.shape[1:]))
-        dist.reduce_scatter_single(mine, torch.cat(pieces).contiguous(), group=cp.group)
-        local = len(held[cp.rank])
-        if local < ctx.held:  # a stand-in row (`call_rows`): no gradient
-            return grad.new_zeros((*grad.shape[:2], ctx.held, grad.shape[3])), None, None
-        return mine[:local].transpose(0, 1)[None], None, None
+        pieces = [torch.nn.functional.pad(rows_first.index_select(0, rows), (0, 0, 0, 0, 0, widest - len(rows)))
+                  for rows in shard.held]
+        mine = rows_first.new_empty((widest, *rows_first.shape[1:]))
+        dist.reduce_scatter_single(mine, torch.cat(pieces).contiguous(), group=shard.cp.group)
+        if shard.rows < ctx.held:  # a stand-in row (`ShardLayout.runs`): no gradient
+            return grad.new_zeros((*grad.shape[:2], ctx.held, grad.shape[3])), None
+        return mine[: shard.rows].transpose(0, 1)[None], None
 
 
-def gather_keys(x: torch.Tensor, cp: ContextParallel, rows: int) -> torch.Tensor:
+def gather_keys(x: torch.Tensor, shard: ShardLayout) -> torch.Tensor:
     """The call's K/V from every rank's rows (differentiable: see `_GatherKeys`)."""
-    return _GatherKeys.apply(x, cp, rows)
+    return _GatherKeys.apply(x, shard)
 
 
 class _GatherOutputs(torch.autograd.Function):
@@ -167,20 +164,6 @@ def gather_outputs(outputs: dict[str, torch.Tensor], cp: ContextParallel, owner:
                    ) -> dict[str, torch.Tensor]:
     """The head's outputs of the whole call, on every rank (differentiable: see `_GatherOutputs`)."""
     return {name: _GatherOutputs.apply(value, cp, owner) for name, value in outputs.items()}
-
-
-def _all_rows(x: torch.Tensor, cp: ContextParallel, rows: int, dim: int) -> torch.Tensor:
-    """Each rank's rows of `x` along `dim` put back in the call's order."""
-    pieces = _gather_padded(x, cp, max(sum(hi - lo for lo, hi in cp.ranges(rows, r)) for r in range(cp.size)), dim)
-    shape = list(x.shape)
-    shape[dim] = rows
-    out = x.new_empty(shape)
-    for rank, piece in enumerate(pieces):
-        at = 0
-        for lo, hi in cp.ranges(rows, rank):
-            out.narrow(dim, lo, hi - lo).copy_(piece.narrow(dim, at, hi - lo))
-            at += hi - lo
-    return out
 
 
 def _gather_padded(x: torch.Tensor, cp: ContextParallel, size: int, dim: int) -> list[torch.Tensor]:

@@ -278,11 +278,8 @@ class _UnitAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
+        q, out, lse, sinks, groups, ke, ve = _saved(ctx)
         layout, spec = ctx.layout, ctx.spec
-        heads, kv_heads = q.shape[1], k.shape[1]
-        groups = heads // kv_heads
-        ke, ve = _expand_heads(k, groups), _expand_heads(v, groups)
         dout = dout.contiguous()
         grads = []
         for s, saved in zip(layout.segments, ctx.own_saved):
@@ -310,6 +307,14 @@ class _UnitAttention(torch.autograd.Function):
         dq, dk, dv, dsinks = _path_sinks_and_descendants_backward(ctx, dout, q, out, lse, sinks, dq, dk, dv,
                                                                   _path_part(layout, ctx.lo, groups))
         return dq, dk, dv, dsinks, None, None, None, None, None
+
+
+def _saved(ctx) -> tuple:
+    """What a unit attention's backward starts from: its saved tensors, the query heads per K/V head, and K/V
+    expanded to the query heads."""
+    q, k, v, out, lse, sinks = ctx.saved_tensors
+    groups = q.shape[1] // k.shape[1]
+    return q, out, lse, sinks, groups, _expand_heads(k, groups), _expand_heads(v, groups)
 
 
 def _path_and_sinks(q, out, lse, sinks, path: PathKV | None, layer: Slot, spec: AttentionSpec, lo: int, end: int,
@@ -382,11 +387,8 @@ class _ShardAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
+        q, out, lse, sinks, groups, ke, ve = _saved(ctx)
         layout, spec, shard = ctx.layout, ctx.spec, ctx.shard
-        heads, kv_heads = q.shape[1], k.shape[1]
-        groups = heads // kv_heads
-        ke, ve = _expand_heads(k, groups), _expand_heads(v, groups)
         dout = dout.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(ke), torch.zeros_like(ve)
         for (rows, keys, part), saved in zip(shard.parts, ctx.saved_parts):
@@ -477,8 +479,7 @@ class TreeCall:
             if layer.dense or query.shape[0] > 1:
                 raise UnsupportedModel(f"layer {slot[0]}: a call of rows or of dense attention under context "
                                        "parallelism, which treerl does not compute yet")
-            rows = self.layout.rows
-            key, value = gather_keys(key, self.cp, rows), gather_keys(value, self.cp, rows)
+            key, value = gather_keys(key, self.shard), gather_keys(value, self.shard)
             out = _ShardAttention.apply(query, key, value, layer.sinks, self.path, self.unit, self.layout, slot,
                                         layer.spec, self.shard)
             return out.transpose(1, 2).contiguous()

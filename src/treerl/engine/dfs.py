@@ -277,28 +277,24 @@ class _Walk:
     def _compute_shard(self, data: UnitInputs, again: bool) -> dict[str, torch.Tensor]:
         """`_compute` of this context-parallel rank's rows of the unit (treerl.attention.context_parallel): its rows
         through the model and the head, the head's outputs of the whole unit gathered from every rank."""
-        cp, rows = self.cp, data.layout.rows
-        device = data.ids.device
         if data.shard is None:
-            data.shard = ShardLayout(data.layout, cp)
-        local, runs = cp.local_rows(rows, device), cp.call_rows(rows, device)
-        call = TreeCall(self.path, data.kv, data.layout, cp=cp, shard=data.shard)
-        hidden = final_hidden(self.model, input_ids=data.ids[runs][None], position_ids=data.positions[runs][None],
-                              treerl_call=call).flatten(0, 1)
+            data.shard = ShardLayout(data.layout, self.cp)
+        shard = data.shard
+        call = TreeCall(self.path, data.kv, data.layout, cp=self.cp, shard=shard)
+        hidden = final_hidden(self.model, input_ids=data.ids[shard.runs][None],
+                              position_ids=data.positions[shard.runs][None], treerl_call=call).flatten(0, 1)
         call.forward_done = True
         check_all_layers_routed(self.model, call.layers_called, self.layers)
-        read = data.rows if data.rows is not None else torch.arange(rows, device=device)  # the rows the head reads
-        owner = cp.owner(rows, device)[read]
-        mine = (owner == cp.rank).nonzero()[:, 0]
-        where = torch.full((rows,), -1, dtype=torch.long, device=device)
-        where[local] = torch.arange(len(local), device=device)
-        hidden, targets = hidden[where[read[mine]]], data.targets[mine]
+        read = data.rows if data.rows is not None else torch.arange(data.layout.rows, device=data.ids.device)
+        owner = shard.owner[read]  # the rank of each row the head reads
+        mine = (owner == self.cp.rank).nonzero()[:, 0]
+        hidden, targets = hidden[shard.where[read[mine]]], data.targets[mine]
         if again:
             known = {name: value[mine] for name, value in self.outputs.known(data.slots).items()}
             outputs = self.head.replay(self.model, hidden, targets, known)
         else:
             outputs = self.head(self.model, hidden, targets)
-        return gather_outputs(outputs, cp, owner)
+        return gather_outputs(outputs, self.cp, owner)
 
     def backward(self, unit: Unit, data: UnitInputs) -> None:
         """Back-propagate the unit's slot gradients (and, via the store, its K/V's).
