@@ -1,19 +1,23 @@
 """Context parallelism: DfsEngine's calls split over 2 and 4 gloo ranks give the single-process log-probs and, summed
-over the ranks, its gradients (float64, against the flat reference), in the plans of the exactness suite."""
+over the ranks, its gradients (float64, against the flat reference), in the plans of the exactness suite: attention
+models, and a hybrid of each state kind whose state passes from rank to rank (treerl.engine.state_passing)."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import zlib
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from support import float64_throughout, free_port
+from support import float64_throughout, free_port, fresh_model
 from test_model_features import feature_model
+from zoo import build_tiny
 
 from treerl.attention import UnsupportedModel
 from treerl.attention.context_parallel import ContextParallel
-from treerl.engine import DfsEngine, FlatEngine
+from treerl.engine import DfsEngine, FlatEngine, selective_scan
 from treerl.models import build_model
 from treerl.testing import EngineRun, compare_runs, run_engine
 from treerl.tree import TokenSequence
@@ -25,13 +29,27 @@ PLANS = {  # one call for the whole batch; calls of at most 24 tokens over the p
     "per-node-recompute": {"chunk_tokens": 7, "batch_tokens": 0, "recompute": "always"},
 }
 # tiny-qwen3; Gemma 2's soft-capping and a sliding window (5) that binds; gpt-oss' attention sinks, window and experts.
-MODELS = ("tiny-qwen3", "gemma2-softcap-window", "gpt-oss-sinks-window")
-TOL = {"tiny-qwen3": 1e-12, "gemma2-softcap-window": 1e-5, "gpt-oss-sinks-window": 1e-5}  # flat vs the model's own
+ATTENTION = ("tiny-qwen3", "gemma2-softcap-window", "gpt-oss-sinks-window")
+# A hybrid of each state kind (treerl.engine.recurrent.MIXERS): Gated DeltaNet, Mamba2, short convolution (the three
+# shapes of the recurrent suite, also on 4 ranks), Mamba's selective scan (in chunks of 3 tokens, so that a rank's
+# piece crosses chunks), lightning attention, KDA. The batch's rows are up to 70 tokens: every rank gets columns.
+HYBRIDS = ("tiny-qwen3.5", "tiny-bamba", "tiny-lfm2")
+HYBRIDS_ON_TWO = ("jamba", "minimax", "kimi_linear")
+MODELS = {2: ATTENTION + HYBRIDS + HYBRIDS_ON_TWO, 4: ATTENTION + HYBRIDS}
+# flat vs the model's own forward; the zoo's hybrid builds keep some float32 norms and routers, so their bound is on
+# the outputs, loss and whole gradient (as tests/engine/test_recurrent.py's families)
+TOL = {"tiny-qwen3": 1e-12, "gemma2-softcap-window": 1e-5, "gpt-oss-sinks-window": 1e-5,
+       **dict.fromkeys(HYBRIDS, 1e-9), **dict.fromkeys(HYBRIDS_ON_TWO, 1e-8)}
+SCAN_CHUNK = 3
 
 
 def model(name: str) -> torch.nn.Module:
     if name == "tiny-qwen3":
         return build_model(shape=name, dtype=torch.float64)
+    if name in HYBRIDS:
+        return fresh_model(name, 64, exact=True)
+    if name in HYBRIDS_ON_TWO:
+        return build_tiny(name, experts_implementation="eager")
     return feature_model(name)
 
 
@@ -53,6 +71,14 @@ def batch(vocab: int) -> list[TokenSequence]:
     return [TokenSequence(t, {"advantages": torch.randn(len(t), generator=g, dtype=torch.float64)}) for t in lists]
 
 
+BF16 = ("tiny-qwen3", "tiny-qwen3.5")
+BF16_PLAN = {"chunk_tokens": 10, "batch_tokens": 24}
+
+
+def bf16_batch() -> list[TokenSequence]:
+    return [TokenSequence(s.tokens, {"advantages": s.fields["advantages"].float()}) for s in batch(512)]
+
+
 def loss(view):
     return -(view.logprobs * view.fields["advantages"]).sum() - 0.1 * view.entropy.sum()
 
@@ -66,28 +92,53 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from treerl.distributed import close_distributed, exit_process, init_distributed
 
     init_distributed()
+    selective_scan.SCAN_CHUNK = SCAN_CHUNK
     cp, results = ContextParallel.over(), {}
-    for name in MODELS:
+    for name in MODELS[world]:
         net = model(name)
-        sequences = batch(net.config.vocab_size)
+        sequences = batch(net.config.get_text_config().vocab_size)
         for plan, settings in PLANS.items():
             with float64_throughout():
                 run = run_engine(DfsEngine(context_parallel=cp, **settings), net, sequences, loss)
             for grad in run.grads.values():  # each rank's is its rows' share
                 dist.all_reduce(grad)
             results[f"{name}/{plan}"] = vars(run)  # plain tensors and dicts: what torch.load reads safely
-    if world == 2:  # bf16 autocast over float32 weights: the error of 2 ranks, and of one process, from float64
-        low = build_model(shape="tiny-qwen3", dtype=torch.float32)
-        sequences = [TokenSequence(s.tokens, {"advantages": s.fields["advantages"].float()}) for s in batch(512)]
+    for shape in BF16 if world == 2 else ():  # bf16 autocast over float32 weights: compared with one process's error
+        low = build_model(shape=shape, dtype=torch.float32)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            run = run_engine(DfsEngine(context_parallel=cp, chunk_tokens=10, batch_tokens=24), low, sequences, loss)
+            run = run_engine(DfsEngine(context_parallel=cp, **BF16_PLAN), low, bf16_batch(), loss)
         for grad in run.grads.values():
             dist.all_reduce(grad)
-        results["bf16"] = vars(run)
+        results[f"bf16/{shape}"] = vars(run)
+    if world == 2:
+        results["plans"] = _plans_of_ranks_that_measure_apart(cp)
     if rank == 0:
         torch.save(results, os.path.join(out_dir, f"cp{world}.pt"))
     assert close_distributed() == "gloo"
     exit_process(0)
+
+
+def _plans_of_ranks_that_measure_apart(cp: ContextParallel) -> torch.Tensor:
+    """Each rank's plan (a checksum of its units) when rank 1's probe measures 3x the graph bytes of rank 0's, under a
+    budget in bytes: what the ranks plan from must be agreed on, or they walk different units."""
+    import torch.distributed as dist
+
+    from treerl.engine import memory
+
+    net = build_model(shape="tiny-qwen3.5", dtype=torch.float64)  # a new model: probed afresh
+    probe = memory._probe
+    memory._probe = lambda *args: probe(*args) * (1 + 2 * cp.rank)
+    try:
+        # about 40 graph tokens of rank 0's (tiny-qwen3.5 in float64 measures ~30 kB a token), 13 of rank 1's
+        engine = DfsEngine(context_parallel=cp, chunk_tokens=8, memory_budget_bytes=1_200_000)
+        sequences = batch(net.config.vocab_size)
+        tree = engine._tree(net, sequences)
+        units = [(tuple(unit.nodes), unit.width, unit.open, unit.keep) for unit in engine.plan(net, tree).all_units()]
+    finally:
+        memory._probe = probe
+    checksums = [torch.zeros(1, dtype=torch.long) for _ in range(cp.size)]
+    dist.all_gather(checksums, torch.tensor([zlib.crc32(repr(units).encode())]))
+    return torch.cat(checksums)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda r: f"{r}-ranks")
@@ -95,47 +146,62 @@ def ranks(request, tmp_path_factory) -> tuple[int, dict]:
     out_dir = str(tmp_path_factory.mktemp("cp"))
     mp.spawn(_worker, args=(request.param, free_port(), out_dir), nprocs=request.param, join=True)
     saved = torch.load(os.path.join(out_dir, f"cp{request.param}.pt"))
-    return request.param, {key: EngineRun(**run) for key, run in saved.items()}
+    return request.param, {key: EngineRun(**run) if isinstance(run, dict) else run for key, run in saved.items()}
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_context_parallel_ranks_compute_the_flat_references_logprobs_and_gradients(ranks, name):
+@pytest.mark.parametrize("name", MODELS[2])
+def test_context_parallel_ranks_compute_the_flat_references_logprobs_and_gradients(ranks, name, monkeypatch):
     world, results = ranks
+    if name not in MODELS[world]:
+        pytest.skip(f"{name}: on 2 ranks")
+    monkeypatch.setattr(selective_scan, "SCAN_CHUNK", SCAN_CHUNK)
     net = model(name)
-    sequences = batch(net.config.vocab_size)
+    sequences = batch(net.config.get_text_config().vocab_size)
     with float64_throughout():
         reference = run_engine(FlatEngine(layout="sequences"), net, sequences, loss)
     for plan in PLANS:
         errors = compare_runs(results[f"{name}/{plan}"], reference)
+        if name in HYBRIDS_ON_TWO:
+            errors = {k: e for k, e in errors.items() if not k.startswith("grad.")}
         worst = max(errors, key=errors.get)
         assert errors[worst] <= TOL[name], (world, plan, worst, errors[worst])
 
 
-def test_bfloat16_error_of_two_ranks_is_one_process_error(ranks):
-    """Under bf16 autocast 2 ranks round like one process: their errors from the float64 run are alike."""
+@pytest.mark.parametrize("shape", BF16)
+def test_bfloat16_error_of_two_ranks_is_one_process_error(ranks, shape):
+    """Under bf16 autocast 2 ranks round like one process: their errors from the float64 run are alike (an attention
+    model, and a hybrid whose state crosses ranks)."""
     world, results = ranks
     if world != 2:
         pytest.skip("measured on 2 ranks")
-    high = build_model(shape="tiny-qwen3", dtype=torch.float64)
-    low = build_model(shape="tiny-qwen3", dtype=torch.float32)
-    sequences = batch(512)
-    reference = run_engine(FlatEngine(layout="sequences"), high, sequences, loss)
-    single = [TokenSequence(s.tokens, {"advantages": s.fields["advantages"].float()}) for s in sequences]
+    high = build_model(shape=shape, dtype=torch.float64)
+    low = build_model(shape=shape, dtype=torch.float32)
+    reference = run_engine(FlatEngine(layout="sequences"), high, batch(512), loss)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        one = compare_runs(run_engine(DfsEngine(chunk_tokens=10, batch_tokens=24), low, single, loss), reference)
-    two = compare_runs(results["bf16"], reference)
+        one = compare_runs(run_engine(DfsEngine(**BF16_PLAN), low, bf16_batch(), loss), reference)
+    two = compare_runs(results[f"bf16/{shape}"], reference)
     for part, ratio in {"logprobs": 1.5, "entropy": 1.5, "gradient": 1.5}.items():
         worst = lambda errors, part=part: max(e for k, e in errors.items() if k.endswith(part))
         assert worst(two) <= ratio * worst(one), (part, worst(two), worst(one))
 
 
+def test_ranks_that_measure_different_graph_bytes_walk_one_plan(ranks):
+    """A probe's bytes differ from process to process (a few storages); the ranks plan with the largest, so their units
+    are the same and their collectives match."""
+    world, results = ranks
+    if world != 2:
+        pytest.skip("measured on 2 ranks")
+    checksums = results["plans"]
+    assert checksums[0] == checksums[1], checksums
+
+
 def test_what_context_parallelism_does_not_compute_yet_is_refused_before_compute():
-    """Hybrid layers (a recurrent state to pass between ranks) and images: refused, naming why; no collective runs
-    (no process group here)."""
+    """State kept inside attention layers (ZAYA's convolutions over queries and keys; sparse attention's indexers):
+    refused, naming why; no collective runs (no process group here)."""
     cp = ContextParallel(rank=0, size=2)
-    hybrid = build_model(shape="tiny-qwen3.5", dtype=torch.float64)
-    with pytest.raises(UnsupportedModel, match="recurrent state, which context parallelism does not pass"):
-        DfsEngine(context_parallel=cp).forward(hybrid, batch(hybrid.config.vocab_size)[:2])
+    zaya = build_tiny("zaya")
+    with pytest.raises(UnsupportedModel, match=r"attention layers carry state of their own \(convolutional"):
+        DfsEngine(context_parallel=cp).forward(zaya, batch(zaya.config.vocab_size)[:2])
 
 
 def test_rows_are_dealt_zigzag_so_causal_work_is_even():
@@ -148,3 +214,17 @@ def test_rows_are_dealt_zigzag_so_causal_work_is_even():
         pairs = [sum(i + 1 for lo, hi in ranges for i in range(lo, hi)) for ranges in held]
         assert len(set(pairs)) == 1, pairs
     assert [ContextParallel(rank=r, size=4).ranges(2) for r in range(4)] == [[(1, 2)], [], [], [(0, 1)]]
+
+
+def test_a_recurrent_models_columns_are_dealt_in_order_two_at_least():
+    """A state passes from each rank's columns to the next's: contiguous pieces in rank order that tile the row, each
+    of two columns or more (a one-token piece would take a layer's in-place step); ranks left over get none."""
+    for size in (2, 3, 4):
+        for width in range(1, 40):
+            columns = ContextParallel(rank=0, size=size).columns(width)
+            pieces = [(lo, hi) for lo, hi in columns if hi > lo]
+            assert pieces[0][0] == 0 and pieces[-1][1] == width
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
+            assert all(hi - lo >= 2 for lo, hi in pieces) or pieces == [(0, width)]
+            assert len(pieces) == max(1, min(size, width // 2))
+            assert columns[len(pieces):] == [(width, width)] * (size - len(pieces))

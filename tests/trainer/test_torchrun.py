@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.multiprocessing as mp
-from support import free_port
+from support import float64_throughout, free_port
 
 from treerl.distributed import close_distributed, exit_process
 from treerl.errors import TrainingStopped
@@ -28,6 +28,7 @@ LOW_PRECISION = {"float32": 2e-4, "bfloat16": 2e-2}
 PRECISION = {"float32": "trainer.precision=fp32", "bfloat16": "trainer.precision=bf16"}  # (pure bfloat16)
 PPO = ["algo.loss=ppo", "algo.kl_coef=0.0",  # with a critic: its values, GAE and its updates under data parallelism
        "trainer.save_every=1", "trainer.keep_checkpoints=0"]
+HYBRID = "model.shape=tiny-qwen3.5"
 SETTINGS = [
     "model.dtype=float64", "rollout.task=guess_number", "rollout.prompts_per_step=2", "rollout.group_size=2",
     "algo.loss=decoupled_ppo", "algo.kl_coef=0.05", "trainer.recompute_logprobs=true",  # every no-grad fill, shared
@@ -57,6 +58,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         train(_config(os.path.join(out_dir, f"cp-{strategy}"), "trainer.context_parallel=2",
                       f"trainer.data_parallel={strategy}"))
     train(_config(os.path.join(out_dir, "cp-ppo"), "trainer.context_parallel=2", *PPO))  # the critic's calls split too
+    # a hybrid: each rank's columns of a row continue the previous rank's Gated DeltaNet state, under FSDP2 (float64
+    # throughout: transformers computes the layer's decay in float32 even in a float64 model, and AdamW would turn
+    # that rounding in a near-zero gradient into an update difference of up to lr)
+    with float64_throughout():
+        train(_config(os.path.join(out_dir, "cp-hybrid"), "trainer.context_parallel=2", "trainer.data_parallel=fsdp2",
+                      HYBRID))
     for dtype in LOW_PRECISION:  # FSDP2 reduces float32 / bfloat16 gradients with a plain SUM on gloo
         train(_config(os.path.join(out_dir, f"fsdp2-{dtype}"), "trainer.data_parallel=fsdp2", f"model.dtype={dtype}",
                       PRECISION[dtype]))
@@ -89,6 +96,8 @@ def runs(tmp_path_factory):
         assert name not in os.environ  # the single-process run below really is one process
     train(_config(str(out / "single")))
     train(_config(str(out / "ppo-single"), *PPO))
+    with float64_throughout():
+        train(_config(str(out / "single-hybrid"), HYBRID))
     for dtype in LOW_PRECISION:
         train(_config(str(out / f"single-{dtype}"), f"model.dtype={dtype}", PRECISION[dtype]))
     return out
@@ -107,13 +116,15 @@ def test_two_ranks_end_with_the_single_process_parameters(runs, strategy):
     assert_same_weights(checkpoint_dir(runs / strategy, 2), checkpoint_dir(runs / "single", 2))
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_context_parallel_ranks_end_with_the_single_process_parameters_and_metrics(runs, strategy):
+@pytest.mark.parametrize("run", ["cp-ddp", "cp-fsdp2", "cp-hybrid"])
+def test_context_parallel_ranks_end_with_the_single_process_parameters_and_metrics(runs, run):
     """`torchrun --nproc-per-node 2 -m treerl train ... trainer.context_parallel=2`: one data-parallel group whose 2
-    ranks split each call's rows; the same weights and logged metrics as one process."""
-    assert_same_weights(checkpoint_dir(runs / f"cp-{strategy}", 2), checkpoint_dir(runs / "single", 2))
+    ranks split each call's rows (a hybrid's: columns, its state passed from rank to rank); the same weights and logged
+    metrics as one process."""
+    single = "single-hybrid" if run == "cp-hybrid" else "single"
+    assert_same_weights(checkpoint_dir(runs / run, 2), checkpoint_dir(runs / single, 2))
     rows = lambda name: [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
-    for a, b in zip(rows("single"), rows(f"cp-{strategy}"), strict=True):
+    for a, b in zip(rows(single), rows(run), strict=True):
         assert "dist/imbalance" not in b  # one data-parallel group: nothing to balance
         for key in ("train/loss", "rollout/reward_mean", "train/kl", "batch/flat_tokens", "eval/reward_mean"):
             if key in a:

@@ -15,6 +15,10 @@ rows' (one reduce-scatter, `gather_keys`' backward). The head runs on each rank'
 (`gather_outputs`: every rank then evaluates the same losses, and each sends back only its rows' gradient). So each
 rank's parameter gradients are its rows' share: their sum over the group is the single-process gradient (the
 trainer's gradient sync sums them, as it sums data-parallel ranks').
+
+A recurrent model's calls are rows (each a chain of nodes from the parent's state, padded to one width): their
+columns are dealt contiguously instead (`ContextParallel.columns`), the same columns of every row to a rank, so that
+each rank's piece of a row continues the state of the rank before it (treerl.engine.state_passing).
 """
 
 from __future__ import annotations
@@ -48,16 +52,42 @@ class ContextParallel:
         chunks = [(cuts[r], cuts[r + 1]), (cuts[2 * self.size - 1 - r], cuts[2 * self.size - r])]
         return [(lo, hi) for lo, hi in chunks if hi > lo]
 
+    def largest(self, values: list[int], device: torch.device | str = "cpu") -> list[int]:
+        """Each of `values`, the largest over the ranks (what every rank must agree on to walk the same plan); the
+        tensor goes by `device` (NCCL's: the GPU)."""
+        tensor = torch.tensor(values, dtype=torch.long, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor.tolist()
+
+    def columns(self, width: int) -> list[tuple[int, int]]:
+        """Each rank's columns `[lo, hi)` of rows `width` long, contiguous and in rank order, so that a state passes
+        from each rank to the next. Only the first `width // 2` ranks get columns (at least two each: a one-token call
+        takes a layer's in-place step, whose state is written after the forward); the rest get none."""
+        active = max(1, min(self.size, width // 2))
+        cuts = [width * i // active for i in range(active + 1)]
+        return [(cuts[r], cuts[r + 1]) if r < active else (width, width) for r in range(self.size)]
+
 
 class ShardLayout:
     """How a unit's rows are dealt (`held`: each rank's rows, in the order its calls hold them; `owner`: each row's
     rank) and this rank's queries of it: which parts of the unit's attention they compute, each as (rows of the local
-    queries, rows of the unit's keys, the part), and their positions. Built once per unit."""
+    queries, rows of the unit's keys, the part), and their positions. Built once per unit.
 
-    def __init__(self, layout, cp: ContextParallel):
+    `width`: a unit of rows that many tokens wide (a recurrent model's), dealt by columns (`ContextParallel.columns`):
+    this rank's call is then `rows x columns`, and `active` ranks hold columns (the last of them each row's end)."""
+
+    def __init__(self, layout, cp: ContextParallel, width: int | None = None):
         device = layout.positions.device
-        self.cp, self.unit_rows = cp, layout.rows
-        self.held = [torch.cat([torch.arange(lo, hi) for lo, hi in cp.ranges(layout.rows, r)]
+        self.cp, self.unit_rows, self.width = cp, layout.rows, width
+        if width is None:
+            ranges = [cp.ranges(layout.rows, r) for r in range(cp.size)]
+            self.active = cp.size
+        else:
+            columns = cp.columns(width)
+            ranges = [[(row + lo, row + hi) for row in range(0, layout.rows, width) if hi > lo] for lo, hi in columns]
+            self.active = sum(hi > lo for lo, hi in columns)
+            self.columns = columns[cp.rank][1] - columns[cp.rank][0]
+        self.held = [torch.cat([torch.arange(lo, hi) for lo, hi in ranges[r]]
                                or [torch.zeros(0, dtype=torch.long)]).to(device) for r in range(cp.size)]
         self.owner = torch.empty(layout.rows, dtype=torch.long, device=device)
         for rank, rows in enumerate(self.held):
@@ -70,10 +100,11 @@ class ShardLayout:
         # row as a stand-in, since the rank must still take part in every layer's gather; its keys and outputs are
         # never read
         self.runs = local if len(local) else torch.zeros(1, dtype=torch.long, device=device)
+        self.shape = None if width is None else (layout.rows // width, self.columns) if len(local) else (1, 1)
         self.positions = layout.positions[local]
         self.parts: list[tuple[slice, slice, Part]] = []
         offset = 0
-        for lo, hi in cp.ranges(layout.rows):
+        for lo, hi in ranges[cp.rank]:
             self._clip(layout, lo, hi, offset)
             offset += hi - lo
         self._folded: dict[int, torch.Tensor] = {}

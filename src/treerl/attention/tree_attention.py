@@ -476,13 +476,15 @@ class TreeCall:
         if key.shape[2] != query.shape[2]:  # keys beyond the call's own tokens
             layer = self._with_appended(slot[0], layer, key.shape[2] - query.shape[2])
         if self.cp is not None:
-            if layer.dense or query.shape[0] > 1:
-                raise UnsupportedModel(f"layer {slot[0]}: a call of rows or of dense attention under context "
-                                       "parallelism, which treerl does not compute yet")
+            if layer.dense:
+                raise UnsupportedModel(f"layer {slot[0]}: dense attention (an indexer's choice, a bias per key) under "
+                                       "context parallelism, which treerl does not compute yet")
+            rows = query.shape[0]  # a recurrent model's call: this rank's columns of every row, as one row
+            query, key, value = (_one_row(x) for x in (query, key, value))
             key, value = gather_keys(key, self.shard), gather_keys(value, self.shard)
             out = _ShardAttention.apply(query, key, value, layer.sinks, self.path, self.unit, self.layout, slot,
                                         layer.spec, self.shard)
-            return out.transpose(1, 2).contiguous()
+            return _unflatten(out, rows).transpose(1, 2).contiguous()
         if self.layout.both_ways and (layer.dense or query.shape[0] > 1):
             raise UnsupportedModel(f"layer {slot[0]}: tokens that attend to each other both ways (an image's) in a "
                                    "call of rows or of dense attention, which treerl does not compute: use FlatEngine")

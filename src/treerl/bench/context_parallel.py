@@ -52,10 +52,11 @@ def _loss(view):
 
 def _count_bytes(sent: dict[str, float], world: int) -> None:
     """Count what this rank sends in torch.distributed's all_gather / reduce_scatter_single, as ring algorithms
-    send it."""
+    send it, and (a hybrid) the states and their gradients it sends its neighbours (isend; the broadcast of a node's
+    final states and their gradient, as a tree sends it)."""
     import torch.distributed as dist
 
-    gather, scatter = dist.all_gather, dist.reduce_scatter_single
+    gather, scatter, isend, broadcast = dist.all_gather, dist.reduce_scatter_single, dist.isend, dist.broadcast
 
     def all_gather(pieces, tensor, *args, **kwargs):
         sent["all_gather"] += tensor.numel() * tensor.element_size() * (world - 1)
@@ -65,7 +66,17 @@ def _count_bytes(sent: dict[str, float], world: int) -> None:
         sent["reduce_scatter"] += tensor.numel() * tensor.element_size() * (world - 1) / world
         return scatter(output, tensor, *args, **kwargs)
 
-    dist.all_gather, dist.reduce_scatter_single = all_gather, reduce_scatter_single
+    def send(tensor, *args, **kwargs):
+        sent["state"] += tensor.numel() * tensor.element_size()
+        return isend(tensor, *args, **kwargs)
+
+    def broadcast_(tensor, src, *args, **kwargs):
+        if src == dist.get_rank():
+            sent["state"] += tensor.numel() * tensor.element_size() * (world - 1)
+        return broadcast(tensor, src, *args, **kwargs)
+
+    dist.all_gather, dist.reduce_scatter_single, dist.isend, dist.broadcast = all_gather, reduce_scatter_single, send, \
+        broadcast_
 
 
 def _worker(rank: int, world: int, port: int, config: CpBenchConfig, out: str) -> None:
@@ -76,7 +87,7 @@ def _worker(rank: int, world: int, port: int, config: CpBenchConfig, out: str) -
     from treerl.engine import DfsEngine
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    cp, sent = None, {"all_gather": 0.0, "reduce_scatter": 0.0}
+    cp, sent = None, {"all_gather": 0.0, "reduce_scatter": 0.0, "state": 0.0}
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -57,7 +57,14 @@ from treerl.engine.base import (
 )
 from treerl.engine.head import PolicyHead
 from treerl.engine.images import ImageTable, body_positions, vision_family
-from treerl.engine.memory import MemoryMode, check_memory_settings, graph_budget_tokens, graph_bytes, micro_batch_tokens
+from treerl.engine.memory import (
+    MemoryMode,
+    agree_graph_bytes,
+    check_memory_settings,
+    graph_budget_tokens,
+    graph_bytes,
+    micro_batch_tokens,
+)
 from treerl.engine.recurrent import (
     PathIndexKeys,
     PathStates,
@@ -68,6 +75,7 @@ from treerl.engine.recurrent import (
     iter_state_grads,
 )
 from treerl.engine.selective_scan import continued_scans
+from treerl.engine.state_passing import StatePassing
 from treerl.engine.support import attention_layers, check_all_layers_routed, model_name
 from treerl.engine.unit_inputs import UnitInputs, build_unit_inputs
 from treerl.engine.walk_outputs import WalkOutputs
@@ -91,7 +99,7 @@ class DfsEngine:
     memory_budget_bytes: int | None = None  # instead: bytes held at once (graph and the path's K/V), from the model
     memory_budget_tokens: int | None = None  # instead: tokens of autograd graph held at once (tests, experiments)
     plan_cost: PlanCost | None = None  # None: PlanCost.for_device
-    context_parallel: ContextParallel | None = None  # split every call's rows over these ranks (attention models)
+    context_parallel: ContextParallel | None = None  # split every call's rows (a recurrent model's: columns) over ranks
 
     def forward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> list[dict[str, torch.Tensor]]:
         tree = self._tree(model, sequences)
@@ -126,6 +134,8 @@ class DfsEngine:
         check_memory_settings(self.memory, self.max_tokens, self.memory_budget_tokens, self.memory_budget_bytes)
         if self.context_parallel is not None:
             check_context_parallel(model, sequences)
+            cp = self.context_parallel  # every rank must walk the same plan
+            agree_graph_bytes(model, lambda values: cp.largest(values, _device(model)))
         family = vision_family(model)  # Gemma 3: an image's tokens see each other both ways, so no piece cuts one
         return PrefixTree.build(sequences).chunked(self.chunk_tokens, whole_images=family is not None and family.both_ways)
 
@@ -172,6 +182,8 @@ class _Walk:
         self.layers = attention_layers(model, self.mixers.mixer_classes)
         self.path = PathKV(max(len(s) for s in tree.sequences), with_grads=loss_fn is not None)
         self.states = PathStates(with_grads=loss_fn is not None) if self.mixers else None  # recurrent state
+        # context parallelism over a recurrent model: each rank's columns continue the previous rank's state
+        self.passing = StatePassing(model, self.cp) if self.cp is not None and self.mixers else None
         # sparse attention: the path's indexer keys
         self.index_path = PathIndexKeys(self.path.capacity, self.mixers.whole_row_topk) if self.mixers.indexed else None
         slots = OutputSlots(tree, self.head.shifted)  # where each token's outputs land, the fork rows' included
@@ -193,9 +205,11 @@ class _Walk:
     def continued_scans(self) -> Iterator[None]:
         """Mamba layers' zero-start scans continue the state each call hands them, and compressors report the entries
         they append to their attention's keys, in the forward and in the backward (gradient checkpointing replays a
-        layer there); a dynamic mask's top-k (Doge) takes the earliest of tied keys, as in every engine."""
+        layer there); a dynamic mask's top-k (Doge) takes the earliest of tied keys, as in every engine. Under context
+        parallelism each mixer layer passes its state from rank to rank (treerl.engine.state_passing)."""
         with continued_scans(self.mixers.scans), compressed_entries(self.model) if self.mixers.compression \
-                else contextlib.nullcontext(), earliest_mask_ties(self.model):
+                else contextlib.nullcontext(), earliest_mask_ties(self.model), \
+                self.passing.hooks() if self.passing is not None else contextlib.nullcontext():
             yield
 
     def run(self) -> None:
@@ -207,20 +221,36 @@ class _Walk:
             elif event == "push":
                 self.path.push(data.kv, [data.segments[n] for n in self.plan.chain(unit, node) if n in data.segments])
                 if self.states is not None:
-                    self.states.push(data.cache.row_states(data.row_of[node]))
+                    self.states.push(self._final_states(data, node))
                 if self.index_path is not None:
                     self.index_path.push(data.cache.index_keys, [data.segments[n] for n in self.plan.chain(unit, node)
                                                                  if n in data.segments])
             elif event == "pop":
                 self.path.pop(data.kv, [data.segments[n] for n in self.plan.chain(unit, node) if n in data.segments])
                 if self.states is not None:
-                    data.state_grads[node] = self.states.pop()
+                    data.state_grads[node] = self._state_grads()
             else:
                 if self.loss_fn is not None:
                     self.backward(unit, data)
                 data.kv.clear()
                 data.graph = data.cache = None
+                data.links = []
                 data.state_grads.clear()
+
+    def _final_states(self, data: UnitInputs, node: int) -> dict:
+        """The final states of an open node's row, which its children start from (under context parallelism, held by
+        the last rank with columns and shared with every rank)."""
+        if self.passing is None:
+            return data.cache.row_states(data.row_of[node])
+        ends = self.cp.rank == data.shard.active - 1
+        return self.passing.share_states(data.cache.row_states(data.row_of[node]) if ends else None, data.shard)
+
+    def _state_grads(self) -> dict:
+        """Leave the innermost open node: the gradient its children sent to its final states (under context
+        parallelism, received by rank 0's pieces and shared with every rank)."""
+        states = self.states.states[-1]
+        grads = self.states.pop()
+        return grads if self.passing is None else self.passing.share_grads(grads, states)
 
     def enter(self, unit: Unit, data: UnitInputs) -> None:
         """Run the unit (with a graph if it backpropagates without recomputation); record outputs; losses."""
@@ -278,11 +308,23 @@ class _Walk:
         """`_compute` of this context-parallel rank's rows of the unit (treerl.attention.context_parallel): its rows
         through the model and the head, the head's outputs of the whole unit gathered from every rank."""
         if data.shard is None:
-            data.shard = ShardLayout(data.layout, self.cp)
+            data.shard = ShardLayout(data.layout, self.cp, None if data.shape is None else data.shape[1])
         shard = data.shard
         call = TreeCall(self.path, data.kv, data.layout, cp=self.cp, shard=shard)
-        hidden = final_hidden(self.model, input_ids=data.ids[shard.runs][None],
-                              position_ids=data.positions[shard.runs][None], treerl_call=call).flatten(0, 1)
+        shape = shard.shape or (1, len(shard.runs))
+        inputs = {"input_ids": data.ids[shard.runs].view(shape), "position_ids": data.positions[shard.runs].view(shape),
+                  "treerl_call": call}
+        if self.passing is not None:  # rank 0 starts from the parent's states, the others from the previous rank's
+            receives = 0 < self.cp.rank < shard.active
+            data.cache = self.mixers.new_cache({} if receives else self.states.leaves(), shape[0],
+                                               data.layout.path_end, None, data.ids.device)
+            self.passing.begin(data.cache, shard)
+            inputs.update({self.mixers.cache_kwarg: data.cache, "use_cache": True})
+        hidden = final_hidden(self.model, **inputs).flatten(0, 1)
+        if self.passing is not None:
+            data.links = self.passing.end()
+            data.cache.finish()
+            data.cache.check_handed_on(self.mixers.layers, data.open_rows)
         call.forward_done = True
         check_all_layers_routed(self.model, call.layers_called, self.layers)
         read = data.rows if data.rows is not None else torch.arange(data.layout.rows, device=data.ids.device)
@@ -294,7 +336,10 @@ class _Walk:
             outputs = self.head.replay(self.model, hidden, targets, known)
         else:
             outputs = self.head(self.model, hidden, targets)
-        return gather_outputs(outputs, self.cp, owner)
+        outputs = gather_outputs(outputs, self.cp, owner)
+        if self.passing is not None:
+            self.passing.wait()  # every rank's forward is done: what this one sent has been received
+        return outputs
 
     def backward(self, unit: Unit, data: UnitInputs) -> None:
         """Back-propagate the unit's slot gradients (and, via the store, its K/V's).
@@ -306,22 +351,32 @@ class _Walk:
             return
         outputs = data.graph if data.graph is not None else self._compute(data, grad=True, again=True)
         tensors, grads = self.outputs.output_grads(outputs, data.slots)
-        for node, state_grads in data.state_grads.items():  # what the node's children sent to its final state
-            for state, grad in iter_state_grads(data.cache, data.row_of[node], state_grads):
-                tensors.append(state)
-                grads.append(grad)
+        # what the node's children sent to its final state (under context parallelism: the last rank's pieces hold it)
+        if self.passing is None or self.cp.rank == data.shard.active - 1:
+            for node, state_grads in data.state_grads.items():
+                for state, grad in iter_state_grads(data.cache, data.row_of[node], state_grads):
+                    tensors.append(state)
+                    grads.append(grad)
+        for link in data.links:  # every state link's backward runs, so each neighbour's message comes
+            tensors.append(link)
+            grads.append(torch.zeros_like(link))
         if tensors:
             torch.autograd.backward(tensors, grads)
-        if self.states is not None:
+        if self.passing is not None:
+            self.passing.wait()
+        if self.states is not None and (self.passing is None or self.cp.rank == 0):
             self.states.add_grads(data.cache.initial)  # to the parent's final state
 
 
 def check_context_parallel(model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> None:
-    """What context parallelism computes so far: attention models (hybrid state passing, images and a model's own
+    """What context parallelism computes so far: attention and token mixers that keep their state through the cache
+    (sparse attention's indexers, compressed attention, convolutions inside attention, images and a model's own
     attention code are refused, naming why), before any compute."""
     why = None
-    if find_mixers(model):
-        why = "its layers carry a recurrent state, which context parallelism does not pass between ranks yet"
+    inside = sorted({kind.name for kind in find_mixers(model).layers.values() if kind.in_attention})
+    if inside:
+        why = (f"its attention layers carry state of their own ({', '.join(inside)}), which context parallelism does "
+               "not pass between ranks yet")
     elif attends_in_own_code(model):
         why = "it computes attention in its own code over its cache's keys, which the ranks do not share"
     elif gradient_checkpointing(model):

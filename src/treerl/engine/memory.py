@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -125,8 +126,7 @@ def graph_bytes(model: PreTrainedModel) -> GraphBytes:
     A model whose mixers pad rows to a chunk of C tokens is probed with C tokens (no padding) and with one (C - 1
     of padding): bytes(C) = C * (token + padded), bytes(1) = token + C * padded."""
     device = model.get_input_embeddings().weight.device
-    autocast = torch.is_autocast_enabled(device.type)
-    key = (autocast, torch.get_autocast_dtype(device.type) if autocast else None, _trainable(model))
+    key = _probe_key(model)
     cache = _probed.setdefault(model, {})
     if key not in cache:
         chunk = find_mixers(model).chunk
@@ -141,6 +141,22 @@ def graph_bytes(model: PreTrainedModel) -> GraphBytes:
             padded = max(0.0, (one - token) / chunk)
             cache[key] = GraphBytes(math.ceil(token), math.ceil(padded), chunk)
     return cache[key]
+
+
+def agree_graph_bytes(model: PreTrainedModel, largest: Callable[[list[int]], list[int]]) -> None:
+    """Hold `graph_bytes` to the largest that any of several processes measured (`largest`: a max over them), so that
+    processes that must walk the same plan (context-parallel ranks) plan with the same numbers: a probe's bytes can
+    differ by a few storages from process to process."""
+    measured = graph_bytes(model)
+    token, padded = largest([measured.token, measured.padded])
+    _probed[model][_probe_key(model)] = GraphBytes(token, padded, measured.chunk)
+
+
+def _probe_key(model: PreTrainedModel) -> tuple:
+    """What a probe's bytes depend on besides the model: autocast and its dtype, the trainable parameters."""
+    device = model.get_input_embeddings().weight.device
+    autocast = torch.is_autocast_enabled(device.type)
+    return autocast, torch.get_autocast_dtype(device.type) if autocast else None, _trainable(model)
 
 
 def path_bytes_per_token(model: PreTrainedModel) -> int:

@@ -57,6 +57,7 @@ class UnitInputs:
         self.open_rows: list[int] = []  # row units: the rows whose last node hands its state to calls below
         self.cache = None  # row units: the call's TreeStateCache (initial and final recurrent states)
         self.state_grads: dict[int, dict] = {}  # row units: open node -> gradient its children sent to its state
+        self.links: list = []  # context parallelism: the call's state links to the neighbouring ranks (state_passing)
 
 
 # A node's multimodal inputs for its first `length` tokens: [4, length] positions (depth, then t, h, w) and each token's
