@@ -20,7 +20,7 @@ from treerl.attention.context_parallel import ContextParallel
 from treerl.engine import DfsEngine, FlatEngine, selective_scan
 from treerl.models import build_model
 from treerl.testing import EngineRun, compare_runs, run_engine
-from treerl.tree import TokenSequence
+from treerl.tree import PrefixTree, TokenSequence
 
 pytestmark = pytest.mark.slow  # 2 and 4 processes that import torch and transformers
 
@@ -228,3 +228,18 @@ def test_a_recurrent_models_columns_are_dealt_in_order_two_at_least():
             assert all(hi - lo >= 2 for lo, hi in pieces) or pieces == [(0, width)]
             assert len(pieces) == max(1, min(size, width // 2))
             assert columns[len(pieces):] == [(width, width)] * (size - len(pieces))
+
+
+def test_each_rank_holds_its_share_of_a_call_so_the_walk_packs_larger_calls():
+    """Under the default contract (never more graph than flat's micro-batch, per rank) a rank holds 1/R of each call's
+    activations but the call's gathered K/V whole: the walk's budget grows nearly R-fold, and a tree whose walk the
+    budget cuts into calls runs in fewer, larger ones."""
+    net = build_model(shape="tiny-qwen3", dtype=torch.float32)
+    tree = PrefixTree.build(batch(net.config.vocab_size)).chunked(2048)
+    engine = lambda size, max_tokens: DfsEngine(context_parallel=ContextParallel(0, size) if size > 1 else None,
+                                                max_tokens=max_tokens)
+    budgets = {size: engine(size, 128).graph_budget_tokens(net, tree) for size in (1, 2, 4)}
+    assert 1.5 * budgets[1] < budgets[2] <= 2 * budgets[1], budgets
+    assert 1.5 * budgets[2] < budgets[4] <= 2 * budgets[2], budgets
+    calls = {size: len(engine(size, 64).plan(net, tree).all_units()) for size in (1, 2, 4)}
+    assert calls[1] > calls[2] > calls[4], calls

@@ -162,7 +162,8 @@ class DfsEngine:
         else:
             micro_batch = micro_batch_tokens(lengths, self.max_tokens)
         return graph_budget_tokens(model, largest, max(len(s) for s in tree.sequences), self.memory, micro_batch,
-                                   self.memory_budget_tokens, self.memory_budget_bytes)
+                                   self.memory_budget_tokens, self.memory_budget_bytes,
+                                   self.context_parallel.size if self.context_parallel is not None else 1)
 
 
 def _device(model: PreTrainedModel) -> torch.device:
