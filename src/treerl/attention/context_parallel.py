@@ -78,7 +78,7 @@ class ShardLayout:
 
     def __init__(self, layout, cp: ContextParallel, width: int | None = None):
         device = layout.positions.device
-        self.cp, self.unit_rows, self.width = cp, layout.rows, width
+        self.cp, self.unit_rows = cp, layout.rows
         if width is None:
             ranges = [cp.ranges(layout.rows, r) for r in range(cp.size)]
             self.active = cp.size
@@ -86,7 +86,6 @@ class ShardLayout:
             columns = cp.columns(width)
             ranges = [[(row + lo, row + hi) for row in range(0, layout.rows, width) if hi > lo] for lo, hi in columns]
             self.active = sum(hi > lo for lo, hi in columns)
-            self.columns = columns[cp.rank][1] - columns[cp.rank][0]
         self.held = [torch.cat([torch.arange(lo, hi) for lo, hi in ranges[r]]
                                or [torch.zeros(0, dtype=torch.long)]).to(device) for r in range(cp.size)]
         self.owner = torch.empty(layout.rows, dtype=torch.long, device=device)
@@ -100,7 +99,9 @@ class ShardLayout:
         # row as a stand-in, since the rank must still take part in every layer's gather; its keys and outputs are
         # never read
         self.runs = local if len(local) else torch.zeros(1, dtype=torch.long, device=device)
-        self.shape = None if width is None else (layout.rows // width, self.columns) if len(local) else (1, 1)
+        # a row unit's call: rows x this rank's columns (a stand-in: one token)
+        self.shape = None if width is None else (layout.rows // width, len(local) * width // layout.rows) \
+            if len(local) else (1, 1)
         self.positions = layout.positions[local]
         self.parts: list[tuple[slice, slice, Part]] = []
         offset = 0

@@ -316,8 +316,7 @@ class _Walk:
         inputs = {"input_ids": data.ids[shard.runs].view(shape), "position_ids": data.positions[shard.runs].view(shape),
                   "treerl_call": call}
         if self.passing is not None:  # rank 0 starts from the parent's states, the others from the previous rank's
-            receives = 0 < self.cp.rank < shard.active
-            data.cache = self.mixers.new_cache({} if receives else self.states.leaves(), shape[0],
+            data.cache = self.mixers.new_cache({} if self.passing.receives(shard) else self.states.leaves(), shape[0],
                                                data.layout.path_end, None, data.ids.device)
             self.passing.begin(data.cache, shard)
             inputs.update({self.mixers.cache_kwarg: data.cache, "use_cache": True})

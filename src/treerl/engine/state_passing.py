@@ -84,8 +84,11 @@ class StatePassing:
         links, self.cache, self.shard, self.links = self.links, None, None, []
         return links
 
-    def receives(self) -> bool:
-        return self.shard is not None and 0 < self.cp.rank < self.shard.active
+    def receives(self, shard: ShardLayout | None = None) -> bool:
+        """Whether this rank's pieces of the call (`shard`, default: the running one's) start from the previous
+        rank's states rather than the parent's."""
+        shard = shard or self.shard
+        return shard is not None and 0 < self.cp.rank < shard.active
 
     def sends(self) -> bool:
         return self.shard is not None and self.cp.rank < self.shard.active - 1
