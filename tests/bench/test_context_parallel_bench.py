@@ -18,9 +18,22 @@ def test_the_gpu_model_divides_compute_and_charges_traffic():
     assert four["compute_s"] == pytest.approx(one["compute_s"] / 4)
     assert 0 < four["comm_s"] < predicted_step(config, 32768, 4, infiniband)["comm_s"]
     rows = cluster_table(config, [16384, 131072], [8])
-    by = {(r["cluster"], r["tokens"]): r["efficiency"] for r in rows}
+    by = {(r["cluster"], r["tokens"], r["path"]): r["efficiency"] for r in rows}
     for cluster in CLUSTERS:
-        assert by[cluster.name, 16384] < by[cluster.name, 131072] <= 1.0
+        for path in ("sharded", "replicated"):
+            assert by[cluster.name, 16384, path] < by[cluster.name, 131072, path] <= 1.0
+
+
+def test_the_gpu_model_charges_a_sharded_path_its_queries_and_gives_back_its_memory():
+    """The path's K/V sharded: a rank holds 1/R of the store (K/V and their float32 gradients: 6 bytes an element in
+    bf16) and sends the calls' queries to the shards besides the keys; replicated: the whole store, the keys only."""
+    config = qwen3_8b()
+    nvlink, _ = CLUSTERS
+    sharded, replicated = (predicted_step(config, 131072, 8, nvlink, path=path) for path in ("sharded", "replicated"))
+    one = predicted_step(config, 131072, 1, nvlink)
+    assert one["path_gib"] == replicated["path_gib"] == pytest.approx(8 * sharded["path_gib"])
+    assert one["path_gib"] == pytest.approx(131072 * 36 * 2 * 8 * 128 * 6 / 2**30)
+    assert sharded["compute_s"] == replicated["compute_s"] and sharded["comm_s"] > replicated["comm_s"] > 0
 
 
 @pytest.mark.slow  # two processes
@@ -28,8 +41,11 @@ def test_measured_ranks_hold_less_and_send_what_the_key_gathers_send():
     """2 ranks on a 512-token trajectory of tiny-qwen3 (2 layers, 2 K/V heads of 16): each rank's peak is below one
     process's, and what it sends is at least the K/V all-gather's (R - 1) / R of the path's K/V a layer."""
     rows = measure(CpBenchConfig(shape="tiny-qwen3", vocab_size=256, tokens=512, chunk_tokens=128, ranks=[1, 2]))
-    one, two = rows
-    assert one["sent_mib_per_rank"] == 0 and two["sent_mib_per_rank"] > 0
+    one, sharded, replicated = rows
+    assert (sharded["path"], replicated["path"]) == ("sharded", "replicated")
+    assert one["sent_mib_per_rank"] == 0 and replicated["sent_mib_per_rank"] > 0
     kv_bytes = 512 * 2 * 2 * 2 * 16 * 4  # tokens x layers x (K, V) x kv heads x head_dim x float32
-    assert two["sent_mib_per_rank"] * 2**20 >= kv_bytes / 2
-    assert two["peak_mib_per_rank"] < one["peak_mib_per_rank"]
+    assert replicated["sent_mib_per_rank"] * 2**20 >= kv_bytes / 2
+    assert sharded["sent_mib_per_rank"] > replicated["sent_mib_per_rank"]  # the queries travel to the path's shards
+    assert 2 * sharded["path_store_mib_per_rank"] == replicated["path_store_mib_per_rank"]
+    assert max(sharded["peak_mib_per_rank"], replicated["peak_mib_per_rank"]) < one["peak_mib_per_rank"]

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treerl.distributed import CostModel, TrieOrder, balance, evaluate, first_fit, lpt
+from treerl.distributed import CostModel, TrieOrder, balance, evaluate, first_fit, lpt, split_over_context
 from treerl.tree import BatchError, PrefixTree, TokenSequence
 from treerl.bench.workloads import AgentShape, agent_trees, grpo_groups, random_trees
 
@@ -109,3 +109,23 @@ def test_fitted_model_beats_lpt_on_agent_trees():
         if ranks > 2:
             assert ours.makespan < 0.9 * min(evaluate(m(sequences, ranks), sequences, FITTED).makespan for m in (lpt, first_fit))
     assert np.isfinite(ours.imbalance)
+
+
+def test_context_parallel_ranks_split_the_long_sequences_and_train_the_rest_alone():
+    """A group of 4 context-parallel ranks: sequences of `min_tokens` or more (and any too costly for one rank's even
+    share) are split over all 4, the rest balanced over the ranks alone; every sequence of the share runs once."""
+    sequences = grpo_groups(prompts=6, group_size=4, prompt_len=30, response_len=10, jitter=0.5)
+    sequences += random_trees(sequences=2, length=400, sharing=1.0, seed=1)  # two long trajectories
+    share = list(range(len(sequences)))
+    split = split_over_context(sequences, share, 4, min_tokens=200, micro_batch_tokens=1000)
+    together = sorted(i for batch in split.together for i in batch)
+    assert together == [len(sequences) - 2, len(sequences) - 1]
+    alone = [sorted(i for batch in rank for i in batch) for rank in split.alone]
+    assert sorted(together + [i for rank in alone for i in rank]) == share
+    costs = [CostModel()([sequences[i] for i in rank]) for rank in alone]
+    assert all(rank for rank in alone) and max(costs) < 1.5 * min(costs)
+    # no threshold: one sequence that is most of the group's cost is split all the same; 0 splits every one
+    assert split_over_context(sequences, share, 4, min_tokens=10**6).together == split.together
+    everything = split_over_context(sequences, share, 4, min_tokens=0)
+    assert sorted(i for batch in everything.together for i in batch) == share
+    assert everything.alone == [[], [], [], []]

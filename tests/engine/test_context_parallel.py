@@ -45,6 +45,9 @@ RUNS = {(world, name): ["small-calls"] if world == 4 and name in HYBRIDS else li
 TOL = {"tiny-qwen3": 1e-12, "gemma2-softcap-window": 1e-5, "gpt-oss-sinks-window": 1e-5,
        **dict.fromkeys(HYBRIDS, 1e-9), **dict.fromkeys(HYBRIDS_ON_TWO, 1e-8)}
 SCAN_CHUNK = 3
+# the path's K/V held whole by each rank (trainer.context_parallel_path=replicated; sharded everywhere else): on 2
+# ranks, attention sinks and a window, and a hybrid
+REPLICATED = ("gpt-oss-sinks-window", "tiny-qwen3.5")
 
 
 def model(name: str) -> torch.nn.Module:
@@ -108,6 +111,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             for grad in run.grads.values():  # each rank's is its rows' share
                 dist.all_reduce(grad)
             results[f"{name}/{plan}"] = vars(run)  # plain tensors and dicts: what torch.load reads safely
+        if world == 2 and name in REPLICATED:
+            replicated = ContextParallel(cp.rank, cp.size, cp.group, path="replicated")
+            with float64_throughout():
+                run = run_engine(DfsEngine(context_parallel=replicated, **PLANS["small-calls"]), net, sequences, loss)
+            for grad in run.grads.values():
+                dist.all_reduce(grad)
+            results[f"{name}/replicated"] = vars(run)
     for shape in BF16 if world == 2 else ():  # bf16 autocast over float32 weights: compared with one process's error
         low = build_model(shape=shape, dtype=torch.float32)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -164,7 +174,7 @@ def test_context_parallel_ranks_compute_the_flat_references_logprobs_and_gradien
     sequences = batch(net.config.get_text_config().vocab_size)
     with float64_throughout():
         reference = run_engine(FlatEngine(layout="sequences"), net, sequences, loss)
-    for plan in RUNS[world, name]:
+    for plan in RUNS[world, name] + (["replicated"] if f"{name}/replicated" in results else []):
         errors = compare_runs(results[f"{name}/{plan}"], reference)
         if name in HYBRIDS_ON_TWO:
             errors = {k: e for k, e in errors.items() if not k.startswith("grad.")}
@@ -246,5 +256,9 @@ def test_each_rank_holds_its_share_of_a_call_so_the_walk_packs_larger_calls():
     budgets = {size: engine(size, 128).graph_budget_tokens(net, tree) for size in (1, 2, 4)}
     assert 1.5 * budgets[1] < budgets[2] <= 2 * budgets[1], budgets
     assert 1.5 * budgets[2] < budgets[4] <= 2 * budgets[2], budgets
+    # a rank holds 1/R of a sharded path's K/V and gradients: what a replicated one takes of the budget is left for
+    # graph (the path's 2 x 2 bytes a token beside the graph's per_token / R + K/V: ~ (R - 1) / R x path tokens)
+    replicated = DfsEngine(context_parallel=ContextParallel(0, 4, path="replicated"), max_tokens=128)
+    assert budgets[4] > replicated.graph_budget_tokens(net, tree), budgets
     calls = {size: len(engine(size, 64).plan(net, tree).all_units()) for size in (1, 2, 4)}
     assert calls[1] > calls[2] > calls[4], calls

@@ -29,6 +29,7 @@ PRECISION = {"float32": "trainer.precision=fp32", "bfloat16": "trainer.precision
 PPO = ["algo.loss=ppo", "algo.kl_coef=0.0",  # with a critic: its values, GAE and its updates under data parallelism
        "trainer.save_every=1", "trainer.keep_checkpoints=0"]
 HYBRID = "model.shape=tiny-qwen3.5"
+MIXED_AT = 40  # tokens: guess_number's episodes are shorter and longer than this
 SETTINGS = [
     "model.dtype=float64", "rollout.task=guess_number", "rollout.prompts_per_step=2", "rollout.group_size=2",
     "algo.loss=decoupled_ppo", "algo.kl_coef=0.05", "trainer.recompute_logprobs=true",  # every no-grad fill, shared
@@ -54,9 +55,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         # rank 0 verified the checkpoint and every rank loaded it, the fitted cost model's samples too
         assert resumed.steps == 3
         train(_config(os.path.join(out_dir, f"ppo-{strategy}"), f"trainer.data_parallel={strategy}", *PPO))
-    for strategy in STRATEGIES:  # the 2 ranks split every DFS call's rows instead of the batch
+    for strategy in STRATEGIES:  # the 2 ranks split every DFS call's rows instead of the batch (FSDP2: the calls of
+        # sequences of MIXED_AT tokens or more; each rank trains its share of the shorter ones alone)
         train(_config(os.path.join(out_dir, f"cp-{strategy}"), "trainer.context_parallel=2",
-                      f"trainer.data_parallel={strategy}"))
+                      f"trainer.data_parallel={strategy}",
+                      *([f"trainer.context_parallel_min_tokens={MIXED_AT}"] if strategy == "fsdp2" else [])))
     train(_config(os.path.join(out_dir, "cp-ppo"), "trainer.context_parallel=2", *PPO))  # the critic's calls split too
     # a hybrid: each rank's columns of a row continue the previous rank's Gated DeltaNet state, under FSDP2 (float64
     # throughout: transformers computes the layer's decay in float32 even in a float64 model, and AdamW would turn
@@ -119,11 +122,17 @@ def test_two_ranks_end_with_the_single_process_parameters(runs, strategy):
 @pytest.mark.parametrize("run", ["cp-ddp", "cp-fsdp2", "cp-hybrid"])
 def test_context_parallel_ranks_end_with_the_single_process_parameters_and_metrics(runs, run):
     """`torchrun --nproc-per-node 2 -m treerl train ... trainer.context_parallel=2`: one data-parallel group whose 2
-    ranks split each call's rows (a hybrid's: columns, its state passed from rank to rank); the same weights and logged
-    metrics as one process."""
+    ranks split each call's rows (a hybrid's: columns, its state passed from rank to rank; with
+    `trainer.context_parallel_min_tokens` only the long sequences', the others trained by one rank each); the same
+    weights and logged metrics as one process."""
     single = "single-hybrid" if run == "cp-hybrid" else "single"
     assert_same_weights(checkpoint_dir(runs / run, 2), checkpoint_dir(runs / single, 2))
     rows = lambda name: [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
+    split = [row["dist/context_split"] for row in rows(run) if "dist/context_split" in row]
+    if run == "cp-fsdp2":  # trainer.context_parallel_min_tokens: some sequences split, others trained alone
+        assert any(0 < share < 1 for share in split), split
+    else:
+        assert split and set(split) == {1.0}, split
     for a, b in zip(rows(single), rows(run), strict=True):
         assert "dist/imbalance" not in b  # one data-parallel group: nothing to balance
         for key in ("train/loss", "rollout/reward_mean", "train/kl", "batch/flat_tokens", "eval/reward_mean"):
@@ -204,7 +213,7 @@ def test_the_gradient_sync_is_told_whether_a_minibatch_shows_images():
     stats = SimpleNamespace(loss=0.0, flat_tokens=0, model_tokens=0, metrics={}, seconds=0.0)
     engine = SimpleNamespace(forward_backward=lambda *a: stats)
     learner = Learner("policy", SimpleNamespace(strategy="ddp", gradient_step=gradient_step), None, None, engine,
-                      SimpleNamespace(data_rank=1, context_rank=0), None, None)
+                      SimpleNamespace(data_rank=1, context_rank=0, context_split=lambda *a: None), None, None)
     shown, text = sequence([[1, 5], (0, 4, 4), [7, 8]]), sequence([[1, 5, 7, 8]])
     on_rank_0 = SimpleNamespace(micro_batches=lambda rank: [[0]] if rank == 0 else [])  # rank 1 computes nothing
     for minibatch in ([text, shown], [text]):

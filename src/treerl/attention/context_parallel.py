@@ -7,11 +7,20 @@ holds chunks r and 2R - 1 - r, so that on one long causal run every rank has as 
 (the early chunk sees few keys, the late one many). Everything but attention is per token: each rank runs the
 model's layers on its own rows only. Attention gathers the unit's K/V from all ranks (one all-gather per layer and
 K/V, `gather_keys`), and each rank computes its own queries against them: every part of the tree attention (own
-causal runs, in-unit ancestors, both-ways image runs) clipped to its rows (`ShardLayout`), and the path. The path's
-K/V are the gathered ones, so every rank holds the whole path (replicated, not sharded: a path's K/V are small
-beside a call's activations, which are sharded). Backward: each rank's gradient to the gathered K/V (its queries'
-share, and what its descendants' queries sent through the path store) is summed over the ranks, each receiving its
-rows' (one reduce-scatter, `gather_keys`' backward). The head runs on each rank's own rows; its outputs are gathered
+causal runs, in-unit ancestors, both-ways image runs) clipped to its rows (`ShardLayout`), and the path. Backward:
+each rank's gradient to the gathered K/V (its queries' share, and what its descendants' queries sent through the path
+store) is summed over the ranks, each receiving its rows' (one reduce-scatter, `gather_keys`' backward).
+
+The path's K/V (`ContextParallel.path`): `sharded` (the default), each rank keeps every R-th position of the unit's
+gathered K/V when it joins the path (treerl.attention.tree_attention.PathKV), 1/R of the store and of its gradient
+store; on a long trajectory they are what fills a device (Qwen3-8B at 128K tokens: 54 GiB with their float32
+gradients). Then the queries go to the keys: each rank gathers the unit's queries (`gather_rows`), attends all of them
+to its share of the path, and the partials are merged by log-sum-exp onto their queries' ranks (`merge_over_ranks`:
+an all-reduce of the rows' largest log-sum-exp, one reduce-scatter of the weighted outputs and weights); backward
+gathers the queries, output gradients, outputs and log-sum-exps, each rank's share of the path's K/V gradient stays
+in its store, and the query gradients are reduce-scattered. What travels is O(call), never O(path) (a ring over the
+path's shards would send the path's K/V every call). `replicated`: each rank keeps the whole path and sends none of
+that (the unit's K/V are gathered anyway), for paths that fit. The head runs on each rank's own rows; its outputs are gathered
 (`gather_outputs`: every rank then evaluates the same losses, and each sends back only its rows' gradient). So each
 rank's parameter gradients are its rows' share: their sum over the group is the single-process gradient (the
 trainer's gradient sync sums them, as it sums data-parallel ranks').
@@ -30,19 +39,28 @@ import torch.distributed as dist
 
 from treerl.attention.kernels import Part
 
+PATH_LAYOUTS = ("sharded", "replicated")
+
 
 @dataclass(frozen=True)
 class ContextParallel:
-    """The ranks (a torch.distributed group; None: the default one) that split every call's rows."""
+    """The ranks (a torch.distributed group; None: the default one) that split every call's rows, and how they hold
+    the path's K/V: `sharded` (each every R-th position; the call's queries travel to the keys) or `replicated`
+    (each the whole path: no traffic for it, R times the memory)."""
 
     rank: int
     size: int
     group: object = None
+    path: str = "sharded"
+
+    def __post_init__(self):
+        if self.path not in PATH_LAYOUTS:
+            raise ValueError(f"context-parallel path layout must be one of {PATH_LAYOUTS}, got {self.path!r}")
 
     @classmethod
-    def over(cls, group=None) -> ContextParallel:
+    def over(cls, group=None, path: str = "sharded") -> ContextParallel:
         """This process's place in `group` (the default group: every rank of torchrun)."""
-        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+        return cls(dist.get_rank(group), dist.get_world_size(group), group, path)
 
     def ranges(self, rows: int, rank: int | None = None) -> list[tuple[int, int]]:
         """The rows `[lo, hi)` of a call of `rows` that `rank` (default: this one) holds: chunks r and 2R - 1 - r of
@@ -141,6 +159,42 @@ class ShardLayout:
         return self._folded[groups]
 
 
+def gather_rows(x: torch.Tensor, shard: ShardLayout) -> torch.Tensor:
+    """Every rank's rows `[1, heads, local, ...]` -> the unit's `[1, heads, rows, ...]` in order (one all-gather)."""
+    widest = max(len(rows) for rows in shard.held)
+    out = x.new_empty((*x.shape[:2], shard.unit_rows, *x.shape[3:]))
+    for rows, piece in zip(shard.held, _gather_padded(x, shard.cp, widest, dim=2)):
+        out.index_copy_(2, rows, piece[:, :, : len(rows)])
+    return out
+
+
+def scatter_rows(x: torch.Tensor, shard: ShardLayout) -> torch.Tensor:
+    """The unit's rows `[1, heads, rows, D]` summed over the ranks, each receiving its own `[1, heads, local, D]` (one
+    reduce-scatter)."""
+    widest = max(len(rows) for rows in shard.held)
+    rows_first = x[0].transpose(0, 1)  # [rows, heads, D]: reduce_scatter_single splits the first dimension
+    pieces = [torch.nn.functional.pad(rows_first.index_select(0, rows), (0, 0, 0, 0, 0, widest - len(rows)))
+              for rows in shard.held]
+    mine = rows_first.new_empty((widest, *rows_first.shape[1:]))
+    dist.reduce_scatter_single(mine, torch.cat(pieces).contiguous(), group=shard.cp.group)
+    return mine[: shard.rows].transpose(0, 1)[None]
+
+
+def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, shard: ShardLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rank's partial attention of all the unit's queries over its keys (`out [1, heads, rows, Dv]`, `lse`) ->
+    the attention over every rank's keys of this rank's queries: the log-sum-exp merge as sums (the rows' largest
+    log-sum-exp agreed by an all-reduce, then one reduce-scatter of the weighted outputs and weights)."""
+    top = lse.clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=shard.cp.group)
+    top = top.nan_to_num(neginf=0.0)  # rows no rank's keys reach: weight 0 everywhere
+    weight = torch.exp(lse - top)[..., None]
+    summed = scatter_rows(torch.cat([out.to(lse.dtype) * weight, weight], dim=-1), shard)
+    total = summed[..., -1]
+    safe = total.clamp_min(torch.finfo(total.dtype).tiny)[..., None]
+    merged = torch.where(total[..., None] > 0, summed[..., :-1] / safe, 0.0)
+    return merged, torch.log(total) + top[:, :, shard.held[shard.cp.rank]]
+
+
 class _GatherKeys(torch.autograd.Function):
     """All ranks' rows of a call's K/V `[1, heads, local, D]` -> the call's `[1, heads, rows, D]`; backward: the
     gradient summed over the ranks, each rank receiving its rows' (one reduce-scatter)."""
@@ -148,24 +202,14 @@ class _GatherKeys(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shard: ShardLayout):
         ctx.shard, ctx.held = shard, x.shape[2]
-        widest = max(len(rows) for rows in shard.held)
-        out = x.new_empty((*x.shape[:2], shard.unit_rows, x.shape[3]))
-        for rows, piece in zip(shard.held, _gather_padded(x, shard.cp, widest, dim=2)):
-            out.index_copy_(2, rows, piece[:, :, : len(rows)])
-        return out
+        return gather_rows(x, shard)
 
     @staticmethod
     def backward(ctx, grad):
-        shard = ctx.shard
-        widest = max(len(rows) for rows in shard.held)
-        rows_first = grad[0].transpose(0, 1)  # [rows, heads, D]: reduce_scatter_single splits the first dimension
-        pieces = [torch.nn.functional.pad(rows_first.index_select(0, rows), (0, 0, 0, 0, 0, widest - len(rows)))
-                  for rows in shard.held]
-        mine = rows_first.new_empty((widest, *rows_first.shape[1:]))
-        dist.reduce_scatter_single(mine, torch.cat(pieces).contiguous(), group=shard.cp.group)
-        if shard.rows < ctx.held:  # a stand-in row (`ShardLayout.runs`): no gradient
+        mine = scatter_rows(grad, ctx.shard)
+        if ctx.shard.rows < ctx.held:  # a stand-in row (`ShardLayout.runs`): no gradient
             return grad.new_zeros((*grad.shape[:2], ctx.held, grad.shape[3])), None
-        return mine[: shard.rows].transpose(0, 1)[None], None
+        return mine, None
 
 
 def gather_keys(x: torch.Tensor, shard: ShardLayout) -> torch.Tensor:

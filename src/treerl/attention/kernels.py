@@ -8,8 +8,8 @@ output and log-sum-exp (as ring attention does), which gives the exact gradient.
 
 What a layer's scores are is an `AttentionSpec`: the scale, and the features some models add
 (tanh soft-capping, a sliding window, chunked attention). Queries and keys of one part each sit
-at a contiguous run of absolute positions (`q_start`, `k_start`), which is all a window or a
-chunk needs.
+at a contiguous run of absolute positions (`q_start`, `k_start`; keys also every R-th), which is all
+a window or a chunk needs.
 
 Backends, for plain scores: PyTorch's flash kernels (CPU: any float dtype; CUDA: fp16/bf16) and,
 for float32 on CUDA, its memory-efficient kernel (which also returns the log-sum-exp), so no
@@ -37,6 +37,7 @@ class Part:
     Query i sits at `q_start + i`, or at `q_start + i % q_period` when several rows of the same
     positions are folded into one long query, or at `q_positions[i]` when the queries come from
     several tree nodes packed in one row (`q_max`: their largest position, known on the host).
+    Key j sits at `k_start + j * k_stride` (a stride: one context-parallel rank's share of the path, every R-th).
     """
 
     q_start: int
@@ -46,6 +47,7 @@ class Part:
     q_positions: torch.Tensor | None = None
     q_max: int | None = None
     later: bool = False  # only the keys after each query: the rest of a block whose tokens attend both ways (Gemma 3's images)
+    k_stride: int = 1
 
     def query_positions(self, q_len: int, device=None) -> torch.Tensor:
         if self.q_positions is not None:
@@ -80,7 +82,7 @@ class AttentionSpec:
     def visible(self, part: Part, q_len: int, k_len: int, device=None) -> torch.Tensor:
         """Boolean `[q_len, k_len]`: which keys each query may see."""
         q = part.query_positions(q_len, device)[:, None]
-        k = torch.arange(part.k_start, part.k_start + k_len, device=device)[None, :]
+        k = torch.arange(part.k_start, part.k_start + k_len * part.k_stride, part.k_stride, device=device)[None, :]
         if part.later:
             allowed = k > q
         else:

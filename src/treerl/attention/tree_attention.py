@@ -39,7 +39,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treerl.attention.context_parallel import ContextParallel, ShardLayout, gather_keys
+from treerl.attention.context_parallel import (
+    ContextParallel,
+    ShardLayout,
+    gather_keys,
+    gather_rows,
+    merge_over_ranks,
+    scatter_rows,
+)
 from treerl.attention.dispatch import LayerAttention, UnsupportedModel
 from treerl.attention.kernels import AttentionSpec, Part, attend, attend_backward
 
@@ -118,31 +125,49 @@ class PathKV:
     One `[1, kv_heads, capacity, head_dim]` store per layer, written in place at absolute positions;
     ancestors are a view of its prefix. Stores take the shape and dtype of the first K/V a layer
     produces (key and value head sizes may differ; under autocast they are the compute dtype).
+
+    Sharded over `ranks` context-parallel ranks (treerl.attention.context_parallel): this one holds every
+    `ranks`-th position from `rank` on (position p at p // ranks), a 1/ranks share of the store and its gradients.
     """
 
-    def __init__(self, capacity: int, with_grads: bool):
-        self.capacity, self.with_grads = capacity, with_grads
+    def __init__(self, capacity: int, with_grads: bool, rank: int = 0, ranks: int = 1):
+        self.capacity, self.with_grads, self.rank, self.ranks = capacity, with_grads, rank, ranks
         self.keys: dict[Slot, torch.Tensor] = {}
         self.values: dict[Slot, torch.Tensor] = {}
         self.key_grads: dict[Slot, torch.Tensor] = {}
         self.value_grads: dict[Slot, torch.Tensor] = {}
 
+    def held(self, lo: int, end: int) -> tuple[slice, int]:
+        """Where this store keeps the positions [lo, end) it holds, and the first of them."""
+        below = lambda x: max(0, (x - self.rank + self.ranks - 1) // self.ranks)  # held positions < x
+        first = below(lo)
+        return slice(first, max(first, below(end))), self.rank + first * self.ranks
+
     def ancestors(self, layer: Slot, lo: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of positions [lo, end) of the path."""
-        return self.keys[layer][:, :, lo:end], self.values[layer][:, :, lo:end]
+        """K/V of the positions [lo, end) of the path this store holds."""
+        span, _ = self.held(lo, end)
+        return self.keys[layer][:, :, span], self.values[layer][:, :, span]
 
     def add_ancestor_grads(self, layer: Slot, lo: int, end: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
-        """Add d(loss)/d(K, V) of positions [lo, end), to be collected by each ancestor."""
-        self.key_grads[layer][:, :, lo:end] += dk
-        self.value_grads[layer][:, :, lo:end] += dv
+        """Add d(loss)/d(K, V) of the held positions of [lo, end), to be collected by each ancestor."""
+        span, _ = self.held(lo, end)
+        self.key_grads[layer][:, :, span] += dk
+        self.value_grads[layer][:, :, span] += dv
 
     def _allocate(self, layer: Slot, k: torch.Tensor, v: torch.Tensor) -> None:
-        shape = lambda x: (1, x.shape[1], self.capacity, x.shape[3])
+        size, _ = self.held(0, self.capacity)
+        shape = lambda x: (1, x.shape[1], size.stop, x.shape[3])
         self.keys[layer] = k.new_zeros(shape(k))
         self.values[layer] = v.new_zeros(shape(v))
         if self.with_grads:
             self.key_grads[layer] = k.new_zeros(shape(k), dtype=_grad_dtype(k.dtype))
             self.value_grads[layer] = v.new_zeros(shape(v), dtype=_grad_dtype(v.dtype))
+
+    def _rows(self, s: Segment) -> tuple[slice, slice]:
+        """The segment's positions this store holds: where (in the store) and which rows of the unit."""
+        span, first = self.held(s.position, s.position + s.length)
+        row = s.row + first - s.position
+        return span, slice(row, row + (span.stop - span.start) * self.ranks, self.ranks)
 
     @torch.no_grad()
     def push(self, unit: UnitKV, segments: list[Segment]) -> None:
@@ -152,8 +177,9 @@ class PathKV:
             if layer not in self.keys:
                 self._allocate(layer, k, v)
             for s in segments:
-                self.keys[layer][:, :, s.position : s.position + s.length] = k[:, :, s.row : s.end]
-                self.values[layer][:, :, s.position : s.position + s.length] = v[:, :, s.row : s.end]
+                span, rows = self._rows(s)
+                self.keys[layer][:, :, span] = k[:, :, rows]
+                self.values[layer][:, :, span] = v[:, :, rows]
 
     @torch.no_grad()
     def pop(self, unit: UnitKV, segments: list[Segment]) -> None:
@@ -165,9 +191,9 @@ class PathKV:
             unit.value_grads = {l: torch.zeros_like(v, dtype=_grad_dtype(v.dtype)) for l, v in unit.values.items()}
         for layer in unit.keys:
             for s in segments:
-                span = slice(s.position, s.position + s.length)
+                span, rows = self._rows(s)
                 for store, into in ((self.key_grads, unit.key_grads), (self.value_grads, unit.value_grads)):
-                    into[layer][:, :, s.row : s.end] += store[layer][:, :, span]
+                    into[layer][:, :, rows] += store[layer][:, :, span]
                     store[layer][:, :, span] = 0
 
 
@@ -327,16 +353,22 @@ def _path_and_sinks(q, out, lse, sinks, path: PathKV | None, layer: Slot, spec: 
         anc_k, anc_v = path.ancestors(layer, lo, end)
         o, l, saved = attend(_fold(q, anc_k.shape[1]), anc_k, anc_v, spec, part)
         _merge_into(out, lse, slice(None), _unfold(o, heads), _unfold(l, heads))
-    if sinks is not None:
-        _merge_into(out, lse, slice(None), torch.zeros_like(out), sinks.to(lse.dtype).view(1, heads, 1).expand_as(lse))
+    _merge_sinks(out, lse, sinks)
     return saved
 
 
-def _path_sinks_and_descendants_backward(ctx, dout, q, out, lse, sinks, dq, dk, dv, part: Part) -> tuple:
-    """The path part's backward (its K/V gradient to the path store), what descendants sent to this unit's K/V
-    added, and the sinks' gradient."""
+def _merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> None:
+    """Attention sinks (a logit per head with a zero value) into (out, lse), in place."""
+    if sinks is not None:
+        heads = out.shape[1]
+        _merge_into(out, lse, slice(None), torch.zeros_like(out), sinks.to(lse.dtype).view(1, heads, 1).expand_as(lse))
+
+
+def _path_sinks_and_descendants_backward(ctx, dout, q, out, lse, sinks, dq, dk, dv, part: Part | None) -> tuple:
+    """The path part's backward (its K/V gradient to the path store; None: none here), what descendants sent to this
+    unit's K/V added, and the sinks' gradient."""
     heads, kv_heads = q.shape[1], dk.shape[1]
-    if ctx.use_path:
+    if ctx.use_path and part is not None:
         path, lo, end = ctx.path, ctx.lo, ctx.layout.path_end
         anc_k, anc_v = path.ancestors(ctx.layer, lo, end)
         fold = lambda x: _fold(x, kv_heads)
@@ -359,12 +391,14 @@ def _path_sinks_and_descendants_backward(ctx, dout, q, out, lse, sinks, dq, dk, 
 
 class _ShardAttention(torch.autograd.Function):
     """One context-parallel rank's queries (`shard`) against the unit's gathered K/V and the path's: the parts of
-    `_UnitAttention` clipped to its rows (treerl.attention.context_parallel), merged by log-sum-exp."""
+    `_UnitAttention` clipped to its rows (treerl.attention.context_parallel), merged by log-sum-exp. A sharded path
+    (`PathKV.ranks` > 1): every query of the unit meets this rank's share of it, and the ranks' partials merge
+    (`_sharded_path`); a replicated one: this rank's queries meet it whole."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, path: PathKV | None, unit: UnitKV, layout: UnitLayout, layer: Slot,
                 spec: AttentionSpec, shard: ShardLayout):
-        unit.keys[layer], unit.values[layer] = k, v  # the whole unit's: every rank holds the whole path
+        unit.keys[layer], unit.values[layer] = k, v  # the whole unit's: each rank keeps its share for the path
         heads, kv_heads = q.shape[1], k.shape[1]
         groups = heads // kv_heads
         ke, ve = _expand_heads(k, groups), _expand_heads(v, groups)
@@ -376,9 +410,17 @@ class _ShardAttention(torch.autograd.Function):
             _merge_into(out, lse, rows, o, l)
             saved_parts.append(saved)
         lo = path_start(spec, layout.path_end)
-        use_path = path is not None and lo < layout.path_end and shard.rows > 0
-        path_saved = _path_and_sinks(q, out, lse, sinks, path if use_path else None, layer, spec, lo, layout.path_end,
-                                     _shard_path_part(shard, layout, lo, groups))
+        sharded = path is not None and path.ranks > 1
+        use_path = path is not None and lo < layout.path_end and (sharded or shard.rows > 0)  # sharded: every rank
+        path_saved = ()  # joins the collectives
+        if use_path and sharded:
+            o, l, path_saved = _sharded_path(q, path, layer, spec, lo, layout, shard, groups)
+            if shard.rows:
+                _merge_into(out, lse, slice(None), o, l)
+        elif use_path:
+            path_saved = _path_and_sinks(q, out, lse, None, path, layer, spec, lo, layout.path_end,
+                                         _replicated_path_part(shard, layout, lo, groups))
+        _merge_sinks(out, lse, sinks)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.path, ctx.unit, ctx.layout, ctx.layer, ctx.spec, ctx.lo = path, unit, layout, layer, spec, lo
@@ -398,15 +440,69 @@ class _ShardAttention(torch.autograd.Function):
             dk[:, :, keys] += dk_p
             dv[:, :, keys] += dv_p
         dk, dv = _reduce_heads(dk, groups), _reduce_heads(dv, groups)
-        # the path store and the descendants' K/V gradients take this rank's share; the key gather sums the ranks'
-        dq, dk, dv, dsinks = _path_sinks_and_descendants_backward(ctx, dout, q, out, lse, sinks, dq, dk, dv,
-                                                                  _shard_path_part(shard, layout, ctx.lo, groups))
+        part = _replicated_path_part(shard, layout, ctx.lo, groups)
+        if ctx.use_path and ctx.path.ranks > 1:
+            dq_path = _sharded_path_backward(ctx, dout, q, out, lse, groups)
+            if shard.rows:
+                dq = dq + dq_path
+            part = None  # done
+        # what descendants sent to this rank's share of the unit's K/V (the key gather sums the ranks')
+        dq, dk, dv, dsinks = _path_sinks_and_descendants_backward(ctx, dout, q, out, lse, sinks, dq, dk, dv, part)
         return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
-def _shard_path_part(shard: ShardLayout, layout: UnitLayout, lo: int, groups: int) -> Part:
+def _replicated_path_part(shard: ShardLayout, layout: UnitLayout, lo: int, groups: int) -> Part:
+    """The part this rank's queries (folded per K/V head) compute over the whole path's keys [lo, path end)."""
     return Part(q_start=0, k_start=lo, causal=False, q_positions=shard.folded_positions(groups),
                 q_max=layout.last_position)
+
+
+def _shard_path_part(path: PathKV, layout: UnitLayout, lo: int, groups: int) -> tuple[slice, Part]:
+    """This rank's share of the path's keys [lo, path end) and the part every query of the unit (folded per K/V head)
+    computes over them."""
+    span, first = path.held(lo, layout.path_end)
+    return span, Part(q_start=0, k_start=first, causal=False, q_positions=layout.folded_positions(groups),
+                      q_max=layout.last_position, k_stride=path.ranks)
+
+
+def _sharded_path(q, path: PathKV, layer: Slot, spec: AttentionSpec, lo: int, layout: UnitLayout, shard: ShardLayout,
+                  groups: int) -> tuple:
+    """This rank's queries over the whole path, whose K/V the ranks hold a share each: the unit's queries gathered,
+    each rank's share attended, the partials merged onto their queries' ranks (`merge_over_ranks`). Traffic is the
+    call's queries and outputs, never the path's K/V."""
+    heads = q.shape[1]
+    q_all = gather_rows(q, shard)
+    anc_k, anc_v = path.ancestors(layer, lo, layout.path_end)
+    span, part = _shard_path_part(path, layout, lo, groups)
+    if span.stop > span.start:
+        o, l, saved = attend(_fold(q_all, anc_k.shape[1]), anc_k, anc_v, spec, part)
+        o, l = _unfold(o, heads), _unfold(l, heads).to(torch.promote_types(q.dtype, torch.float32))
+    else:  # no key of this rank's share is in reach
+        o, saved = q_all.new_zeros((*q_all.shape[:-1], anc_v.shape[-1])), ()
+        l = q_all.new_full(q_all.shape[:-1], float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32))
+    o, l = merge_over_ranks(o, l, shard)
+    return o, l, saved
+
+
+def _sharded_path_backward(ctx, dout, q, out, lse, groups: int) -> torch.Tensor:
+    """`_sharded_path`'s backward: the unit's queries, output gradients, outputs and log-sum-exps gathered, this
+    rank's share of the path's K/V gradient into its store, the query gradient summed onto the queries' ranks."""
+    shard, path, layout, heads = ctx.shard, ctx.path, ctx.layout, q.shape[1]
+    d, dv = q.shape[-1], dout.shape[-1]
+    gathered = gather_rows(torch.cat([q, dout.to(q.dtype), out.to(q.dtype)], dim=-1), shard)
+    q_all, dout_all, out_all = gathered[..., :d], gathered[..., d : d + dv], gathered[..., d + dv :]
+    lse_all = gather_rows(lse[..., None], shard)[..., 0]
+    span, part = _shard_path_part(path, layout, ctx.lo, groups)
+    if span.stop > span.start:
+        anc_k, anc_v = path.ancestors(ctx.layer, ctx.lo, layout.path_end)
+        fold = lambda x: _fold(x, anc_k.shape[1])
+        dq_all, dk_p, dv_p = attend_backward(fold(dout_all), fold(q_all), anc_k, anc_v, fold(out_all), fold(lse_all),
+                                             ctx.path_saved, ctx.spec, part)
+        path.add_ancestor_grads(ctx.layer, ctx.lo, layout.path_end, dk_p, dv_p)
+        dq_all = _unfold(dq_all, heads)
+    else:
+        dq_all = torch.zeros_like(q_all)
+    return scatter_rows(dq_all.contiguous(), shard).to(q.dtype)
 
 
 class TreeCall:

@@ -6,8 +6,11 @@ Beside the steps (docs/architecture.md): step 5 split over ranks (treerl.attenti
 
 What a rank sends, per step: every layer's K and V of every call are all-gathered in the forward (each rank sends its
 rows to the R - 1 others: (R - 1) / R of the path's K/V with a ring) and their gradient is reduce-scattered in the
-backward ((R - 1) / R of it again); the head's outputs are all-gathered (a few bytes a token).
-The path's K/V are then held whole by every rank; what CP divides by R is each call's activations.
+backward ((R - 1) / R of it again); the head's outputs are all-gathered (a few bytes a token). With the path's K/V
+sharded (the default; `ContextParallel.path`), each call's queries travel to the path's shards too: gathered in the
+forward, the partial outputs merged back, and in the backward the queries, output gradients and outputs gathered and
+the query gradients reduce-scattered. Replicated, every rank holds the whole path and sends none of that.
+What CP divides by R is each call's activations, and (sharded) the path's K/V with their gradient stores.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class CpBenchConfig:
     tokens: int = 32768  # one trajectory this long
     chunk_tokens: int = 2048  # DfsEngine's longest call (the path's K/V grow call by call)
     ranks: list[int] = field(default_factory=lambda: [1, 2, 4])
+    paths: list[str] = field(default_factory=lambda: ["sharded", "replicated"])  # the path's K/V layouts (R > 1)
     memory: bool = True  # also the per-rank peak (one more, untimed, profiled step)
 
 
@@ -51,12 +55,17 @@ def _loss(view):
 
 
 def _count_bytes(sent: dict[str, float], world: int) -> None:
-    """Count what this rank sends in torch.distributed's all_gather / reduce_scatter_single, as ring algorithms
-    send it, and (a hybrid) the states and their gradients it sends its neighbours (isend; the broadcast of a node's
-    final states and their gradient, as a tree sends it)."""
+    """Count what this rank sends in torch.distributed's all_gather / reduce_scatter_single / all_reduce, as ring
+    algorithms send it, and (a hybrid) the states and their gradients it sends its neighbours (isend; the broadcast of
+    a node's final states and their gradient, as a tree sends it)."""
     import torch.distributed as dist
 
     gather, scatter, isend, broadcast = dist.all_gather, dist.reduce_scatter_single, dist.isend, dist.broadcast
+    reduce = dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        sent["all_reduce"] += tensor.numel() * tensor.element_size() * 2 * (world - 1) / world
+        return reduce(tensor, *args, **kwargs)
 
     def all_gather(pieces, tensor, *args, **kwargs):
         sent["all_gather"] += tensor.numel() * tensor.element_size() * (world - 1)
@@ -77,24 +86,27 @@ def _count_bytes(sent: dict[str, float], world: int) -> None:
 
     dist.all_gather, dist.reduce_scatter_single, dist.isend, dist.broadcast = all_gather, reduce_scatter_single, send, \
         broadcast_
+    dist.all_reduce = all_reduce
 
 
-def _worker(rank: int, world: int, port: int, config: CpBenchConfig, out: str) -> None:
+def _worker(rank: int, world: int, port: int, config: CpBenchConfig, path: str, out: str) -> None:
     """One rank: a warm-up step, a timed one, a profiled one for the peak; rank 0 writes every rank's figures."""
     import torch.distributed as dist
 
     from treerl.attention.context_parallel import ContextParallel
     from treerl.engine import DfsEngine
+    from treerl.engine.memory import path_bytes_per_token
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    cp, sent = None, {"all_gather": 0.0, "reduce_scatter": 0.0, "state": 0.0}
+    cp, sent = None, {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "state": 0.0}
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        cp = ContextParallel.over()
+        cp = ContextParallel.over(path=path)
     model = build_model(shape=config.shape, vocab_size=config.vocab_size, dtype=torch.float32)
+    holders = world if path == "sharded" else 1  # ranks that share the path's K/V store
     batch = [trajectory(config.tokens, model.config.vocab_size)]
-    engine = DfsEngine(chunk_tokens=config.chunk_tokens, context_parallel=cp)
+    engine = DfsEngine(chunk_tokens=config.chunk_tokens, batch_tokens=config.chunk_tokens, context_parallel=cp)
     engine.forward_backward(model, batch, _loss)  # warm-up
     if world > 1:
         _count_bytes(sent, world)
@@ -102,7 +114,8 @@ def _worker(rank: int, world: int, port: int, config: CpBenchConfig, out: str) -
     started = time.perf_counter()
     engine.forward_backward(model, batch, _loss)
     seconds = time.perf_counter() - started
-    row = {"rank": rank, "seconds": seconds, "sent_bytes": sum(sent.values()), **{f"sent_{k}": v for k, v in sent.items()}}
+    row = {"rank": rank, "seconds": seconds, "sent_bytes": sum(sent.values()), **{f"sent_{k}": v for k, v in sent.items()},
+           "path_store_bytes": path_bytes_per_token(model) * -(-config.tokens // holders)}
     if config.memory:
         model.zero_grad(set_to_none=True)
         row["peak_bytes"] = peak_memory(lambda: engine.forward_backward(model, batch, _loss))
@@ -116,18 +129,20 @@ def _worker(rank: int, world: int, port: int, config: CpBenchConfig, out: str) -
 
 
 def measure(config: CpBenchConfig) -> list[dict]:
-    """Per CP size: the ranks' step seconds, bytes sent and peak memory (each size its own processes)."""
+    """Per CP size and path layout: the ranks' step seconds, bytes sent and peak memory (each its own processes)."""
     table = []
     for world in config.ranks:
-        with tempfile.TemporaryDirectory() as scratch:
-            out = os.path.join(scratch, "rows.pt")
-            mp.spawn(_worker, args=(world, _free_port(), config, out), nprocs=world, join=True)
-            rows = torch.load(out)
-        table.append({"cp": world, "tokens": config.tokens,
-                      "seconds": max(r["seconds"] for r in rows),
-                      "sent_mib_per_rank": max(r["sent_bytes"] for r in rows) / 2**20,
-                      "peak_mib_per_rank": max(r.get("peak_bytes", 0) for r in rows) / 2**20,
-                      "ranks": rows})
+        for path in config.paths if world > 1 else ["sharded"]:  # one rank: the whole path either way
+            with tempfile.TemporaryDirectory() as scratch:
+                out = os.path.join(scratch, "rows.pt")
+                mp.spawn(_worker, args=(world, _free_port(), config, path, out), nprocs=world, join=True)
+                rows = torch.load(out)
+            table.append({"cp": world, "path": path if world > 1 else "-", "tokens": config.tokens,
+                          "seconds": max(r["seconds"] for r in rows),
+                          "sent_mib_per_rank": max(r["sent_bytes"] for r in rows) / 2**20,
+                          "path_store_mib_per_rank": rows[0]["path_store_bytes"] / 2**20,
+                          "peak_mib_per_rank": max(r.get("peak_bytes", 0) for r in rows) / 2**20,
+                          "ranks": rows})
     return table
 
 
@@ -160,31 +175,46 @@ CLUSTERS = (
 
 
 def predicted_step(config: PretrainedConfig, tokens: int, cp: int, cluster: Cluster, chunk_tokens: int = 2048,
-                   dtype_bytes: int = 2) -> dict[str, float]:
+                   dtype_bytes: int = 2, path: str = "sharded") -> dict[str, float]:
     """Seconds of one training step (forward + backward, 3x the forward FLOPs) on one trajectory of `tokens` in calls
-    of `chunk_tokens`, split over `cp` GPUs: compute / cp, plus the K/V traffic and the collectives' latency, unhidden
-    (no overlap with compute: an upper bound)."""
+    of `chunk_tokens`, split over `cp` GPUs: compute / cp, plus the traffic and the collectives' latency, unhidden
+    (no overlap with compute: an upper bound); and the GiB a rank's path K/V store holds (K/V in `dtype_bytes`, their
+    gradients in float32), whole or sharded (`path`)."""
     per_token, per_key = flop_rates(config)
     forward = tokens * per_token + tokens * (tokens + 1) // 2 * per_key
     compute = 3 * forward / (cp * cluster.flops * cluster.mfu)
     g = model_geometry(config)
-    kv = tokens * g.layers * 2 * g.kv_heads * g.head_dim * dtype_bytes  # every layer's K and V of the whole path
+    calls = math.ceil(tokens / chunk_tokens)
+    sharded = cp > 1 and path == "sharded"
+    store = tokens * g.layers * 2 * g.kv_heads * g.head_dim * (dtype_bytes + 4) / (cp if sharded else 1)
     comm = 0.0
-    if cp > 1:  # all-gather forward, reduce-scatter backward; 4 collectives a layer and call (K and V, each way)
-        comm = (cp - 1) / cp * kv * 2 / cluster.bandwidth + 4 * g.layers * math.ceil(tokens / chunk_tokens) * cluster.latency
-    return {"compute_s": compute, "comm_s": comm, "step_s": compute + comm}
+    if cp > 1:
+        share = (cp - 1) / cp
+        # every layer's K and V of every call: all-gathered forward, reduce-scattered backward; 4 collectives a layer
+        sent = share * 2 * tokens * g.layers * 2 * g.kv_heads * g.head_dim * dtype_bytes
+        collectives = 4 * g.layers * calls
+        if sharded:  # the queries of every call after the first go to the path's shards (_sharded_path)
+            queries = tokens - min(tokens, chunk_tokens)
+            per_query = g.heads * (5 * g.head_dim * dtype_bytes  # q forward; q, dout, out backward; dq reduced
+                                   + 4 * (g.head_dim + 1) + 4 + 2 * 4)  # partials and weights, lse, the max (fp32)
+            sent += share * queries * g.layers * per_query
+            collectives += 6 * g.layers * (calls - 1)
+        comm = sent / cluster.bandwidth + collectives * cluster.latency
+    return {"compute_s": compute, "comm_s": comm, "step_s": compute + comm, "path_gib": store / 2**30}
 
 
 def cluster_table(config: PretrainedConfig, lengths: list[int], sizes: list[int]) -> list[dict]:
-    """The model's predicted step time and speedup over one GPU, per cluster, length and CP size."""
+    """The model's predicted step time, speedup over one GPU and path store, per cluster, length, CP size and path
+    layout."""
     rows = []
     for cluster in CLUSTERS:
         for tokens in lengths:
             one = predicted_step(config, tokens, 1, cluster)["step_s"]
             for cp in sizes:
-                step = predicted_step(config, tokens, cp, cluster)
-                rows.append({"cluster": cluster.name, "tokens": tokens, "cp": cp, **step,
-                             "speedup": one / step["step_s"], "efficiency": one / step["step_s"] / cp})
+                for path in ("sharded", "replicated") if cp > 1 else ("-",):
+                    step = predicted_step(config, tokens, cp, cluster, path=path)
+                    rows.append({"cluster": cluster.name, "tokens": tokens, "cp": cp, "path": path, **step,
+                                 "speedup": one / step["step_s"], "efficiency": one / step["step_s"] / cp})
     return rows
 
 
@@ -198,13 +228,14 @@ def qwen3_8b() -> PretrainedConfig:
 
 def markdown(measured: list[dict], predicted: list[dict]) -> str:
     """Both tables as markdown."""
-    lines = ["| CP ranks | tokens | step s (this machine) | sent MiB / rank | peak MiB / rank |", "|---|---|---|---|---|"]
-    lines += [f"| {r['cp']} | {r['tokens']} | {r['seconds']:.1f} | {r['sent_mib_per_rank']:.1f} | "
-              f"{r['peak_mib_per_rank']:.1f} |" for r in measured]
-    lines += ["", "| cluster | tokens | CP | compute s | K/V traffic s | speedup | efficiency |",
-              "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['cluster']} | {r['tokens']} | {r['cp']} | {r['compute_s']:.3f} | {r['comm_s']:.3f} | "
-              f"{r['speedup']:.2f} | {r['efficiency']:.2f} |" for r in predicted]
+    lines = ["| CP ranks | path K/V | tokens | step s (this machine) | sent MiB / rank | path store MiB / rank | "
+             "peak MiB / rank |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['cp']} | {r['path']} | {r['tokens']} | {r['seconds']:.1f} | {r['sent_mib_per_rank']:.1f} | "
+              f"{r['path_store_mib_per_rank']:.1f} | {r['peak_mib_per_rank']:.1f} |" for r in measured]
+    lines += ["", "| cluster | tokens | CP | path K/V | compute s | traffic s | speedup | efficiency | path store GiB / rank |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['cluster']} | {r['tokens']} | {r['cp']} | {r['path']} | {r['compute_s']:.3f} | {r['comm_s']:.3f} | "
+              f"{r['speedup']:.2f} | {r['efficiency']:.2f} | {r['path_gib']:.1f} |" for r in predicted]
     return "\n".join(lines)
 
 

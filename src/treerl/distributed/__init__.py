@@ -20,7 +20,16 @@ A training step under `torchrun --nproc-per-node K` (every rank holds the same g
 Forward-only engine calls (old log-probs) go inside `with dp.gathered() as policy:`.
 """
 
-from treerl.distributed.assign import Assignment, BalanceStats, balance, evaluate, first_fit, lpt
+from treerl.distributed.assign import (
+    Assignment,
+    BalanceStats,
+    ContextSplit,
+    balance,
+    evaluate,
+    first_fit,
+    lpt,
+    split_over_context,
+)
 from treerl.distributed.cost import CostModel, tree_features
 from treerl.distributed.order import FEATURES, TrieOrder
 from treerl.distributed.parallel import (
@@ -38,6 +47,7 @@ __all__ = [
     "FEATURES",
     "Assignment",
     "BalanceStats",
+    "ContextSplit",
     "CostModel",
     "DistEnv",
     "DistributedModel",
@@ -52,5 +62,6 @@ __all__ = [
     "global_sum",
     "init_distributed",
     "lpt",
+    "split_over_context",
     "tree_features",
 ]

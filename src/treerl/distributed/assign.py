@@ -331,6 +331,39 @@ def balance(
     return Assignment(ranks=candidates[best], method=f"treerl ({best})")
 
 
+@dataclass(frozen=True)
+class ContextSplit:
+    """A data-parallel group's share of a minibatch under context parallelism: the micro-batches its ranks split
+    together (each call's rows over all of them), and each rank's micro-batches it trains alone."""
+
+    together: list[list[int]]
+    alone: list[list[list[int]]]  # alone[r]: context rank r's
+
+
+def split_over_context(sequences: Sequence[TokenSequence], share: list[int], ranks: int, min_tokens: int,
+                       micro_batch_tokens: int | None = None, cost: CostModel | None = None) -> ContextSplit:
+    """Which of a group's sequences (`share`: indices into `sequences`) its `ranks` context-parallel ranks split, and
+    which each rank trains alone: split a sequence of `min_tokens` or more (a path one device may not hold) or one
+    that costs more under `cost` than a rank's even share of the group (no rank could take it alone and keep the
+    group balanced); balance the rest over the ranks like data-parallel ones (`balance`). Short sequences then pay
+    no collectives and run whole calls. Deterministic, like `balance`."""
+    cost = cost or CostModel()
+    even = cost([sequences[i] for i in share]) / ranks if share else 0.0
+    split = [i for i in share if len(sequences[i]) >= min_tokens or cost([sequences[i]]) > even]
+    rest = [i for i in share if i not in frozenset(split)]
+    together = _pieces(sequences, split, 1, micro_batch_tokens, cost)[0]
+    return ContextSplit(together, _pieces(sequences, rest, ranks, micro_batch_tokens, cost))
+
+
+def _pieces(sequences: Sequence[TokenSequence], chosen: list[int], ranks: int, micro_batch_tokens: int | None,
+            cost: CostModel) -> list[list[list[int]]]:
+    """`balance` of the `chosen` sequences, its micro-batches as indices into `sequences`."""
+    if not chosen:
+        return [[] for _ in range(ranks)]
+    assignment = balance([sequences[i] for i in chosen], ranks, micro_batch_tokens, cost)
+    return [[[chosen[j] for j in batch] for batch in assignment.micro_batches(r)] for r in range(ranks)]
+
+
 # ------------------------------------------------------------------ baselines
 def first_fit(sequences: Sequence[TokenSequence], ranks: int, micro_batch_tokens: int | None = None) -> Assignment:
     """Baseline: sequences in batch order to the first rank with room for a fair share of flat tokens."""

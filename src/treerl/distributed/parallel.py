@@ -100,9 +100,10 @@ class Mesh:
     context: ContextParallel | None = None
 
 
-def build_mesh(env: DistEnv, context_parallel: int = 1) -> Mesh:
+def build_mesh(env: DistEnv, context_parallel: int = 1, path: str = "sharded") -> Mesh:
     """torch's DeviceMesh ("dp", "cp") over the run's ranks: ranks `d * cp ... (d + 1) * cp - 1` form data-parallel
-    group d. One process (no torchrun): a mesh of one."""
+    group d, holding the path's K/V as `path` says (`ContextParallel.path`). One process (no torchrun): a mesh of
+    one."""
     if context_parallel == 1:
         return Mesh(env.rank, env.world_size)
     if env.world_size % context_parallel:
@@ -113,7 +114,7 @@ def build_mesh(env: DistEnv, context_parallel: int = 1) -> Mesh:
     mesh = init_device_mesh(env.device.type, (env.world_size // context_parallel, context_parallel),
                             mesh_dim_names=("dp", "cp"))
     return Mesh(env.rank // context_parallel, env.world_size // context_parallel,
-                ContextParallel.over(mesh.get_group("cp")))
+                ContextParallel.over(mesh.get_group("cp"), path))
 
 
 def close_distributed(wait_for_all: bool = True) -> str | None:

@@ -163,7 +163,14 @@ class DfsEngine:
             micro_batch = micro_batch_tokens(lengths, self.max_tokens)
         return graph_budget_tokens(model, largest, max(len(s) for s in tree.sequences), self.memory, micro_batch,
                                    self.memory_budget_tokens, self.memory_budget_bytes,
-                                   self.context_parallel.size if self.context_parallel is not None else 1)
+                                   *self._cp_sizes())
+
+    def _cp_sizes(self) -> tuple[int, int]:
+        """Ranks that split each call, and ranks that share the path's K/V store (`ContextParallel.path`)."""
+        cp = self.context_parallel
+        if cp is None:
+            return 1, 1
+        return cp.size, cp.size if cp.path == "sharded" else 1
 
 
 def _device(model: PreTrainedModel) -> torch.device:
@@ -181,7 +188,9 @@ class _Walk:
         self.mixers = find_mixers(model)
         self.own_code = attends_in_own_code(model)  # its layers attend over the K/V the cache returns
         self.layers = attention_layers(model, self.mixers.mixer_classes)
-        self.path = PathKV(max(len(s) for s in tree.sequences), with_grads=loss_fn is not None)
+        # the path's K/V; under context parallelism each rank holds every R-th position of it
+        rank, ranks = (self.cp.rank, self.cp.size) if self.cp is not None and self.cp.path == "sharded" else (0, 1)
+        self.path = PathKV(max(len(s) for s in tree.sequences), loss_fn is not None, rank, ranks)
         self.states = PathStates(with_grads=loss_fn is not None) if self.mixers else None  # recurrent state
         # context parallelism over a recurrent model: each rank's columns continue the previous rank's state
         self.passing = StatePassing(model, self.cp) if self.cp is not None and self.mixers else None

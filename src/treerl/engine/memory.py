@@ -103,14 +103,15 @@ def micro_batch_tokens(lengths: list[int], max_tokens: int) -> int:
 
 def graph_budget_tokens(model: PreTrainedModel, largest_node: int, longest_path: int, memory: str,
                         micro_batch: int, budget_tokens: int | None = None, budget_bytes: int | None = None,
-                        ranks: int = 1) -> int:
+                        ranks: int = 1, path_ranks: int = 1) -> int:
     """Graph tokens a walk may hold at once: the contract of `memory` (or an explicit budget) for this model.
 
     `largest_node`: graph tokens of the tree's largest node (the one-path walk holds one node's graph);
     `longest_path`: tokens of its longest sequence (what the path's K/V store may hold);
     `micro_batch`: graph tokens of flat's largest micro-batch on the same sequences (`micro_batch_tokens`);
-    `ranks`: context-parallel ranks that split every call, each holding its share of a token's graph but the call's
-    gathered K/V whole (and the path's): the budget, per rank, then holds that many times more of the walk's tokens."""
+    `ranks`: context-parallel ranks that split every call, each holding its share of a token's graph and of the path's
+    K/V but the call's gathered K/V whole: the budget, per rank, then holds nearly that many times more of the walk's
+    tokens; `path_ranks`: ranks the path's K/V store is sharded over (1: each holds it whole)."""
     one_path = int(ONE_PATH_SLACK * largest_node)
     if budget_tokens is not None:
         return budget_tokens
@@ -119,7 +120,7 @@ def graph_budget_tokens(model: PreTrainedModel, largest_node: int, longest_path:
     per_token = graph_bytes(model).per_token
     budget = budget_bytes if budget_bytes is not None else micro_batch * per_token  # what flat holds
     held = per_token if ranks == 1 else per_token / ranks + path_bytes_per_token(model) / 2  # K and V, no gradients
-    tokens = (budget - longest_path * path_bytes_per_token(model)) // held
+    tokens = (budget - -(-longest_path // path_ranks) * path_bytes_per_token(model)) // held
     return int(tokens) if budget_bytes is not None else max(int(tokens), one_path)
 
 

@@ -18,7 +18,8 @@ The state's own arithmetic is untouched (the layers run as transformers wrote th
 single-process one; the price is time: a mixer layer's pieces run one rank after another, not side by side
 (Megatron-LM's Mamba state passing, NVIDIA/Megatron-LM#6808, runs them side by side from a zero state and corrects
 each with the previous ranks' state summaries, which needs each layer's scan opened up). Memory is split: each rank
-holds its columns' activations, and of the path only the attention K/V (replicated, as for attention models).
+holds its columns' activations, and of the path only the attention K/V (sharded or replicated, as for attention
+models).
 
 The last rank with columns ends every row, so it holds the unit's final states: the walk shares them with every rank
 for the children (`share_states`, a broadcast), and the gradient the children send back, collected on rank 0 (whose

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch.distributed as dist
 
-from treerl.distributed import Assignment, CostModel, DistEnv, Mesh, balance, evaluate
+from treerl.distributed import Assignment, ContextSplit, CostModel, DistEnv, Mesh, balance, evaluate, split_over_context
 from treerl.trainer.core.config import TrainerConfig
 from treerl.trainer.core.loop_state import LoopState
 from treerl.tree import TokenSequence
@@ -57,6 +57,19 @@ class Balancer:
         the data-parallel groups."""
         return balance(sequences, self.data_size, self.trainer.micro_batch_tokens, cost=self.cost)
 
+    def context_split(self, assignment: Assignment, sequences: list[TokenSequence], group: int | None = None
+                      ) -> ContextSplit | None:
+        """Under context parallelism, which of a group's sequences (default: this rank's group) its ranks split and
+        which each trains alone (`trainer.context_parallel_min_tokens`; treerl.distributed.split_over_context); None
+        without."""
+        if self.mesh is None or self.mesh.context is None:
+            return None
+        group = self.data_rank if group is None else group
+        if self.trainer.context_parallel_min_tokens == 0:  # every sequence split: the group's micro-batches as they are
+            return ContextSplit(assignment.micro_batches(group), [[] for _ in range(self.mesh.context.size)])
+        return split_over_context(sequences, assignment.sequences(group), self.mesh.context.size,
+                                  self.trainer.context_parallel_min_tokens, self.trainer.micro_batch_tokens, self.cost)
+
     def record(self, measured: list[tuple[np.ndarray, float]]) -> None:
         """Keep every rank's measured (tree features, seconds) and refit the cost model the same way on each rank."""
         if self.env.world_size == 1 or not self.trainer.fit_cost_model:
@@ -78,11 +91,16 @@ class Balancer:
                 self.cost = fitted
 
     def metrics(self, assignment: Assignment, minibatch: list[TokenSequence]) -> dict[str, float]:
-        """The `dist/` metrics of an assignment (none with one group): how even and how shared the split was."""
+        """The `dist/` metrics of an assignment (none with one group): how even and how shared the split was; under
+        context parallelism, the share of sequences whose calls the ranks split."""
+        metrics = {}
+        if self.mesh is not None and self.mesh.context is not None:
+            splits = [self.context_split(assignment, minibatch, group) for group in range(self.data_size)]
+            metrics["dist/context_split"] = sum(len(i) for s in splits for i in s.together) / len(minibatch)
         if self.data_size == 1:
-            return {}
+            return metrics
         stats = evaluate(assignment, minibatch, self.cost)
-        return {
+        return metrics | {
             "dist/imbalance": stats.imbalance,  # estimated max / mean cost over ranks
             "dist/compression_kept": stats.compression_kept,  # 1: no shared prefix computed twice
             "dist/micro_batches": stats.micro_batches,

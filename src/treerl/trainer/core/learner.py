@@ -14,6 +14,8 @@ A non-finite loss or gradient norm never reaches the weights (`trainer.nonfinite
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -100,23 +102,38 @@ class Learner:
 
     def _forward_backward(self, minibatch: list[TokenSequence], loss_fn: LossFn, assignment: Assignment,
                           ) -> tuple[dict[str, float], list[tuple[np.ndarray, float]]]:
-        """This rank's micro-batches under one gradient sync: summed stats, and (tree features, seconds) of each."""
+        """This rank's micro-batches under one gradient sync: summed stats, and (tree features, seconds) of each.
+
+        Under context parallelism the group's ranks first run the micro-batches they split (reported by the group's
+        rank 0, the same calls on every rank; timed as one rank's work, R x the seconds), then each its own alone."""
         local: dict[str, float] = {"train/loss": 0.0, "perf/flat_tokens": 0.0, "perf/model_tokens": 0.0}
         measured = []
+        split = self.balancer.context_split(assignment, minibatch)
+        # (engine, micro-batch, what one rank's seconds of it count as in the cost model; 0: another rank reports it)
+        runs = [(self.engine, batch, 1) for batch in assignment.micro_batches(self.balancer.data_rank)]
+        if split is not None:
+            ranks, reports = len(split.alone), self.balancer.context_rank == 0
+            runs = [(self.engine, batch, ranks if reports else 0) for batch in split.together]
+            runs += [(self.engine_alone, batch, 1) for batch in split.alone[self.balancer.context_rank]]
         # every rank holds the whole minibatch, so all agree whether a call shows images
         with self.dp.gradient_step(images=any(s.images for s in minibatch)) as model:
-            for micro_batch in assignment.micro_batches(self.balancer.data_rank):
+            for engine, micro_batch, scale in runs:
                 part = [minibatch[i] for i in micro_batch]
-                stats = self.engine.forward_backward(model, part, loss_fn)
+                stats = engine.forward_backward(model, part, loss_fn)
+                if not scale:  # a context-parallel peer: its group's rank 0 reports these calls
+                    continue
                 local["train/loss"] += stats.loss
                 local["perf/flat_tokens"] += stats.flat_tokens
                 local["perf/model_tokens"] += stats.model_tokens
                 for key, value in stats.metrics.items():
                     local[f"train/{key}"] = local.get(f"train/{key}", 0.0) + value
-                measured.append((tree_features(part), stats.seconds))
-        if self.balancer.context_rank != 0:  # its context-parallel group's rank 0 reports the group's (the same) calls
-            return {key: 0.0 for key in local}, []
+                measured.append((tree_features(part), stats.seconds * scale))
         return local, measured
+
+    @functools.cached_property
+    def engine_alone(self) -> Engine:
+        """The engine for the micro-batches a context-parallel rank trains alone (its calls not split)."""
+        return dataclasses.replace(self.engine, context_parallel=None)
 
     def clip_gradients(self) -> float:
         """The global gradient norm before clipping (gradients are already summed over ranks)."""

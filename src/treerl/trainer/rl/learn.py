@@ -361,24 +361,34 @@ def prepare(run: Run, sequences: list[TokenSequence], reference: Reference | Non
     """
     algo = run.config.algo.resolved()
     assignment = run.balancer.assign(sequences)
-    mine = [sequences[i] for i in assignment.sequences(run.balancer.data_rank)]
     proximal = algo.loss == "decoupled_ppo" and not proximal_in_loss
     policy_fields = (["old_logprobs"] if run.config.trainer.recompute_logprobs else []) + (
         ["prox_logprobs"] if proximal else [])
-    if policy_fields and mine:
+    # every rank enters each gathered() (FSDP2: a collective), whatever its share holds
+    mine = _parts_of_this_rank(run, assignment, sequences)
+    parts = [(alone, [sequences[i] for i in indices]) for alone, indices in mine]
+    engine = lambda learner, alone: learner.engine_alone if alone else learner.engine
+    if policy_fields:
         with run.actor.dp.gathered() as policy:
-            fill_fields(run.actor.engine, policy, mine, {"logprobs": policy_fields[0]})
-        for seq in mine:
-            for name in policy_fields[1:]:
-                seq.fields[name] = seq.fields[policy_fields[0]].clone()
-    if reference is not None and mine:
+            for alone, batch in parts:
+                if batch:
+                    fill_fields(engine(run.actor, alone), policy, batch, {"logprobs": policy_fields[0]})
+        for _, batch in parts:
+            for seq in batch:
+                for name in policy_fields[1:]:
+                    seq.fields[name] = seq.fields[policy_fields[0]].clone()
+    if reference is not None:
         with reference.model() as model:
-            fill_fields(run.actor.engine, model, mine, {"logprobs": "ref_logprobs"})
-    if run.critic is not None and mine:  # V(s_t) for GAE, and V_old for the clipped value loss
+            for alone, batch in parts:
+                if batch:
+                    fill_fields(engine(run.actor, alone), model, batch, {"logprobs": "ref_logprobs"})
+    if run.critic is not None:  # V(s_t) for GAE, and V_old for the clipped value loss
         with run.critic.dp.gathered() as critic:
-            fill_fields(run.critic.engine, critic, mine, {"values": "values"})
-    share_fields(sequences, assignment, policy_fields + (["ref_logprobs"] if reference is not None else [])
-                 + (["values"] if run.critic is not None else []), run.balancer.data_rank)
+            for alone, batch in parts:
+                if batch:
+                    fill_fields(engine(run.critic, alone), critic, batch, {"values": "values"})
+    share_fields(sequences, [i for _, indices in mine for i in indices], policy_fields + (["ref_logprobs"] if reference is not None else [])
+                 + (["values"] if run.critic is not None else []))
     if proximal_in_loss:
         for seq in sequences:
             seq.fields["prox_logprobs"] = seq.fields["old_logprobs"].clone()
@@ -386,11 +396,23 @@ def prepare(run: Run, sequences: list[TokenSequence], reference: Reference | Non
     validate_batch(algo, sequences)
 
 
-def share_fields(sequences: list[TokenSequence], assignment: Assignment, names: list[str], data_rank: int) -> None:
-    """Each data-parallel group filled `names` for its own sequences; afterwards every rank has them for all."""
+def _parts_of_this_rank(run: Run, assignment: Assignment, sequences: list[TokenSequence]
+                        ) -> list[tuple[bool, list[int]]]:
+    """The sequences this rank's no-grad passes run: its group's share, under context parallelism those its group
+    splits and (alone: True) those it runs by itself, as its updates do (`Balancer.context_split`)."""
+    split = run.balancer.context_split(assignment, sequences)
+    if split is None:
+        return [(False, assignment.sequences(run.balancer.data_rank))]
+    return [(False, [i for batch in split.together for i in batch]),
+            (True, [i for batch in split.alone[run.balancer.context_rank] for i in batch])]
+
+
+def share_fields(sequences: list[TokenSequence], filled: list[int], names: list[str]) -> None:
+    """Each rank filled `names` for its sequences `filled` (context-parallel peers the same ones); afterwards every
+    rank has them for all."""
     if not names or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    local = {i: {n: sequences[i].fields[n].cpu() for n in names} for i in assignment.sequences(data_rank)}
+    local = {i: {n: sequences[i].fields[n].cpu() for n in names} for i in filled}
     gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, local)
     for part in gathered:
