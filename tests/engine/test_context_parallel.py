@@ -36,18 +36,22 @@ ATTENTION = ("tiny-qwen3", "gemma2-softcap-window", "gpt-oss-sinks-window")
 HYBRIDS = ("tiny-qwen3.5", "tiny-bamba", "tiny-lfm2")
 HYBRIDS_ON_TWO = ("jamba", "minimax", "kimi_linear")
 MODELS = {2: ATTENTION + HYBRIDS + HYBRIDS_ON_TWO, 4: ATTENTION + HYBRIDS}
-# the plans each model runs on R ranks: every plan, but a hybrid on 4 ranks only the one whose calls cut its chains
-# (the state crosses ranks and calls; 4 processes share 2 cores in CI)
-RUNS = {(world, name): ["small-calls"] if world == 4 and name in HYBRIDS else list(PLANS)
-        for world, names in MODELS.items() for name in names}
+# the plans each model runs on R ranks: every plan, but on 4 ranks only tiny-qwen3 runs them all and the others the
+# one whose calls cut chains and read the path most (the state crosses ranks and calls; 4 processes share 2 cores in
+# CI), as do the hybrids of the other state kinds on 2
+RUNS = {(world, name): ["small-calls"] if (world == 4 and name != "tiny-qwen3") or name in HYBRIDS_ON_TWO
+        else list(PLANS) for world, names in MODELS.items() for name in names}
 # flat vs the model's own forward; the zoo's hybrid builds keep some float32 norms and routers, so their bound is on
 # the outputs, loss and whole gradient (as tests/engine/test_recurrent.py's families)
 TOL = {"tiny-qwen3": 1e-12, "gemma2-softcap-window": 1e-5, "gpt-oss-sinks-window": 1e-5,
        **dict.fromkeys(HYBRIDS, 1e-9), **dict.fromkeys(HYBRIDS_ON_TWO, 1e-8)}
 SCAN_CHUNK = 3
 # the path's K/V held whole by each rank (trainer.context_parallel_path=replicated; sharded everywhere else): on 2
-# ranks, attention sinks and a window, and a hybrid
-REPLICATED = ("gpt-oss-sinks-window", "tiny-qwen3.5")
+# ranks, attention sinks and a window
+REPLICATED = ("gpt-oss-sinks-window",)
+# gradient checkpointing (its layers replayed in backward, their gathers and the sharded path's collectives too), on 2
+# ranks: both of torch's checkpoint kinds
+CHECKPOINTED = ("tiny-qwen3",)
 
 
 def model(name: str) -> torch.nn.Module:
@@ -111,6 +115,17 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             for grad in run.grads.values():  # each rank's is its rows' share
                 dist.all_reduce(grad)
             results[f"{name}/{plan}"] = vars(run)  # plain tensors and dicts: what torch.load reads safely
+        for reentrant in (False, True) if world == 2 and name in CHECKPOINTED else ():
+            training = net.training
+            net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            net.train()  # transformers replays layers in training mode only
+            with float64_throughout():
+                run = run_engine(DfsEngine(context_parallel=cp, **PLANS["small-calls"]), net, sequences, loss)
+            net.gradient_checkpointing_disable()
+            net.train(training)
+            for grad in run.grads.values():
+                dist.all_reduce(grad)
+            results[f"{name}/checkpointed-{'reentrant' if reentrant else 'non-reentrant'}"] = vars(run)
         if world == 2 and name in REPLICATED:
             replicated = ContextParallel(cp.rank, cp.size, cp.group, path="replicated")
             with float64_throughout():
@@ -174,7 +189,8 @@ def test_context_parallel_ranks_compute_the_flat_references_logprobs_and_gradien
     sequences = batch(net.config.get_text_config().vocab_size)
     with float64_throughout():
         reference = run_engine(FlatEngine(layout="sequences"), net, sequences, loss)
-    for plan in RUNS[world, name] + (["replicated"] if f"{name}/replicated" in results else []):
+    extra = [key.split("/", 1)[1] for key in results if key.startswith(f"{name}/")]  # checkpointed, replicated runs
+    for plan in RUNS[world, name] + [run for run in extra if run not in PLANS]:
         errors = compare_runs(results[f"{name}/{plan}"], reference)
         if name in HYBRIDS_ON_TWO:
             errors = {k: e for k, e in errors.items() if not k.startswith("grad.")}

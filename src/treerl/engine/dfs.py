@@ -320,7 +320,8 @@ class _Walk:
         if data.shard is None:
             data.shard = ShardLayout(data.layout, self.cp, None if data.shape is None else data.shape[1])
         shard = data.shard
-        call = TreeCall(self.path, data.kv, data.layout, cp=self.cp, shard=shard)
+        call = TreeCall(self.path, data.kv, data.layout, cp=self.cp, shard=shard,
+                        replays=self.loss_fn is not None and gradient_checkpointing(self.model))
         shape = shard.shape or (1, len(shard.runs))
         inputs = {"input_ids": data.ids[shard.runs].view(shape), "position_ids": data.positions[shard.runs].view(shape),
                   "treerl_call": call}
@@ -388,8 +389,9 @@ def check_context_parallel(model: PreTrainedModel, sequences: Sequence[TokenSequ
                "not pass between ranks yet")
     elif attends_in_own_code(model):
         why = "it computes attention in its own code over its cache's keys, which the ranks do not share"
-    elif gradient_checkpointing(model):
-        why = "gradient checkpointing replays the layers, whose key gathers context parallelism does not replay yet"
+    elif gradient_checkpointing(model) and find_mixers(model):
+        why = ("gradient checkpointing replays the layers, and a replayed mixer layer would pass its state from rank to "
+               "rank again, which context parallelism does not do yet")
     elif any(s.images for s in sequences):
         why = "a sequence shows images, which context parallelism does not feed yet"
     if why is not None:
