@@ -46,7 +46,7 @@ BALANCE_SHRINK = ["--balance-scale", "0.02", "--scale", "0.004", *TINY_MODEL]
 ASYNC_SHRINK = [f"--set={o}" for o in TRAIN_SHRINK]
 PROFILE_SHRINK = ["--workloads", "grpo", "--engines", "flat,dfs", *BENCH_SHRINK]  # the profiler is slow
 PRECISION_SHRINK = ["--prompt-tokens", "24", "--response-tokens", "4", "--samples", "2", *TINY_MODEL]
-CP_SHRINK = ["--cp", "2", "--cp-tokens", "256", "--no-memory", *TINY_MODEL]  # the last --cp wins
+CP_SHRINK = ["--cp", "2", "--cp-tokens", "256", "--cp-paths", "sharded", "--no-memory", *TINY_MODEL]  # last wins
 
 
 @dataclasses.dataclass

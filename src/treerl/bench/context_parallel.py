@@ -26,8 +26,10 @@ import torch
 import torch.multiprocessing as mp
 from transformers import PretrainedConfig
 
+from treerl.attention.context_parallel import PATH_LAYOUTS
 from treerl.bench.flops import flop_rates
 from treerl.bench.peak import peak_memory
+from treerl.errors import UserError
 from treerl.models import build_model, model_config, model_geometry
 from treerl.tree import TokenSequence
 
@@ -41,6 +43,10 @@ class CpBenchConfig:
     ranks: list[int] = field(default_factory=lambda: [1, 2, 4])
     paths: list[str] = field(default_factory=lambda: ["sharded", "replicated"])  # the path's K/V layouts (R > 1)
     memory: bool = True  # also the per-rank peak (one more, untimed, profiled step)
+
+    def __post_init__(self):
+        if not self.paths or set(self.paths) - set(PATH_LAYOUTS):
+            raise UserError(f"--cp-paths: {','.join(self.paths)}; choose among {', '.join(PATH_LAYOUTS)}")
 
 
 def trajectory(tokens: int, vocab: int) -> TokenSequence:

@@ -80,6 +80,7 @@ def bench(
     cp: str | None = typer.Option(None, "--cp", help="context parallelism: comma-separated rank counts (e.g. 1,2,4): "
                                   "one long trajectory (--cp-tokens) over that many gloo processes, and the GPU model"),
     cp_tokens: int = typer.Option(32768, help="--cp: tokens of the trajectory"),
+    cp_paths: str = typer.Option("sharded,replicated", help="--cp: the path's K/V layouts to measure (R > 1)"),
     out: Path = typer.Option(Path("outputs/bench"), help="where JSON, markdown and PNG go"),
 ) -> None:
     """Measure what prefix sharing buys: time, memory and speedup over flat, against the FLOP ideal."""
@@ -89,7 +90,8 @@ def bench(
     )
     if cp:
         run_cp_bench(CpBenchConfig(shape=shape, vocab_size=vocab_size or None, tokens=cp_tokens,
-                                   ranks=[int(r) for r in cp.split(",")], memory=memory), out)
+                                   ranks=[int(r) for r in cp.split(",")], paths=cp_paths.split(","), memory=memory),
+                     out)
     elif weight_push:
         run_weight_push(weight_push, model_path, server_model, repeats, out)
     elif compare_async:
