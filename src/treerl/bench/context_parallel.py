@@ -120,7 +120,8 @@ def _worker(rank: int, world: int, port: int, config: CpBenchConfig, path: str, 
     started = time.perf_counter()
     engine.forward_backward(model, batch, _loss)
     seconds = time.perf_counter() - started
-    row = {"rank": rank, "seconds": seconds, "sent_bytes": sum(sent.values()), **{f"sent_{k}": v for k, v in sent.items()},
+    row = {"rank": rank, "seconds": seconds, "sent_bytes": sum(sent.values()),
+           **{f"sent_{k}": v for k, v in sent.items()},
            "path_store_bytes": path_bytes_per_token(model) * -(-config.tokens // holders)}
     if config.memory:
         model.zero_grad(set_to_none=True)
@@ -181,12 +182,13 @@ CLUSTERS = (
 
 
 def predicted_step(config: PretrainedConfig, tokens: int, cp: int, cluster: Cluster, chunk_tokens: int = 2048,
-                   dtype_bytes: int = 2, path: str = "sharded") -> dict[str, float]:
+                   dtype_bytes: int = 2, path: str = "sharded", rates: tuple[int, int] | None = None
+                   ) -> dict[str, float]:
     """Seconds of one training step (forward + backward, 3x the forward FLOPs) on one trajectory of `tokens` in calls
     of `chunk_tokens`, split over `cp` GPUs: compute / cp, plus the traffic and the collectives' latency, unhidden
     (no overlap with compute: an upper bound); and the GiB a rank's path K/V store holds (K/V in `dtype_bytes`, their
-    gradients in float32), whole or sharded (`path`)."""
-    per_token, per_key = flop_rates(config)
+    gradients in float32), whole or sharded (`path`). `rates`: `flop_rates(config)`, if known."""
+    per_token, per_key = rates or flop_rates(config)
     forward = tokens * per_token + tokens * (tokens + 1) // 2 * per_key
     compute = 3 * forward / (cp * cluster.flops * cluster.mfu)
     g = model_geometry(config)
@@ -212,13 +214,13 @@ def predicted_step(config: PretrainedConfig, tokens: int, cp: int, cluster: Clus
 def cluster_table(config: PretrainedConfig, lengths: list[int], sizes: list[int]) -> list[dict]:
     """The model's predicted step time, speedup over one GPU and path store, per cluster, length, CP size and path
     layout."""
-    rows = []
+    rows, rates = [], flop_rates(config)  # read off a meta model once
     for cluster in CLUSTERS:
         for tokens in lengths:
-            one = predicted_step(config, tokens, 1, cluster)["step_s"]
+            one = predicted_step(config, tokens, 1, cluster, rates=rates)["step_s"]
             for cp in sizes:
                 for path in ("sharded", "replicated") if cp > 1 else ("-",):
-                    step = predicted_step(config, tokens, cp, cluster, path=path)
+                    step = predicted_step(config, tokens, cp, cluster, path=path, rates=rates)
                     rows.append({"cluster": cluster.name, "tokens": tokens, "cp": cp, "path": path, **step,
                                  "speedup": one / step["step_s"], "efficiency": one / step["step_s"] / cp})
     return rows
@@ -235,12 +237,14 @@ def qwen3_8b() -> PretrainedConfig:
 def markdown(measured: list[dict], predicted: list[dict]) -> str:
     """Both tables as markdown."""
     lines = ["| CP ranks | path K/V | tokens | step s (this machine) | sent MiB / rank | path store MiB / rank | "
-             "peak MiB / rank |", "|---|---|---|---|---|---|---|"]
+             + "peak MiB / rank |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['cp']} | {r['path']} | {r['tokens']} | {r['seconds']:.1f} | {r['sent_mib_per_rank']:.1f} | "
               f"{r['path_store_mib_per_rank']:.1f} | {r['peak_mib_per_rank']:.1f} |" for r in measured]
-    lines += ["", "| cluster | tokens | CP | path K/V | compute s | traffic s | speedup | efficiency | path store GiB / rank |",
+    lines += ["", "| cluster | tokens | CP | path K/V | compute s | traffic s | speedup | efficiency | "
+              + "path store GiB / rank |",
               "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['cluster']} | {r['tokens']} | {r['cp']} | {r['path']} | {r['compute_s']:.3f} | {r['comm_s']:.3f} | "
+    lines += [f"| {r['cluster']} | {r['tokens']} | {r['cp']} | {r['path']} | {r['compute_s']:.3f} | "
+              f"{r['comm_s']:.3f} | "
               f"{r['speedup']:.2f} | {r['efficiency']:.2f} | {r['path_gib']:.1f} |" for r in predicted]
     return "\n".join(lines)
 
