@@ -45,3 +45,19 @@ def test_only_the_latest_window_of_samples_is_kept(monkeypatch):
         balancer.record([(np.full(6, i + 1.0), 0.5)])
     kept = balancer.loop_state.cost_samples
     assert len(kept) == COST_WINDOW and kept[0][0][0] == 4.0 and kept[-1][0][0] == COST_WINDOW + 3.0
+
+
+def test_a_context_parallel_rank_trains_the_sequences_it_runs_alone_with_its_engine_unsplit():
+    """`Learner.engine_alone`: the same engine (under bf16-mixed: the same autocast around it) without the
+    context-parallel ranks, so a rank's own sequences run whole calls with no collective."""
+    from treerl.attention.context_parallel import ContextParallel
+    from treerl.engine import DfsEngine
+    from treerl.engine.autocast import AutocastEngine
+    from treerl.trainer.core.learner import without_context_parallel
+
+    split = DfsEngine(chunk_tokens=64, context_parallel=ContextParallel(0, 2))
+    alone = without_context_parallel(split)
+    assert alone.context_parallel is None and alone.chunk_tokens == 64
+    mixed = without_context_parallel(AutocastEngine(split, torch.bfloat16))
+    assert isinstance(mixed, AutocastEngine) and mixed.dtype == torch.bfloat16
+    assert mixed.engine.context_parallel is None and split.context_parallel is not None

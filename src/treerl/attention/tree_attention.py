@@ -127,7 +127,8 @@ class PathKV:
     produces (key and value head sizes may differ; under autocast they are the compute dtype).
 
     Sharded over `ranks` context-parallel ranks (treerl.attention.context_parallel): this one holds every
-    `ranks`-th position from `rank` on (position p at p // ranks), a 1/ranks share of the store and its gradients.
+    `ranks`-th position from `rank` on (position p at p // ranks: `held`), a store of about capacity / ranks
+    positions and its gradients; what it reads of [lo, end) is then every `ranks`-th position.
     """
 
     def __init__(self, capacity: int, with_grads: bool, rank: int = 0, ranks: int = 1):
@@ -502,7 +503,8 @@ def _sharded_path_backward(ctx, dout, q, out, lse, groups: int) -> torch.Tensor:
         dq_all = _unfold(dq_all, heads)
     else:
         dq_all = torch.zeros_like(q_all)
-    return scatter_rows(dq_all.contiguous(), shard).to(q.dtype)
+    # the ranks' partial query gradients summed in at least float32, as the forward merges their outputs
+    return scatter_rows(dq_all.to(torch.promote_types(q.dtype, torch.float32)).contiguous(), shard).to(q.dtype)
 
 
 class TreeCall:

@@ -203,8 +203,8 @@ def predicted_step(config: PretrainedConfig, tokens: int, cp: int, cluster: Clus
         collectives = 4 * g.layers * calls
         if sharded:  # the queries of every call after the first go to the path's shards (_sharded_path)
             queries = tokens - min(tokens, chunk_tokens)
-            per_query = g.heads * (5 * g.head_dim * dtype_bytes  # q forward; q, dout, out backward; dq reduced
-                                   + 4 * (g.head_dim + 1) + 4 + 2 * 4)  # partials and weights, lse, the max (fp32)
+            per_query = g.heads * (4 * g.head_dim * dtype_bytes  # q forward; q, dout, out backward
+                                   + 4 * (2 * g.head_dim + 1) + 4 + 2 * 4)  # fp32: partials and weights, dq, lse, max
             sent += share * queries * g.layers * per_query
             collectives += 6 * g.layers * (calls - 1)
         comm = sent / cluster.bandwidth + collectives * cluster.latency

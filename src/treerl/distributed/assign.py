@@ -350,7 +350,8 @@ def split_over_context(sequences: Sequence[TokenSequence], share: list[int], ran
     cost = cost or CostModel()
     even = cost([sequences[i] for i in share]) / ranks if share else 0.0
     split = [i for i in share if len(sequences[i]) >= min_tokens or cost([sequences[i]]) > even]
-    rest = [i for i in share if i not in frozenset(split)]
+    chosen = frozenset(split)
+    rest = [i for i in share if i not in chosen]
     together = _pieces(sequences, split, 1, micro_batch_tokens, cost)[0]
     return ContextSplit(together, _pieces(sequences, rest, ranks, micro_batch_tokens, cost))
 

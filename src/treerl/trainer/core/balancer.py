@@ -91,8 +91,8 @@ class Balancer:
                 self.cost = fitted
 
     def metrics(self, assignment: Assignment, minibatch: list[TokenSequence]) -> dict[str, float]:
-        """The `dist/` metrics of an assignment (none with one group): how even and how shared the split was; under
-        context parallelism, the share of sequences whose calls the ranks split."""
+        """The `dist/` metrics of an assignment: how even and how shared the split over data-parallel groups was
+        (with several), and under context parallelism the share of sequences whose calls the ranks split."""
         metrics = {}
         if self.mesh is not None and self.mesh.context is not None:
             splits = [self.context_split(assignment, minibatch, group) for group in range(self.data_size)]

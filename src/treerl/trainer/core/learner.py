@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 
 from treerl.distributed import Assignment, DistributedModel, tree_features
 from treerl.engine import Engine, LossFn
+from treerl.engine.autocast import AutocastEngine
 from treerl.errors import TrainingStopped
 from treerl.trainer.core.balancer import Balancer
 from treerl.trainer.core.checkpoint import Trainable
@@ -56,6 +57,13 @@ class NonfiniteGuard:
                     self.loop_state.nonfinite_skipped)
 
 
+def without_context_parallel(engine: Engine) -> Engine:
+    """`engine` (a DfsEngine, or one under autocast) with its calls no longer split over context-parallel ranks."""
+    if isinstance(engine, AutocastEngine):
+        return dataclasses.replace(engine, engine=without_context_parallel(engine.engine))
+    return dataclasses.replace(engine, context_parallel=None)
+
+
 @dataclass
 class Learner:
     """One trained model on this rank: data-parallel wrapper, AdamW, LR schedule, engine, and its optimizer step."""
@@ -82,10 +90,11 @@ class Learner:
     def update(self, minibatch: list[TokenSequence], loss_fn: LossFn, step: int) -> dict[str, float]:
         """One optimizer step on a global minibatch at training step `step`; its metrics, the same on every rank."""
         assignment = self.balancer.assign(minibatch)
+        balance = self.balancer.metrics(assignment, minibatch)  # before `record` refits the cost model
         local, measured = self._forward_backward(minibatch, loss_fn, assignment)
         if self.records_costs:
             self.balancer.record(measured)
-        metrics = sum_over_ranks(local) | self.balancer.metrics(assignment, minibatch)
+        metrics = sum_over_ranks(local) | balance
         metrics["train/grad_norm"] = self.clip_gradients()
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         # The loss is summed over ranks and the norm is of the synced gradients: every rank sees the same numbers,
@@ -110,8 +119,9 @@ class Learner:
         measured = []
         split = self.balancer.context_split(assignment, minibatch)
         # (engine, micro-batch, what one rank's seconds of it count as in the cost model; 0: another rank reports it)
-        runs = [(self.engine, batch, 1) for batch in assignment.micro_batches(self.balancer.data_rank)]
-        if split is not None:
+        if split is None:
+            runs = [(self.engine, batch, 1) for batch in assignment.micro_batches(self.balancer.data_rank)]
+        else:
             ranks, reports = len(split.alone), self.balancer.context_rank == 0
             runs = [(self.engine, batch, ranks if reports else 0) for batch in split.together]
             runs += [(self.engine_alone, batch, 1) for batch in split.alone[self.balancer.context_rank]]
@@ -133,7 +143,7 @@ class Learner:
     @functools.cached_property
     def engine_alone(self) -> Engine:
         """The engine for the micro-batches a context-parallel rank trains alone (its calls not split)."""
-        return dataclasses.replace(self.engine, context_parallel=None)
+        return without_context_parallel(self.engine)
 
     def clip_gradients(self) -> float:
         """The global gradient norm before clipping (gradients are already summed over ranks)."""

@@ -39,7 +39,7 @@ from treerl.algo import (
 )
 from treerl.algo.policy import kl_penalty
 from treerl.distributed import Assignment
-from treerl.engine import LossFn, SequenceView
+from treerl.engine import Engine, LossFn, SequenceView
 from treerl.errors import ServerError, TrainingStopped
 from treerl.models import is_lora
 from treerl.rollout import Rollout, RolloutBatch, RolloutStats, Sampler, tool_format_warning
@@ -367,12 +367,11 @@ def prepare(run: Run, sequences: list[TokenSequence], reference: Reference | Non
     # every rank enters each gathered() (FSDP2: a collective), whatever its share holds
     mine = _parts_of_this_rank(run, assignment, sequences)
     parts = [(alone, [sequences[i] for i in indices]) for alone, indices in mine]
-    engine = lambda learner, alone: learner.engine_alone if alone else learner.engine
     if policy_fields:
         with run.actor.dp.gathered() as policy:
             for alone, batch in parts:
                 if batch:
-                    fill_fields(engine(run.actor, alone), policy, batch, {"logprobs": policy_fields[0]})
+                    fill_fields(_engine(run.actor, alone), policy, batch, {"logprobs": policy_fields[0]})
         for _, batch in parts:
             for seq in batch:
                 for name in policy_fields[1:]:
@@ -381,12 +380,12 @@ def prepare(run: Run, sequences: list[TokenSequence], reference: Reference | Non
         with reference.model() as model:
             for alone, batch in parts:
                 if batch:
-                    fill_fields(engine(run.actor, alone), model, batch, {"logprobs": "ref_logprobs"})
+                    fill_fields(_engine(run.actor, alone), model, batch, {"logprobs": "ref_logprobs"})
     if run.critic is not None:  # V(s_t) for GAE, and V_old for the clipped value loss
         with run.critic.dp.gathered() as critic:
             for alone, batch in parts:
                 if batch:
-                    fill_fields(engine(run.critic, alone), critic, batch, {"values": "values"})
+                    fill_fields(_engine(run.critic, alone), critic, batch, {"values": "values"})
     share_fields(sequences, [i for _, indices in mine for i in indices], policy_fields + (["ref_logprobs"] if reference is not None else [])
                  + (["values"] if run.critic is not None else []))
     if proximal_in_loss:
@@ -394,6 +393,11 @@ def prepare(run: Run, sequences: list[TokenSequence], reference: Reference | Non
             seq.fields["prox_logprobs"] = seq.fields["old_logprobs"].clone()
     compute_advantages(algo, sequences)
     validate_batch(algo, sequences)
+
+
+def _engine(learner: Learner, alone: bool) -> Engine:
+    """The learner's engine for sequences its rank runs alone (`alone`) or with its context-parallel peers."""
+    return learner.engine_alone if alone else learner.engine
 
 
 def _parts_of_this_rank(run: Run, assignment: Assignment, sequences: list[TokenSequence]
