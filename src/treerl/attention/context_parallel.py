@@ -57,6 +57,11 @@ class ContextParallel:
         if self.path not in PATH_LAYOUTS:
             raise ValueError(f"context-parallel path layout must be one of {PATH_LAYOUTS}, got {self.path!r}")
 
+    @property
+    def path_ranks(self) -> int:
+        """Ranks that share the path's K/V store (1: each holds it whole)."""
+        return self.size if self.path == "sharded" else 1
+
     @classmethod
     def over(cls, group=None, path: str = "sharded") -> ContextParallel:
         """This process's place in `group` (the default group: every rank of torchrun)."""

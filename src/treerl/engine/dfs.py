@@ -161,16 +161,10 @@ class DfsEngine:
             largest, micro_batch = row_tokens(largest), row_tokens(max(lengths))
         else:
             micro_batch = micro_batch_tokens(lengths, self.max_tokens)
+        cp = self.context_parallel  # each rank holds 1/R of a call, and of the path's store when it is sharded
         return graph_budget_tokens(model, largest, max(len(s) for s in tree.sequences), self.memory, micro_batch,
                                    self.memory_budget_tokens, self.memory_budget_bytes,
-                                   *self._cp_sizes())
-
-    def _cp_sizes(self) -> tuple[int, int]:
-        """Ranks that split each call, and ranks that share the path's K/V store (`ContextParallel.path`)."""
-        cp = self.context_parallel
-        if cp is None:
-            return 1, 1
-        return cp.size, cp.size if cp.path == "sharded" else 1
+                                   *((cp.size, cp.path_ranks) if cp is not None else ()))
 
 
 def _device(model: PreTrainedModel) -> torch.device:
@@ -189,8 +183,9 @@ class _Walk:
         self.own_code = attends_in_own_code(model)  # its layers attend over the K/V the cache returns
         self.layers = attention_layers(model, self.mixers.mixer_classes)
         # the path's K/V; under context parallelism each rank holds every R-th position of it
-        rank, ranks = (self.cp.rank, self.cp.size) if self.cp is not None and self.cp.path == "sharded" else (0, 1)
-        self.path = PathKV(max(len(s) for s in tree.sequences), loss_fn is not None, rank, ranks)
+        ranks = self.cp.path_ranks if self.cp is not None else 1
+        self.path = PathKV(max(len(s) for s in tree.sequences), loss_fn is not None, self.cp.rank if ranks > 1 else 0,
+                           ranks)
         self.states = PathStates(with_grads=loss_fn is not None) if self.mixers else None  # recurrent state
         # context parallelism over a recurrent model: each rank's columns continue the previous rank's state
         self.passing = StatePassing(model, self.cp) if self.cp is not None and self.mixers else None

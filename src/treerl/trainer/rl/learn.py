@@ -39,7 +39,7 @@ from treerl.algo import (
 )
 from treerl.algo.policy import kl_penalty
 from treerl.distributed import Assignment
-from treerl.engine import Engine, LossFn, SequenceView
+from treerl.engine import LossFn, SequenceView
 from treerl.errors import ServerError, TrainingStopped
 from treerl.models import is_lora
 from treerl.rollout import Rollout, RolloutBatch, RolloutStats, Sampler, tool_format_warning
@@ -365,28 +365,22 @@ def prepare(run: Run, sequences: list[TokenSequence], reference: Reference | Non
     policy_fields = (["old_logprobs"] if run.config.trainer.recompute_logprobs else []) + (
         ["prox_logprobs"] if proximal else [])
     # every rank enters each gathered() (FSDP2: a collective), whatever its share holds
-    mine = _parts_of_this_rank(run, assignment, sequences)
-    parts = [(alone, [sequences[i] for i in indices]) for alone, indices in mine]
+    parts = _parts_of_this_rank(run, assignment, sequences)
     if policy_fields:
         with run.actor.dp.gathered() as policy:
-            for alone, batch in parts:
-                if batch:
-                    fill_fields(_engine(run.actor, alone), policy, batch, {"logprobs": policy_fields[0]})
-        for _, batch in parts:
-            for seq in batch:
+            _fill(run.actor, policy, sequences, parts, {"logprobs": policy_fields[0]})
+        for _, indices in parts:
+            for i in indices:
                 for name in policy_fields[1:]:
-                    seq.fields[name] = seq.fields[policy_fields[0]].clone()
+                    sequences[i].fields[name] = sequences[i].fields[policy_fields[0]].clone()
     if reference is not None:
         with reference.model() as model:
-            for alone, batch in parts:
-                if batch:
-                    fill_fields(_engine(run.actor, alone), model, batch, {"logprobs": "ref_logprobs"})
+            _fill(run.actor, model, sequences, parts, {"logprobs": "ref_logprobs"})
     if run.critic is not None:  # V(s_t) for GAE, and V_old for the clipped value loss
         with run.critic.dp.gathered() as critic:
-            for alone, batch in parts:
-                if batch:
-                    fill_fields(_engine(run.critic, alone), critic, batch, {"values": "values"})
-    share_fields(sequences, [i for _, indices in mine for i in indices], policy_fields + (["ref_logprobs"] if reference is not None else [])
+            _fill(run.critic, critic, sequences, parts, {"values": "values"})
+    filled = [i for _, indices in parts for i in indices]
+    share_fields(sequences, filled, policy_fields + (["ref_logprobs"] if reference is not None else [])
                  + (["values"] if run.critic is not None else []))
     if proximal_in_loss:
         for seq in sequences:
@@ -395,9 +389,13 @@ def prepare(run: Run, sequences: list[TokenSequence], reference: Reference | Non
     validate_batch(algo, sequences)
 
 
-def _engine(learner: Learner, alone: bool) -> Engine:
-    """The learner's engine for sequences its rank runs alone (`alone`) or with its context-parallel peers."""
-    return learner.engine_alone if alone else learner.engine
+def _fill(learner: Learner, model: torch.nn.Module, sequences: list[TokenSequence],
+          parts: list[tuple[bool, list[int]]], outputs: dict[str, str]) -> None:
+    """`fill_fields` on this rank's parts with the learner's engine: unsplit for the sequences the rank runs alone."""
+    for alone, indices in parts:
+        if indices:
+            engine = learner.engine_alone if alone else learner.engine
+            fill_fields(engine, model, [sequences[i] for i in indices], outputs)
 
 
 def _parts_of_this_rank(run: Run, assignment: Assignment, sequences: list[TokenSequence]
