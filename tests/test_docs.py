@@ -9,7 +9,9 @@ What runs, and how:
 - Shrunk, not changed: commands that train or benchmark get overrides appended, so they run in
   seconds (later overrides win): `treerl train` / `treerl sft` get TRAIN_SHRINK (2 steps, 2 prompts
   of 2 samples, a 2-prompt evaluation), `treerl bench` gets BENCH_SHRINK / BALANCE_SHRINK (every
-  workload and engine, on a tiny model and short trees) / ASYNC_SHRINK. Everything else runs exactly as written.
+  workload and engine, on a tiny model and short trees) / ASYNC_SHRINK (one seed) / PRECISION_SHRINK
+  (every variant). Everything else runs exactly as written. Commands that shrink to the same run
+  (the same options once later ones win, wherever they write: `trainer.output_dir`) run once.
 - Checked, not run: `pip install ...` (no network in CI: the extras it names must exist in
   pyproject.toml and a pinned torch must be the installed one) and `python -m pytest` (the suite
   running this test).
@@ -32,6 +34,7 @@ import pytest
 import torch
 
 from treerl.bench.engines import IMAGE_WORKLOADS
+from treerl.bench.precision import VARIANTS as PRECISION_VARIANTS
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "CONTRIBUTING.md"]
@@ -41,12 +44,14 @@ NOT_RUN_LIMIT = 12
 TRAIN_SHRINK = ["trainer.steps=2", "trainer.eval_prompts=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
                 "sft.conversations_per_step=2", "sft.eval_conversations=2", "trainer.progress=false"]
 TINY_MODEL = ["--shape", "tiny-qwen3", "--vocab-size", "128"]
-BENCH_SHRINK = ["--scale", "0.004", "--repeats", "1", "--no-memory", *TINY_MODEL]
+BENCH_SHRINK = ["--scale", "0.001", "--repeats", "1", "--no-memory", *TINY_MODEL]
 BALANCE_SHRINK = ["--balance-scale", "0.02", "--scale", "0.004", *TINY_MODEL]
-ASYNC_SHRINK = [f"--set={o}" for o in TRAIN_SHRINK]
+ASYNC_SHRINK = ["--seeds", "0", *(f"--set={o}" for o in TRAIN_SHRINK)]
 PROFILE_SHRINK = ["--workloads", "grpo", "--engines", "flat,dfs", *BENCH_SHRINK]  # the profiler is slow
-PRECISION_SHRINK = ["--prompt-tokens", "24", "--response-tokens", "4", "--samples", "2", *TINY_MODEL]
-CP_SHRINK = ["--cp", "2", "--cp-tokens", "256", "--cp-paths", "sharded", "--no-memory", *TINY_MODEL]  # last wins
+PRECISION_SHRINK = ["--prompt-tokens", "24", "--response-tokens", "4", "--samples", "2", "--variants",
+                    ",".join(PRECISION_VARIANTS), *TINY_MODEL]
+CP_SHRINK = ["--cp", "2", "--cp-tokens", "256", "--cp-paths", "sharded", "--cp-mixers", "side-by-side", "--no-memory",
+             *TINY_MODEL]  # last wins
 
 
 @dataclasses.dataclass
@@ -98,16 +103,42 @@ def commands(block: Block) -> list[str]:
 
 
 def _runnable_commands() -> list[tuple[str, str]]:
-    """(command, where it is written) for every command of every bash block not marked `not run`, once each."""
-    seen: dict[str, str] = {}
+    """(command, where it is written) for every command of every bash block not marked `not run`, once for each run
+    it shrinks to (`same_run`)."""
+    seen: dict[tuple, tuple[str, str]] = {}
     for block in ALL_BLOCKS:
         if block.language == "bash" and not block.not_run:
             for command in commands(block):
-                seen.setdefault(command, str(block))
-    return list(seen.items())
+                words = shlex.split(command)
+                key = same_run(shrunk(words)) if words[0] == "treerl" else (command,)
+                seen.setdefault(key, (command, str(block)))
+    return list(seen.values())
 
 
-COMMANDS = _runnable_commands()
+def same_run(words: list[str]) -> tuple:
+    """What a shrunk command runs: its positional words in order, then each option and `key=value` override with its
+    last value (`--set`, which accumulates, with all of them), and not where it writes (`trainer.output_dir`)."""
+    positional, options, sets = [], {}, []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word.startswith("--"):
+            name, _, value = word.partition("=")
+            if not value and i + 1 < len(words) and not words[i + 1].startswith("--"):
+                value, i = words[i + 1], i + 1
+            if name == "--set":
+                sets.append(value)
+            else:
+                options[name] = value
+        elif "=" in word:
+            key, _, value = word.partition("=")
+            if key != "trainer.output_dir":
+                options[key] = value
+        else:
+            positional.append(word)
+        i += 1
+    return tuple(positional), tuple(sorted(options.items())), tuple(sets)
+
 
 
 def environment() -> dict[str, str]:
@@ -139,6 +170,9 @@ def shrunk(words: list[str]) -> list[str]:
                 if options[-len(TINY_MODEL) :] == TINY_MODEL else options
         rest = rest + options
     return [sys.executable, "-m", "treerl.cli.main", *rest]
+
+
+COMMANDS = _runnable_commands()
 
 
 def check_pip_install(words: list[str]) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from treerl.bench.context_parallel import CLUSTERS, CpBenchConfig, cluster_table, measure, predicted_step, qwen3_8b
+from treerl.bench.context_parallel import (CLUSTERS, CpBenchConfig, cluster_table, measure, predicted_step,
+                                           qwen3_5_text, qwen3_8b)
+from treerl.bench.flops import mixer_rates
 
 
 def test_the_gpu_model_divides_compute_and_charges_traffic():
@@ -34,6 +36,28 @@ def test_the_gpu_model_charges_a_sharded_path_its_queries_and_gives_back_its_mem
     assert one["path_gib"] == replicated["path_gib"] == pytest.approx(8 * sharded["path_gib"])
     assert one["path_gib"] == pytest.approx(131072 * 36 * 2 * 8 * 128 * 6 / 2**30)
     assert sharded["compute_s"] == replicated["compute_s"] and sharded["comm_s"] > replicated["comm_s"] > 0
+
+
+def test_the_gpu_model_runs_a_hybrids_mixers_side_by_side_or_in_turn():
+    """Qwen3.5's text body (3 Gated DeltaNet layers to an attention layer, 8 runs of 3): side by side a later rank adds
+    its transfer columns (K x K beside each [K, V] state: as much state work again) and all-gathers states and
+    transfers; in turn each run of 3 mixer layers is a wavefront 3 + R - 1 pieces long. Only the 8 attention layers
+    hold K/V. Side by side wins by more as R grows."""
+    config = qwen3_5_text()
+    mixer = mixer_rates(config)
+    assert mixer.runs == (3,) * 8 and mixer.transfer_per_layer == 6 * 32 * 128 * 128  # 32 value heads, K = V = 128
+    assert mixer.shared_bytes == 4 * 2 * 32 * 128 * 128
+    nvlink, _ = CLUSTERS
+    step = lambda cp, mixers: predicted_step(config, 131072, cp, nvlink, mixers=mixers, mixer=mixer)
+    one = predicted_step(config, 131072, 1, nvlink, mixer=mixer)
+    assert one["path_gib"] == pytest.approx(131072 * 8 * 2 * 4 * 256 * 6 / 2**30)
+    for cp in (2, 8):
+        side, turn = step(cp, "side-by-side"), step(cp, "in-turn")
+        assert one["compute_s"] / cp < side["compute_s"] < turn["compute_s"], cp
+        assert side["comm_s"] > 0 and turn["comm_s"] > 0
+    gain = lambda cp: step(cp, "in-turn")["step_s"] / step(cp, "side-by-side")["step_s"]
+    assert 1 < gain(2) < gain(8)
+    assert {r["mixers"] for r in cluster_table(config, [131072], [1, 2])} == {"-", "side-by-side", "in-turn"}
 
 
 @pytest.mark.slow  # two processes

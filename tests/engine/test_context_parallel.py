@@ -1,12 +1,15 @@
 """Context parallelism: DfsEngine's calls split over 2 and 4 gloo ranks give the single-process log-probs and, summed
 over the ranks, its gradients (float64, against the flat reference), in the plans of the exactness suite: attention
-models, and a hybrid of each state kind whose state passes from rank to rank (treerl.engine.state_passing)."""
+models, and a hybrid of each state kind, its mixer layers run side by side on the ranks (each scan corrected by the
+earlier pieces' states: treerl.engine.parallel_scan) or in turn (each rank's states passed on to the next:
+treerl.engine.state_passing)."""
 
 from __future__ import annotations
 
 import itertools
 import os
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -33,14 +36,16 @@ ATTENTION = ("tiny-qwen3", "gemma2-softcap-window", "gpt-oss-sinks-window")
 # A hybrid of each state kind (treerl.engine.recurrent.MIXERS): Gated DeltaNet, Mamba2, short convolution (the three
 # shapes of the recurrent suite, also on 4 ranks), Mamba's selective scan (in chunks of 3 tokens, so that a rank's
 # piece crosses chunks), lightning attention, KDA. The batch's rows are up to 70 tokens: every rank gets columns.
+# All side by side but lightning attention, whose layers run in turn (its scan is inline in the layer's forward).
 HYBRIDS = ("tiny-qwen3.5", "tiny-bamba", "tiny-lfm2")
 HYBRIDS_ON_TWO = ("jamba", "minimax", "kimi_linear")
-MODELS = {2: ATTENTION + HYBRIDS + HYBRIDS_ON_TWO, 4: ATTENTION + HYBRIDS}
-# the plans each model runs on R ranks: every plan, but on 4 ranks only tiny-qwen3 runs them all and the others the
-# one whose calls cut chains and read the path most (the state crosses ranks and calls; 4 processes share 2 cores in
-# CI), as do the hybrids of the other state kinds on 2
-RUNS = {(world, name): ["small-calls"] if (world == 4 and name != "tiny-qwen3") or name in HYBRIDS_ON_TWO
-        else list(PLANS) for world, names in MODELS.items() for name in names}
+MODELS = {2: ATTENTION + HYBRIDS + HYBRIDS_ON_TWO, 4: ("tiny-qwen3", *HYBRIDS)}
+# the plans each model runs on R ranks (4 processes share 2 cores in CI): every plan for tiny-qwen3 and tiny-qwen3.5 on
+# 2 ranks; one call and calls that cut chains and read the path most for the other models of the suite's shapes on 2
+# and for tiny-qwen3 on 4; the latter alone for the hybrids on 4 and those of the other state kinds on 2
+RUNS = {(world, name): list(PLANS) if world == 2 and name in ("tiny-qwen3", "tiny-qwen3.5")
+        else ["small-calls"] if (world == 4 and name != "tiny-qwen3") or name in HYBRIDS_ON_TWO
+        else ["default", "small-calls"] for world, names in MODELS.items() for name in names}
 # flat vs the model's own forward; the zoo's hybrid builds keep some float32 norms and routers, so their bound is on
 # the outputs, loss and whole gradient (as tests/engine/test_recurrent.py's families)
 TOL = {"tiny-qwen3": 1e-12, "gemma2-softcap-window": 1e-5, "gpt-oss-sinks-window": 1e-5,
@@ -52,6 +57,9 @@ REPLICATED = ("gpt-oss-sinks-window",)
 # gradient checkpointing (its layers replayed in backward, their gathers and the sharded path's collectives too), on 2
 # ranks: both of torch's checkpoint kinds
 CHECKPOINTED = ("tiny-qwen3",)
+# the mixer layers in turn (trainer.context_parallel_mixers=in-turn; side by side where the model allows it everywhere
+# else), on 2 ranks: a Gated DeltaNet hybrid
+IN_TURN = ("tiny-qwen3.5",)
 
 
 def model(name: str) -> torch.nn.Module:
@@ -109,30 +117,21 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         net = model(name)
         sequences = batch(net.config.get_text_config().vocab_size)
         for plan in RUNS[world, name]:
-            settings = PLANS[plan]
-            with float64_throughout():
-                run = run_engine(DfsEngine(context_parallel=cp, **settings), net, sequences, loss)
-            for grad in run.grads.values():  # each rank's is its rows' share
-                dist.all_reduce(grad)
-            results[f"{name}/{plan}"] = vars(run)  # plain tensors and dicts: what torch.load reads safely
+            results[f"{name}/{plan}"] = _summed_run(net, sequences, cp, PLANS[plan])
         for reentrant in (False, True) if world == 2 and name in CHECKPOINTED else ():
             training = net.training
             net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
             net.train()  # transformers replays layers in training mode only
-            with float64_throughout():
-                run = run_engine(DfsEngine(context_parallel=cp, **PLANS["small-calls"]), net, sequences, loss)
+            run = _summed_run(net, sequences, cp, PLANS["small-calls"])
             net.gradient_checkpointing_disable()
             net.train(training)
-            for grad in run.grads.values():
-                dist.all_reduce(grad)
-            results[f"{name}/checkpointed-{'reentrant' if reentrant else 'non-reentrant'}"] = vars(run)
+            results[f"{name}/checkpointed-{'reentrant' if reentrant else 'non-reentrant'}"] = run
         if world == 2 and name in REPLICATED:
-            replicated = ContextParallel(cp.rank, cp.size, cp.group, path="replicated")
-            with float64_throughout():
-                run = run_engine(DfsEngine(context_parallel=replicated, **PLANS["small-calls"]), net, sequences, loss)
-            for grad in run.grads.values():
-                dist.all_reduce(grad)
-            results[f"{name}/replicated"] = vars(run)
+            results[f"{name}/replicated"] = _summed_run(net, sequences, replace(cp, path="replicated"),
+                                                        PLANS["small-calls"])
+        if world == 2 and name in IN_TURN:
+            results[f"{name}/in-turn"] = _summed_run(net, sequences, replace(cp, mixers="in-turn"),
+                                                     PLANS["small-calls"])
     for shape in BF16 if world == 2 else ():  # bf16 autocast over float32 weights: compared with one process's error
         low = build_model(shape=shape, dtype=torch.float32)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -146,6 +145,18 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.save(results, os.path.join(out_dir, f"cp{world}.pt"))
     assert close_distributed() == "gloo"
     exit_process(0)
+
+
+def _summed_run(net, sequences: list[TokenSequence], cp: ContextParallel, settings: dict) -> dict:
+    """A float64 run on these ranks, its gradients summed over them (each rank's is its rows' share), as plain tensors
+    and dicts (what torch.load reads safely)."""
+    import torch.distributed as dist
+
+    with float64_throughout():
+        run = run_engine(DfsEngine(context_parallel=cp, **settings), net, sequences, loss)
+    for grad in run.grads.values():
+        dist.all_reduce(grad)
+    return vars(run)
 
 
 def _plans_of_ranks_that_measure_apart(cp: ContextParallel) -> torch.Tensor:
@@ -278,3 +289,19 @@ def test_each_rank_holds_its_share_of_a_call_so_the_walk_packs_larger_calls():
     assert budgets[4] > replicated.graph_budget_tokens(net, tree), budgets
     calls = {size: len(engine(size, 64).plan(net, tree).all_units()) for size in (1, 2, 4)}
     assert calls[1] > calls[2] > calls[4], calls
+
+
+def test_a_hybrid_whose_ranks_split_their_scans_budgets_what_a_later_rank_holds():
+    """Side by side, a rank after the first scans its piece with transfer columns beside (more graph a token than the
+    model's own scan): the memory probe measures such a rank, and the per-rank budget holds fewer tokens than in turn."""
+    from treerl.engine.memory import graph_bytes
+    from treerl.engine.state_passing import side_by_side_scans
+
+    net = build_model(shape="tiny-qwen3.5", dtype=torch.float32)
+    tree = PrefixTree.build(batch(net.config.vocab_size)).chunked(2048)
+    side_by_side, in_turn = ContextParallel(0, 2), ContextParallel(0, 2, mixers="in-turn")
+    scans = side_by_side_scans(net, side_by_side)
+    assert scans and side_by_side_scans(net, in_turn) is None
+    assert graph_bytes(net, scans).per_token > 1.05 * graph_bytes(net).per_token
+    budget = lambda cp: DfsEngine(context_parallel=cp, max_tokens=128).graph_budget_tokens(net, tree)
+    assert budget(side_by_side) < budget(in_turn)

@@ -56,6 +56,9 @@ def test_yaml_then_overrides_win(tmp_path):
     (["algo.loss=ppo", "trainer.mode=async"], r"trains a critic, which trainer.mode=async does not run"),
     (["algo.loss=ppo", "critic.path=/no/such/critic"], r"critic.path='/no/such/critic' does not exist"),
     (["critic.lr=0"], r"critic.lr=0.0 must be > 0"),
+    (["trainer.context_parallel_path=ring"], r"trainer.context_parallel_path='ring' must be one of sharded, replicated"),
+    (["trainer.context_parallel_mixers=wavefront"], r"trainer.context_parallel_mixers='wavefront' must be one of "
+                                                    r"side-by-side, in-turn"),
     (["rollout.top_k=-1"], r"rollout.top_k must be >= 0"),
     (["rollout.min_p=1"], r"rollout.min_p must be in \[0, 1\)"),
     (["rollout.server_url=[]"], r"rollout.server_url is an empty list"),

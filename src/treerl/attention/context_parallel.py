@@ -40,22 +40,28 @@ import torch.distributed as dist
 from treerl.attention.kernels import Part
 
 PATH_LAYOUTS = ("sharded", "replicated")
+MIXER_ORDERS = ("side-by-side", "in-turn")  # how a hybrid's mixer layers run their pieces (treerl.engine.state_passing)
 
 
 @dataclass(frozen=True)
 class ContextParallel:
-    """The ranks (a torch.distributed group; None: the default one) that split every call's rows, and how they hold
+    """The ranks (a torch.distributed group; None: the default one) that split every call's rows, how they hold
     the path's K/V: `sharded` (each every R-th position; the call's queries travel to the keys) or `replicated`
-    (each the whole path: no traffic for it, R times the memory)."""
+    (each the whole path: no traffic for it, R times the memory), and how a hybrid's mixer layers run their pieces:
+    `side-by-side` (every rank at once, each scan corrected by the earlier pieces' states; where every mixer allows
+    it) or `in-turn` (each rank after the previous one has passed its states on)."""
 
     rank: int
     size: int
     group: object = None
     path: str = "sharded"
+    mixers: str = "side-by-side"
 
     def __post_init__(self):
         if self.path not in PATH_LAYOUTS:
             raise ValueError(f"context-parallel path layout must be one of {PATH_LAYOUTS}, got {self.path!r}")
+        if self.mixers not in MIXER_ORDERS:
+            raise ValueError(f"context-parallel mixers must be one of {MIXER_ORDERS}, got {self.mixers!r}")
 
     @property
     def path_ranks(self) -> int:
@@ -63,9 +69,9 @@ class ContextParallel:
         return self.size if self.path == "sharded" else 1
 
     @classmethod
-    def over(cls, group=None, path: str = "sharded") -> ContextParallel:
+    def over(cls, group=None, path: str = "sharded", mixers: str = "side-by-side") -> ContextParallel:
         """This process's place in `group` (the default group: every rank of torchrun)."""
-        return cls(dist.get_rank(group), dist.get_world_size(group), group, path)
+        return cls(dist.get_rank(group), dist.get_world_size(group), group, path, mixers)
 
     def ranges(self, rows: int, rank: int | None = None) -> list[tuple[int, int]]:
         """The rows `[lo, hi)` of a call of `rows` that `rank` (default: this one) holds: chunks r and 2R - 1 - r of
@@ -102,6 +108,7 @@ class ShardLayout:
     def __init__(self, layout, cp: ContextParallel, width: int | None = None):
         device = layout.positions.device
         self.cp, self.unit_rows = cp, layout.rows
+        self.row_count = None if width is None else layout.rows // width  # a row unit's rows, on every rank
         if width is None:
             ranges = [cp.ranges(layout.rows, r) for r in range(cp.size)]
             self.active = cp.size

@@ -15,6 +15,7 @@ What CP divides by R is each call's activations, and (sharded) the path's K/V wi
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import socket
@@ -26,8 +27,8 @@ import torch
 import torch.multiprocessing as mp
 from transformers import PretrainedConfig
 
-from treerl.attention.context_parallel import PATH_LAYOUTS
-from treerl.bench.flops import flop_rates
+from treerl.attention.context_parallel import MIXER_ORDERS, PATH_LAYOUTS
+from treerl.bench.flops import MixerRates, flop_rates, mixer_rates
 from treerl.bench.peak import peak_memory
 from treerl.errors import UserError
 from treerl.models import build_model, model_config, model_geometry
@@ -42,11 +43,14 @@ class CpBenchConfig:
     chunk_tokens: int = 2048  # DfsEngine's longest call (the path's K/V grow call by call)
     ranks: list[int] = field(default_factory=lambda: [1, 2, 4])
     paths: list[str] = field(default_factory=lambda: ["sharded", "replicated"])  # the path's K/V layouts (R > 1)
+    mixers: list[str] = field(default_factory=lambda: ["side-by-side"])  # a hybrid's mixer layers (R > 1)
     memory: bool = True  # also the per-rank peak (one more, untimed, profiled step)
 
     def __post_init__(self):
         if not self.paths or set(self.paths) - set(PATH_LAYOUTS):
             raise UserError(f"--cp-paths: {','.join(self.paths)}; choose among {', '.join(PATH_LAYOUTS)}")
+        if not self.mixers or set(self.mixers) - set(MIXER_ORDERS):
+            raise UserError(f"--cp-mixers: {','.join(self.mixers)}; choose among {', '.join(MIXER_ORDERS)}")
 
 
 def trajectory(tokens: int, vocab: int) -> TokenSequence:
@@ -95,7 +99,7 @@ def _count_bytes(sent: dict[str, float], world: int) -> None:
     dist.all_reduce = all_reduce
 
 
-def _worker(rank: int, world: int, port: int, config: CpBenchConfig, path: str, out: str) -> None:
+def _worker(rank: int, world: int, port: int, config: CpBenchConfig, path: str, mixers: str, out: str) -> None:
     """One rank: a warm-up step, a timed one, a profiled one for the peak; rank 0 writes every rank's figures."""
     import torch.distributed as dist
 
@@ -108,7 +112,7 @@ def _worker(rank: int, world: int, port: int, config: CpBenchConfig, path: str, 
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        cp = ContextParallel.over(path=path)
+        cp = ContextParallel.over(path=path, mixers=mixers)
     model = build_model(shape=config.shape, vocab_size=config.vocab_size, dtype=torch.float32)
     holders = world if path == "sharded" else 1  # ranks that share the path's K/V store
     batch = [trajectory(config.tokens, model.config.vocab_size)]
@@ -139,12 +143,13 @@ def measure(config: CpBenchConfig) -> list[dict]:
     """Per CP size and path layout: the ranks' step seconds, bytes sent and peak memory (each its own processes)."""
     table = []
     for world in config.ranks:
-        for path in config.paths if world > 1 else ["sharded"]:  # one rank: the whole path either way
+        # one rank: the whole path, the mixers' own scans
+        for path, mixers in itertools.product(*((config.paths, config.mixers) if world > 1 else (["sharded"], ["-"]))):
             with tempfile.TemporaryDirectory() as scratch:
                 out = os.path.join(scratch, "rows.pt")
-                mp.spawn(_worker, args=(world, _free_port(), config, path, out), nprocs=world, join=True)
+                mp.spawn(_worker, args=(world, _free_port(), config, path, mixers, out), nprocs=world, join=True)
                 rows = torch.load(out)
-            table.append({"cp": world, "path": path if world > 1 else "-", "tokens": config.tokens,
+            table.append({"cp": world, "path": path if world > 1 else "-", "mixers": mixers, "tokens": config.tokens,
                           "seconds": max(r["seconds"] for r in rows),
                           "sent_mib_per_rank": max(r["sent_bytes"] for r in rows) / 2**20,
                           "path_store_mib_per_rank": rows[0]["path_store_bytes"] / 2**20,
@@ -182,47 +187,71 @@ CLUSTERS = (
 
 
 def predicted_step(config: PretrainedConfig, tokens: int, cp: int, cluster: Cluster, chunk_tokens: int = 2048,
-                   dtype_bytes: int = 2, path: str = "sharded", rates: tuple[int, int] | None = None
-                   ) -> dict[str, float]:
+                   dtype_bytes: int = 2, path: str = "sharded", rates: tuple[int, int] | None = None,
+                   mixers: str = "side-by-side", mixer: MixerRates | None = None) -> dict[str, float]:
     """Seconds of one training step (forward + backward, 3x the forward FLOPs) on one trajectory of `tokens` in calls
     of `chunk_tokens`, split over `cp` GPUs: compute / cp, plus the traffic and the collectives' latency, unhidden
     (no overlap with compute: an upper bound); and the GiB a rank's path K/V store holds (K/V in `dtype_bytes`, their
-    gradients in float32), whole or sharded (`path`). `rates`: `flop_rates(config)`, if known."""
+    gradients in float32), whole or sharded (`path`). `rates`: `flop_rates(config)`, if known.
+
+    A hybrid (`mixer`: `mixer_rates(config)`): side by side, a rank after the first also computes its pieces' transfer
+    columns, and each mixer layer of each call all-gathers the pieces' states and transfers (reduce-scattered in the
+    backward); in turn, a run of m consecutive mixer layers is a wavefront over the ranks, m + cp - 1 pieces long
+    instead of m (the attention layer after it waits for every rank), and each piece passes its final states on."""
     per_token, per_key = rates or flop_rates(config)
     forward = tokens * per_token + tokens * (tokens + 1) // 2 * per_key
-    compute = 3 * forward / (cp * cluster.flops * cluster.mfu)
+    work = forward  # a rank's forward FLOPs, times cp
     g = model_geometry(config)
     calls = math.ceil(tokens / chunk_tokens)
+    mixer_comm, mixer_collectives = 0.0, 0
+    if mixer is not None and cp > 1:
+        layers = sum(mixer.runs)
+        if mixers == "side-by-side":
+            work += tokens * mixer.transfer_per_layer * layers
+            mixer_comm = 2 * (cp - 1) * mixer.shared_bytes * layers * calls
+            mixer_collectives = 2 * layers * calls
+        else:
+            work += tokens * mixer.per_layer * (cp - 1) * len(mixer.runs)
+            mixer_comm = 2 * mixer.passed_bytes * layers * calls
+            mixer_collectives = 2 * calls * sum(m + cp - 1 for m in mixer.runs)  # the hops on the wavefront's path
+    compute = 3 * work / (cp * cluster.flops * cluster.mfu)
     sharded = cp > 1 and path == "sharded"
-    store = tokens * g.layers * 2 * g.kv_heads * g.head_dim * (dtype_bytes + 4) / (cp if sharded else 1)
+    attention = g.layers - (sum(mixer.runs) if mixer is not None else 0)  # the layers with K/V
+    store = tokens * attention * 2 * g.kv_heads * g.head_dim * (dtype_bytes + 4) / (cp if sharded else 1)
     comm = 0.0
     if cp > 1:
         share = (cp - 1) / cp
         # every layer's K and V of every call: all-gathered forward, reduce-scattered backward; 4 collectives a layer
-        sent = share * 2 * tokens * g.layers * 2 * g.kv_heads * g.head_dim * dtype_bytes
-        collectives = 4 * g.layers * calls
+        sent = share * 2 * tokens * attention * 2 * g.kv_heads * g.head_dim * dtype_bytes
+        collectives = 4 * attention * calls
         if sharded:  # the queries of every call after the first go to the path's shards (_sharded_path)
             queries = tokens - min(tokens, chunk_tokens)
             per_query = g.heads * (4 * g.head_dim * dtype_bytes  # q forward; q, dout, out backward
                                    + 4 * (2 * g.head_dim + 1) + 4 + 2 * 4)  # fp32: partials and weights, dq, lse, max
-            sent += share * queries * g.layers * per_query
-            collectives += 6 * g.layers * (calls - 1)
+            sent += share * queries * attention * per_query
+            collectives += 6 * attention * (calls - 1)
+        sent += mixer_comm
+        collectives += mixer_collectives
         comm = sent / cluster.bandwidth + collectives * cluster.latency
     return {"compute_s": compute, "comm_s": comm, "step_s": compute + comm, "path_gib": store / 2**30}
 
 
 def cluster_table(config: PretrainedConfig, lengths: list[int], sizes: list[int]) -> list[dict]:
-    """The model's predicted step time, speedup over one GPU and path store, per cluster, length, CP size and path
-    layout."""
-    rows, rates = [], flop_rates(config)  # read off a meta model once
+    """The model's predicted step time, speedup over one GPU and path store, per cluster, length, CP size, path
+    layout and (a hybrid) how its mixer layers run."""
+    rows, rates, mixer = [], flop_rates(config), mixer_rates(config)  # read off a meta model once
+    orders = MIXER_ORDERS if mixer is not None else ("-",)
     for cluster in CLUSTERS:
         for tokens in lengths:
             one = predicted_step(config, tokens, 1, cluster, rates=rates)["step_s"]
-            for cp in sizes:
-                for path in ("sharded", "replicated") if cp > 1 else ("-",):
-                    step = predicted_step(config, tokens, cp, cluster, path=path, rates=rates)
-                    rows.append({"cluster": cluster.name, "tokens": tokens, "cp": cp, "path": path, **step,
-                                 "speedup": one / step["step_s"], "efficiency": one / step["step_s"] / cp})
+            for cp, path, mixers in itertools.product(sizes, PATH_LAYOUTS, orders):
+                if cp == 1 and (path, mixers) != (PATH_LAYOUTS[0], orders[0]):
+                    continue
+                step = predicted_step(config, tokens, cp, cluster, path=path, rates=rates, mixers=mixers,
+                                      mixer=mixer)
+                rows.append({"cluster": cluster.name, "tokens": tokens, "cp": cp, "path": path if cp > 1 else "-",
+                             "mixers": mixers if cp > 1 else "-", **step, "speedup": one / step["step_s"],
+                             "efficiency": one / step["step_s"] / cp})
     return rows
 
 
@@ -234,18 +263,28 @@ def qwen3_8b() -> PretrainedConfig:
                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144)
 
 
-def markdown(measured: list[dict], predicted: list[dict]) -> str:
-    """Both tables as markdown."""
-    lines = ["| CP ranks | path K/V | tokens | step s (this machine) | sent MiB / rank | path store MiB / rank | "
-             + "peak MiB / rank |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['cp']} | {r['path']} | {r['tokens']} | {r['seconds']:.1f} | {r['sent_mib_per_rank']:.1f} | "
+def qwen3_5_text() -> PretrainedConfig:
+    """A Qwen3.5 text body of transformers' default sizes (Qwen3_5TextConfig(): 32 layers of hidden 4096, three Gated
+    DeltaNet layers to each attention layer), built locally: nothing is downloaded."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig()
+
+
+def markdown(measured: list[dict], predicted: dict[str, list[dict]]) -> str:
+    """The measured table, then each model's predicted one, as markdown."""
+    lines = ["| CP ranks | path K/V | mixers | tokens | step s (this machine) | sent MiB / rank | path store MiB / rank | "
+             + "peak MiB / rank |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['cp']} | {r['path']} | {r['mixers']} | {r['tokens']} | {r['seconds']:.1f} | "
+              f"{r['sent_mib_per_rank']:.1f} | "
               f"{r['path_store_mib_per_rank']:.1f} | {r['peak_mib_per_rank']:.1f} |" for r in measured]
-    lines += ["", "| cluster | tokens | CP | path K/V | compute s | traffic s | speedup | efficiency | "
-              + "path store GiB / rank |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['cluster']} | {r['tokens']} | {r['cp']} | {r['path']} | {r['compute_s']:.3f} | "
-              f"{r['comm_s']:.3f} | "
-              f"{r['speedup']:.2f} | {r['efficiency']:.2f} | {r['path_gib']:.1f} |" for r in predicted]
+    for model, rows in predicted.items():
+        lines += ["", f"Predicted: {model}", "",
+                  "| cluster | tokens | CP | path K/V | mixers | compute s | traffic s | speedup | efficiency | "
+                  "path store GiB / rank |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['cluster']} | {r['tokens']} | {r['cp']} | {r['path']} | {r['mixers']} | "
+                  f"{r['compute_s']:.3f} | {r['comm_s']:.3f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | "
+                  f"{r['path_gib']:.1f} |" for r in rows]
     return "\n".join(lines)
 
 

@@ -13,12 +13,16 @@ over-estimate of the per-token share.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from treerl.engine.base import final_hidden
-from treerl.engine.recurrent import find_mixers
+from treerl.engine.parallel_scan import LINEAR_SCANS, scan_of
+from treerl.engine.recurrent import find_mixers, mixer_kind
+from treerl.engine.state_passing import passed_mixers
 from treerl.engine.support import attention_layers, decoder_module
 from treerl.models import model_geometry
 from treerl.tree import PrefixTree
@@ -69,6 +73,57 @@ def state_flops(model: torch.nn.Module) -> int:
         final_hidden(model, input_ids=ids, **{mixers.cache_kwarg: cache, "use_cache": True})
     cache.finish()
     return sum(STATE_FLOPS.get(kind, 0) * state.numel() for (_, kind, _), state in cache.final.items())
+
+
+@dataclass(frozen=True)
+class MixerRates:
+    """A hybrid's token mixer layers, for the context-parallel step model (treerl.bench.context_parallel): what one
+    costs a token, what running its pieces side by side adds on a rank after the first, and what a layer's pieces
+    share then."""
+
+    per_layer: float  # forward FLOPs a token of one mixer layer (its projections and its state work; the mean)
+    transfer_per_layer: float  # forward FLOPs the transfer columns add a token of one (treerl.engine.parallel_scan)
+    shared_bytes: float  # float32 bytes one mixer layer's piece shares a row side by side: final state and transfer
+    passed_bytes: float  # bytes one mixer layer's piece passes the next rank in turn: its final states
+    runs: tuple[int, ...]  # the lengths of the runs of consecutive mixer layers (attention layers between them)
+
+
+def mixer_rates(config: PretrainedConfig) -> MixerRates | None:
+    """`MixerRates` read off a meta-device model of `config` (None: no token mixers): each mixer layer's linear
+    weights, and its states (from a two-token call, as `state_flops` reads them) with the transfer beside each
+    recurrent one: K x K a head for the delta rule's [K, V] state, N x N for Mamba2's [P, N], one decay an entry for
+    Mamba's selective scan (its transfer pass repeats the state's work)."""
+    model = meta_model(config)
+    mixers = passed_mixers(model)
+    if not mixers:
+        return None
+    found = find_mixers(model)
+    cache = found.new_cache(None, 1, 0)
+    with torch.no_grad():
+        final_hidden(model, input_ids=torch.zeros(1, 2, dtype=torch.long, device="meta"),
+                     **{found.cache_kwarg: cache, "use_cache": True})
+    cache.finish()
+    flops = transfer = shared = passed = 0.0
+    for module in mixers:
+        layer, side = module.layer_idx, mixer_kind(module).side_by_side
+        scan = LINEAR_SCANS.get(scan_of(module)) if side == "scan" else None
+        flops += 2 * _linear_weights(module)
+        for (index, kind, _), state in cache.final.items():
+            if index != layer:
+                continue
+            flops += STATE_FLOPS.get(kind, 0) * state.numel()
+            passed += state.numel() * state.element_size()
+            if kind != "recurrent" or side not in ("scan", "selective"):
+                continue
+            ratio = 1.0 if scan is None else state.shape[-2] / state.shape[-1] if scan.layout == "columns" \
+                else state.shape[-1] / state.shape[-2]  # K/V columns (K x K beside [K, V]) or N/P rows
+            transfer += STATE_FLOPS[kind] * state.numel() * ratio
+            shared += 4 * state.numel() * (1 + ratio)
+    kinds = [found.layers.get(i) for i in range(model_geometry(config).layers)]
+    runs = tuple(len(run) for run in "".join("m" if k is not None and not k.in_attention else " "
+                                             for k in kinds).split())
+    count = len(mixers)
+    return MixerRates(flops / count, transfer / count, shared / count, passed / count, runs)
 
 
 def tree_flops(tree: PrefixTree, config: PretrainedConfig) -> tuple[int, int]:

@@ -81,6 +81,8 @@ def bench(
                                   "one long trajectory (--cp-tokens) over that many gloo processes, and the GPU model"),
     cp_tokens: int = typer.Option(32768, help="--cp: tokens of the trajectory"),
     cp_paths: str = typer.Option("sharded,replicated", help="--cp: the path's K/V layouts to measure (R > 1)"),
+    cp_mixers: str = typer.Option("side-by-side", help="--cp: how a hybrid's mixer layers run their pieces, to "
+                                  "measure (side-by-side,in-turn; R > 1)"),
     out: Path = typer.Option(Path("outputs/bench"), help="where JSON, markdown and PNG go"),
 ) -> None:
     """Measure what prefix sharing buys: time, memory and speedup over flat, against the FLOP ideal."""
@@ -90,7 +92,8 @@ def bench(
     )
     if cp:
         run_cp_bench(CpBenchConfig(shape=shape, vocab_size=vocab_size or None, tokens=cp_tokens,
-                                   ranks=[int(r) for r in cp.split(",")], paths=cp_paths.split(","), memory=memory),
+                                   ranks=[int(r) for r in cp.split(",")], paths=cp_paths.split(","),
+                                   mixers=cp_mixers.split(","), memory=memory),
                      out)
     elif weight_push:
         run_weight_push(weight_push, model_path, server_model, repeats, out)
@@ -126,13 +129,17 @@ def run_engine_bench(config: BenchConfig, out: Path, scaling: bool = True) -> No
 def run_cp_bench(config: CpBenchConfig, out: Path) -> None:
     """`--cp`: per-rank memory, bytes and time of one long trajectory, and the GPU cluster model, printed and written
     to out/context_parallel.{json,md}."""
-    from treerl.bench.context_parallel import cluster_table, describe, lengths_for, markdown, measure, qwen3_8b
+    from treerl.bench.context_parallel import (cluster_table, describe, lengths_for, markdown, measure, qwen3_5_text,
+                                               qwen3_8b)
 
     measured = measure(config)
-    predicted = cluster_table(qwen3_8b(), lengths_for(config.tokens), [1, 2, 4, 8])
+    predicted = {"Qwen3-8B": cluster_table(qwen3_8b(), lengths_for(config.tokens), [1, 2, 4, 8]),
+                 "Qwen3.5 text (transformers' default sizes)": cluster_table(qwen3_5_text(), lengths_for(config.tokens),
+                                                                             [1, 2, 4, 8])}
     out.mkdir(parents=True, exist_ok=True)
     (out / "context_parallel.json").write_text(json.dumps(
-        {"settings": describe(config), "measured": measured, "predicted (Qwen3-8B)": predicted}, indent=1))
+        {"settings": describe(config), "measured": measured, **{f"predicted ({k})": v for k, v in predicted.items()}},
+        indent=1))
     table = markdown(measured, predicted)
     (out / "context_parallel.md").write_text(table + "\n")
     print(table)

@@ -100,10 +100,10 @@ class Mesh:
     context: ContextParallel | None = None
 
 
-def build_mesh(env: DistEnv, context_parallel: int = 1, path: str = "sharded") -> Mesh:
+def build_mesh(env: DistEnv, context_parallel: int = 1, path: str = "sharded", mixers: str = "side-by-side") -> Mesh:
     """torch's DeviceMesh ("dp", "cp") over the run's ranks: ranks `d * cp ... (d + 1) * cp - 1` form data-parallel
-    group d, holding the path's K/V as `path` says (`ContextParallel.path`). One process (no torchrun): a mesh of
-    one."""
+    group d, holding the path's K/V as `path` says (`ContextParallel.path`) and running a hybrid's mixers as `mixers`
+    says. One process (no torchrun): a mesh of one."""
     if context_parallel == 1:
         return Mesh(env.rank, env.world_size)
     if env.world_size % context_parallel:
@@ -114,7 +114,7 @@ def build_mesh(env: DistEnv, context_parallel: int = 1, path: str = "sharded") -
     mesh = init_device_mesh(env.device.type, (env.world_size // context_parallel, context_parallel),
                             mesh_dim_names=("dp", "cp"))
     return Mesh(env.rank // context_parallel, env.world_size // context_parallel,
-                ContextParallel.over(mesh.get_group("cp"), path))
+                ContextParallel.over(mesh.get_group("cp"), path, mixers))
 
 
 def close_distributed(wait_for_all: bool = True) -> str | None:

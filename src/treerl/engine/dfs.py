@@ -75,7 +75,7 @@ from treerl.engine.recurrent import (
     iter_state_grads,
 )
 from treerl.engine.selective_scan import continued_scans
-from treerl.engine.state_passing import StatePassing
+from treerl.engine.state_passing import StatePassing, side_by_side_scans
 from treerl.engine.support import attention_layers, check_all_layers_routed, model_name
 from treerl.engine.unit_inputs import UnitInputs, build_unit_inputs
 from treerl.engine.walk_outputs import WalkOutputs
@@ -135,7 +135,7 @@ class DfsEngine:
         if self.context_parallel is not None:
             check_context_parallel(model, sequences)
             cp = self.context_parallel  # every rank must walk the same plan
-            agree_graph_bytes(model, lambda values: cp.largest(values, _device(model)))
+            agree_graph_bytes(model, lambda values: cp.largest(values, _device(model)), self._side_by_side(model))
         family = vision_family(model)  # Gemma 3: an image's tokens see each other both ways, so no piece cuts one
         return PrefixTree.build(sequences).chunked(self.chunk_tokens, whole_images=family is not None and family.both_ways)
 
@@ -164,7 +164,12 @@ class DfsEngine:
         cp = self.context_parallel  # each rank holds 1/R of a call, and of the path's store when it is sharded
         return graph_budget_tokens(model, largest, max(len(s) for s in tree.sequences), self.memory, micro_batch,
                                    self.memory_budget_tokens, self.memory_budget_bytes,
-                                   *((cp.size, cp.path_ranks) if cp is not None else ()))
+                                   *((cp.size, cp.path_ranks, self._side_by_side(model)) if cp is not None else ()))
+
+    def _side_by_side(self, model: PreTrainedModel) -> frozenset[tuple[str, str]] | None:
+        """The scans a hybrid's context-parallel ranks split (their pieces hold more graph: see `graph_bytes`)."""
+        cp = self.context_parallel
+        return side_by_side_scans(model, cp) if cp is not None and find_mixers(model) else None
 
 
 def _device(model: PreTrainedModel) -> torch.device:
@@ -321,12 +326,14 @@ class _Walk:
         inputs = {"input_ids": data.ids[shard.runs].view(shape), "position_ids": data.positions[shard.runs].view(shape),
                   "treerl_call": call}
         if self.passing is not None:  # rank 0 starts from the parent's states, the others from the previous rank's
-            data.cache = self.mixers.new_cache({} if self.passing.receives(shard) else self.states.leaves(), shape[0],
+            data.cache = self.mixers.new_cache(self.states.leaves() if self.passing.starts_from_parent(shard) else {},
+                                               shape[0],
                                                data.layout.path_end, None, data.ids.device)
             self.passing.begin(data.cache, shard)
             inputs.update({self.mixers.cache_kwarg: data.cache, "use_cache": True})
         hidden = final_hidden(self.model, **inputs).flatten(0, 1)
         if self.passing is not None:
+            self.passing.check_scanned()
             data.links = self.passing.end()
             data.cache.finish()
             data.cache.check_handed_on(self.mixers.layers, data.open_rows)

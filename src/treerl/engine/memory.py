@@ -15,11 +15,14 @@ token (`graph_bytes`), and the path's K/V store with its gradients (`path_bytes_
 the budget before it is turned into graph tokens. A hybrid's chunked mixers (the delta rule, the Mamba2 scan)
 pad every row of a call to a multiple of their chunk on their torch path, so a row of a few tokens saves
 nearly a whole chunk: a second probe of one token measures that share, and a row's graph tokens count it
-(`GraphBytes.row_tokens`).
+(`GraphBytes.row_tokens`). Under context parallelism a hybrid's mixers may run side by side: a rank after the first
+scans its piece with transfer columns beside (treerl.engine.parallel_scan), a larger graph, which a probe of such a
+rank measures (`graph_bytes(model, side_by_side)`) and the per-rank budget counts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Callable
@@ -30,7 +33,9 @@ import torch
 from transformers import PreTrainedModel
 
 from treerl.engine.base import attention_slots, final_hidden
+from treerl.engine.parallel_scan import LaterPiece, split_scans
 from treerl.engine.recurrent import find_mixers
+from treerl.engine.selective_scan import continued_scans
 from treerl.engine.support import attention_layers
 from treerl.models import model_geometry
 
@@ -103,7 +108,8 @@ def micro_batch_tokens(lengths: list[int], max_tokens: int) -> int:
 
 def graph_budget_tokens(model: PreTrainedModel, largest_node: int, longest_path: int, memory: str,
                         micro_batch: int, budget_tokens: int | None = None, budget_bytes: int | None = None,
-                        ranks: int = 1, path_ranks: int = 1) -> int:
+                        ranks: int = 1, path_ranks: int = 1,
+                        side_by_side: frozenset[tuple[str, str]] | None = None) -> int:
     """Graph tokens a walk may hold at once: the contract of `memory` (or an explicit budget) for this model.
 
     `largest_node`: graph tokens of the tree's largest node (the one-path walk holds one node's graph);
@@ -111,7 +117,9 @@ def graph_budget_tokens(model: PreTrainedModel, largest_node: int, longest_path:
     `micro_batch`: graph tokens of flat's largest micro-batch on the same sequences (`micro_batch_tokens`);
     `ranks`: context-parallel ranks that split every call, each holding its share of a token's graph and of the path's
     K/V but the call's gathered K/V whole: the budget, per rank, then holds nearly that many times more of the walk's
-    tokens; `path_ranks`: ranks the path's K/V store is sharded over (1: each holds it whole)."""
+    tokens; `path_ranks`: ranks the path's K/V store is sharded over (1: each holds it whole); `side_by_side`: the
+    scans a hybrid's ranks split (treerl.engine.state_passing.side_by_side_scans), whose pieces hold more graph a
+    token on a rank after the first (None: the mixers run in turn, or none)."""
     one_path = int(ONE_PATH_SLACK * largest_node)
     if budget_tokens is not None:
         return budget_tokens
@@ -119,49 +127,58 @@ def graph_budget_tokens(model: PreTrainedModel, largest_node: int, longest_path:
         return one_path
     per_token = graph_bytes(model).per_token
     budget = budget_bytes if budget_bytes is not None else micro_batch * per_token  # what flat holds
-    held = per_token if ranks == 1 else per_token / ranks + path_bytes_per_token(model) / 2  # K and V, no gradients
+    if ranks > 1:  # a rank's share of a token's graph (as a later piece holds it) and the call's gathered K and V
+        per_rank = per_token if side_by_side is None else max(per_token, graph_bytes(model, side_by_side).per_token)
+        held = per_rank / ranks + path_bytes_per_token(model) / 2  # K and V, no gradients
+    else:
+        held = per_token
     tokens = (budget - -(-longest_path // path_ranks) * path_bytes_per_token(model)) // held
     return int(tokens) if budget_bytes is not None else max(int(tokens), one_path)
 
 
-def graph_bytes(model: PreTrainedModel) -> GraphBytes:
+def graph_bytes(model: PreTrainedModel, side_by_side: frozenset[tuple[str, str]] | None = None) -> GraphBytes:
     """What autograd saves per token in a forward of `model` as configured now (dtype, autocast, checkpointing,
-    adapters), measured once by probe forwards and cached per model and autocast state.
+    adapters), measured once by probe forwards and cached per model and autocast state; `side_by_side`: as a
+    context-parallel rank after the first runs its mixers' pieces (these scans split, `LaterPiece`).
 
     A model whose mixers pad rows to a chunk of C tokens is probed with C tokens (no padding) and with one (C - 1
     of padding): bytes(C) = C * (token + padded), bytes(1) = token + C * padded."""
     device = model.get_input_embeddings().weight.device
-    key = _probe_key(model)
+    key = _probe_key(model, side_by_side)
     cache = _probed.setdefault(model, {})
     if key not in cache:
         chunk = find_mixers(model).chunk
-        whole = _probe(model, device, PROBE_TOKENS if chunk == 1 else chunk)
+        whole = _probe(model, device, PROBE_TOKENS if chunk == 1 else chunk, side_by_side)
         if not whole:
             cache[key] = GraphBytes(_estimate(model))
         elif chunk == 1:
             cache[key] = GraphBytes(math.ceil(whole / PROBE_TOKENS))
         else:
-            one = _probe(model, device, 1)
+            one = _probe(model, device, 1, side_by_side)
             token = max(0.0, (whole - one) / (chunk - 1))
             padded = max(0.0, (one - token) / chunk)
             cache[key] = GraphBytes(math.ceil(token), math.ceil(padded), chunk)
     return cache[key]
 
 
-def agree_graph_bytes(model: PreTrainedModel, largest: Callable[[list[int]], list[int]]) -> None:
-    """Hold `graph_bytes` to the largest that any of several processes measured (`largest`: a max over them), so that
-    processes that must walk the same plan (context-parallel ranks) plan with the same numbers: a probe's bytes can
-    differ by a few storages from process to process."""
-    measured = graph_bytes(model)
-    token, padded = largest([measured.token, measured.padded])
-    _probed[model][_probe_key(model)] = GraphBytes(token, padded, measured.chunk)
+def agree_graph_bytes(model: PreTrainedModel, largest: Callable[[list[int]], list[int]],
+                      side_by_side: frozenset[tuple[str, str]] | None = None) -> None:
+    """Hold `graph_bytes` (and, for mixers side by side, a later piece's) to the largest that any of several processes
+    measured (`largest`: a max over them), so that processes that must walk the same plan (context-parallel ranks)
+    plan with the same numbers: a probe's bytes can differ by a few storages from process to process."""
+    for scans in (None, side_by_side) if side_by_side is not None else (None,):
+        measured = graph_bytes(model, scans)
+        token, padded = largest([measured.token, measured.padded])
+        _probed[model][_probe_key(model, scans)] = GraphBytes(token, padded, measured.chunk)
 
 
-def _probe_key(model: PreTrainedModel) -> tuple:
-    """What a probe's bytes depend on besides the model: autocast and its dtype, the trainable parameters."""
+def _probe_key(model: PreTrainedModel, side_by_side: frozenset[tuple[str, str]] | None = None) -> tuple:
+    """What a probe's bytes depend on besides the model: autocast and its dtype, the trainable parameters, and
+    whether its mixers run as a later piece."""
     device = model.get_input_embeddings().weight.device
     autocast = torch.is_autocast_enabled(device.type)
-    return autocast, torch.get_autocast_dtype(device.type) if autocast else None, _trainable(model)
+    return (autocast, torch.get_autocast_dtype(device.type) if autocast else None, _trainable(model),
+            side_by_side is not None)
 
 
 def path_bytes_per_token(model: PreTrainedModel) -> int:
@@ -172,8 +189,10 @@ def path_bytes_per_token(model: PreTrainedModel) -> int:
     return 2 * 2 * layers * g.kv_heads * g.head_dim * _compute_dtype(model).itemsize
 
 
-def _probe(model: PreTrainedModel, device: torch.device, tokens: int) -> int:
-    """Bytes of the tensors autograd saves in a forward of `tokens` tokens (weights excluded; 0: no graph)."""
+def _probe(model: PreTrainedModel, device: torch.device, tokens: int,
+           side_by_side: frozenset[tuple[str, str]] | None = None) -> int:
+    """Bytes of the tensors autograd saves in a forward of `tokens` tokens (weights excluded; 0: no graph); with
+    `side_by_side`, as a context-parallel rank after the first runs it: through a call's cache, its scans split."""
     saved: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -183,10 +202,16 @@ def _probe(model: PreTrainedModel, device: torch.device, tokens: int) -> int:
         return tensor
 
     vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.arange(tokens, device=device)[None] % vocab
+    inputs = {"input_ids": torch.arange(tokens, device=device)[None] % vocab}
+    pieces = contextlib.ExitStack()
+    if side_by_side is not None:
+        mixers = find_mixers(model)
+        inputs.update({mixers.cache_kwarg: mixers.new_cache(None, 1, 0, device=device), "use_cache": True})
+        pieces.enter_context(continued_scans(mixers.scans))
+        pieces.enter_context(split_scans(LaterPiece(), side_by_side))
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            hidden = final_hidden(model, input_ids=ids)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), pieces:
+            hidden = final_hidden(model, **inputs)
     except Exception:  # noqa: BLE001 - a model whose forward needs more than ids: the geometric estimate instead
         return 0
     if not hidden.requires_grad:  # nothing trainable: no graph, so no bytes to measure

@@ -66,6 +66,10 @@ class MixerKind:
     scan: str | None = None  # its module's function that scans every multi-token call from a zero state: continued
     # from the parent's state by treerl (treerl.engine.selective_scan)
     compressor: bool = False  # appends compressed entries of the path to its attention's keys (`CompressionState`)
+    side_by_side: str | None = None  # under context parallelism its pieces can run on every rank at once: its
+    # convolution window goes to the next rank when its inputs are projected ("window": all it keeps), and its scan
+    # is corrected by the earlier pieces' states after: one of treerl.engine.parallel_scan.LINEAR_SCANS ("scan") or
+    # the selective scan treerl continues ("selective", treerl.engine.selective_scan)
 
 
 # DeepSeek sparse attention's indexer (DeepSeek-V3.2) and the models that ship it under their own class names: GLM-DSA,
@@ -76,17 +80,17 @@ MIXERS: tuple[MixerKind, ...] = (
     MixerKind("Gated DeltaNet", ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
                                  "Qwen4ExpTextGatedDeltaNet", "OlmoHybridGatedDeltaNet", "BailingHybridDeltaAttention",
                                  "LaraMiniGatedDeltaNet"),
-              "the short-convolution window and the delta-rule state", _CACHE, chunk=64),
+              "the short-convolution window and the delta-rule state", _CACHE, chunk=64, side_by_side="scan"),
     MixerKind("KDA (Kimi delta attention)", ("KimiLinearDeltaAttention",),
               "the short-convolution window and the delta-rule state (transformers keeps it in float32)", _CACHE,
-              chunk=64),
+              chunk=64, side_by_side="scan"),
     MixerKind("Mamba2", ("Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer", "FalconH1Mixer", "Zamba2MambaMixer",
                          "GraniteMoeHybridMambaLayer"),
-              "the convolution window and the SSM state", _CACHE, chunk="chunk_size"),
+              "the convolution window and the SSM state", _CACHE, chunk="chunk_size", side_by_side="scan"),
     MixerKind("short convolution", ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv", "InklingShortConvolution",
                                     "Inkling2ShortConvolution", "Inkling2DynamicShortConvolution",
                                     "Inkling2LoopShortConvolution", "Inkling2LoopDynamicShortConvolution"),
-              "the convolution window", "cache `get_conv_state` / `update_conv_state`"),
+              "the convolution window", "cache `get_conv_state` / `update_conv_state`", side_by_side="window"),
     MixerKind("lightning attention", ("MiniMaxLightningAttention",), "the decayed K^T V state",
               "cache `get_linear_cache` / `set_linear_cache`", cache_class="MiniMaxCache"),
     MixerKind("sparse-attention indexer", (*_DSA_INDEXERS, "Qwen4ExpTextQSAIndexer"),
@@ -107,7 +111,7 @@ MIXERS: tuple[MixerKind, ...] = (
     MixerKind("Mamba (selective scan)", ("MambaMixer", "FalconMambaMixer", "ZambaMambaMixer", "JambaMambaMixer"),
               "the convolution window and the SSM state (the scan, which starts from zero, continued from it)",
               "cache `get_conv_state` / `update_conv_state`, `get_recurrent_state` / `update_recurrent_state`, and the "
-              "module's `mamba_selective_scan`", scan="mamba_selective_scan"),
+              "module's `mamba_selective_scan`", scan="mamba_selective_scan", side_by_side="selective"),
     MixerKind("RWKV time and channel mixing", ("RwkvSelfAttention", "RwkvFeedForward"),
               "the token shift and the WKV numerator, denominator and maximum", "RwkvModel's `state` list",
               refused="RWKV keeps its state (the token shift, the WKV numerator, denominator and maximum) in the "
@@ -124,6 +128,13 @@ MIXERS: tuple[MixerKind, ...] = (
                       "so a tree node cannot continue its parent's state (use FlatEngine)"),
 )
 _BY_CLASS = {cls: kind for kind in MIXERS for cls in kind.classes}
+
+
+def mixer_kind(module: torch.nn.Module) -> MixerKind | None:
+    """The table's entry for a module (None: not a mixer it knows)."""
+    return _BY_CLASS.get(type(module).__name__)
+
+
 # Indexers whose top-k ranks the call's whole key row (DeepSeek sparse attention: a query's earlier keys, then -inf up
 # to the call's width; DeepSeek-V4's, the call's compressed entries), so which of several keys tied at the k-th score
 # torch.topk returns depends on that width on CPU; every engine takes the earliest (`EarliestTies`: DfsEngine through
@@ -548,6 +559,9 @@ class TreeStateCache(DynamicCache):
         self.handed: dict[StateKey, _HandedState] = {}
         self.read: set[StateKey] = set()
         self.replaying = False  # set after the forward: gradient checkpointing's recomputation writes nothing
+        # under context parallelism with mixers side by side: the ranks before and after this one's pieces, which
+        # convolution windows come from and go to (treerl.engine.state_passing.StatePassing)
+        self.neighbours = None
 
     # -- attention layers: their K/V go to treerl's attention as they are, or over the path's to their own code
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -601,6 +615,8 @@ class TreeStateCache(DynamicCache):
         """The new inputs behind the parent's window (what the causal convolution reads); keep the new window."""
         key = (layer_idx, "conv", state_idx)
         start = self._start(key)
+        if start is None and self.neighbours is not None:  # the previous rank's piece's window, if there is one
+            start = self.neighbours.receive_window(key)
         width = conv_kernel_size or (start.shape[-1] if start is not None else conv_states.shape[-1])
         if start is not None:
             full = torch.cat([start.to(conv_states.dtype), conv_states], dim=-1)
@@ -609,6 +625,8 @@ class TreeStateCache(DynamicCache):
         else:
             full = conv_states
         self._keep(key, full[..., -width:])
+        if self.neighbours is not None:  # on to the next rank's piece
+            full = self.neighbours.send_window(key, full, full[..., -width:])
         return full
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:

@@ -23,6 +23,11 @@ rows * d_inner * SCAN_CHUNK * N elements, whatever the node's length L.
 continues comes from its call's `TreeStateCache`, which hands it here (`hand`) when the layer asks for its recurrent
 state, instead of to the layer (whose one-token step would write it in place): every call of such a layer, one
 token or many, runs the scan.
+
+Under context parallelism with the mixers side by side (treerl.engine.parallel_scan), a rank's piece after the first
+scans from zero, shares its final state and its transfer (the total decay exp(A * sum dt), entry by entry) with the
+other ranks, and adds what the state its piece starts from contributes: the same continued scan, of zero inputs
+from that state (`_over_ranks`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from treerl.attention import UnsupportedModel
+from treerl.engine import parallel_scan
 
 SCAN_CHUNK = 64
 """Tokens of one chunk of the continued scan: what one layer holds of its [rows, d_inner, tokens, N] tensors at once."""
@@ -116,11 +122,31 @@ def _scan_chunk(original: Callable, start: torch.Tensor | None, A: torch.Tensor,
 def _decayed(start: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, delta_bias: torch.Tensor | None,
              delta_softplus: bool) -> torch.Tensor:
     """exp(A * sum_{s<=t} dt_s) * start for every t of the chunk: the carried state, dt discretised as the scan does."""
+    dt = _discretised(dt, delta_bias, delta_softplus)
+    return torch.exp(A[None, :, None, :] * dt.cumsum(dim=-1)[..., None]) * start[:, :, None, :]
+
+
+def _discretised(dt: torch.Tensor, delta_bias: torch.Tensor | None, delta_softplus: bool) -> torch.Tensor:
     if delta_bias is not None:
         dt = dt + delta_bias.to(dt.dtype)[..., None]
-    if delta_softplus:
-        dt = F.softplus(dt)
-    return torch.exp(A[None, :, None, :] * dt.cumsum(dim=-1)[..., None]) * start[:, :, None, :]
+    return F.softplus(dt) if delta_softplus else dt
+
+
+def _over_ranks(pieces: parallel_scan.Pieces, original: Callable, output: torch.Tensor, state: torch.Tensor,
+                hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                D: torch.Tensor | None = None, z: torch.Tensor | None = None, delta_bias: torch.Tensor | None = None,
+                delta_softplus: bool = False, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """A context-parallel rank's piece (scanned from zero, unless it is rank 0's), started from the state the earlier
+    ranks' pieces end in: their final states and total decays shared, chained, and read as the scan reads a
+    continued state (treerl.engine.parallel_scan, layout "diagonal")."""
+    if not 0 < pieces.rank < pieces.active:  # rank 0 (from the parent's state) or a stand-in: shares only
+        parallel_scan.start_of_piece(pieces, state, None, "diagonal")
+        return output, state
+    decay = torch.exp(A[None] * _discretised(dt, delta_bias, delta_softplus).sum(dim=-1)[..., None])  # [rows, d, N]
+    start = parallel_scan.start_of_piece(pieces, state, decay.to(state.dtype), "diagonal")
+    read, carried = continued_scan(original, start, torch.zeros_like(hidden_states), dt, A, B, C, D=None, z=z,
+                                   delta_bias=delta_bias, delta_softplus=delta_softplus, **options)
+    return output + read, state + carried
 
 
 def _continuing(original: Callable) -> Callable:
@@ -131,6 +157,9 @@ def _continuing(original: Callable) -> Callable:
         if pending is None:  # a call without treerl's cache: the layer's own scan
             return original(hidden_states, *args, return_last_state=return_last_state, **kwargs)
         output, state = continued_scan(original, pending.next(hidden_states.shape[1]), hidden_states, *args, **kwargs)
+        pieces = parallel_scan.running()
+        if pieces is not None:  # context parallelism, side by side: continued from the earlier ranks' pieces
+            output, state = _over_ranks(pieces, original, output, state, hidden_states, *args, **kwargs)
         return (output, state) if return_last_state else output
 
     scan.treerl_original = original

@@ -15,11 +15,15 @@ layer's output, `_ReceiveState` on the states it reads), so they run in backward
 whichever plan (kept graph, recomputation) the walk follows.
 
 The state's own arithmetic is untouched (the layers run as transformers wrote them), so the result is the
-single-process one; the price is time: a mixer layer's pieces run one rank after another, not side by side
-(Megatron-LM's Mamba state passing, NVIDIA/Megatron-LM#6808, runs them side by side from a zero state and corrects
-each with the previous ranks' state summaries, which needs each layer's scan opened up). Memory is split: each rank
-holds its columns' activations, and of the path only the attention K/V (sharded or replicated, as for attention
-models).
+single-process one; the price is time: a mixer layer's pieces run one rank after another, not side by side. Memory is
+split: each rank holds its columns' activations, and of the path only the attention K/V (sharded or replicated, as for
+attention models).
+
+Side by side (`StatePassing.side_by_side`, for models whose every mixer allows it: MixerKind.side_by_side), as
+Megatron-LM's Mamba state passing (NVIDIA/Megatron-LM#6808) runs them: a layer's pieces run on every rank at once.
+Its convolution window is all that goes from rank to rank in the layer (the halo: `receive_window` / `send_window`,
+when the cache is asked for it, right after the inputs are projected), and its scan runs from zero on every rank but
+the first, corrected after one all-gather of the pieces' final states and transfers (treerl.engine.parallel_scan).
 
 The last rank with columns ends every row, so it holds the unit's final states: the walk shares them with every rank
 for the children (`share_states`, a broadcast), and the gradient the children send back, collected on rank 0 (whose
@@ -34,8 +38,10 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from treerl.attention import UnsupportedModel
 from treerl.attention.context_parallel import ContextParallel, ShardLayout
-from treerl.engine.recurrent import MIXERS, StateKey, TreeStateCache
+from treerl.engine.parallel_scan import scan_of, split_scans
+from treerl.engine.recurrent import MIXERS, StateKey, TreeStateCache, mixer_kind
 from treerl.engine.support import text_modules
 
 _NAMES = ("conv", "recurrent", "linear")  # the state kinds a mixer hands on through the cache (StateKey's second)
@@ -51,12 +57,11 @@ class StatePassing:
     def __init__(self, model: torch.nn.Module, cp: ContextParallel):
         self.cp = cp
         self.device = next(model.parameters()).device  # where states and headers travel from (NCCL: the GPU)
-        self.mixers: list[torch.nn.Module] = []  # the outermost known mixers: each runs once per call
-        outer: list[str] = []
-        for path, module in text_modules(model):
-            if type(module).__name__ in _PASSED and not any((path + ".").startswith(o) for o in outer):
-                self.mixers.append(module)
-                outer.append(path + ".")
+        self.mixers = passed_mixers(model)  # the outermost known mixers: each runs once per call
+        self.scans = side_by_side_scans(model, cp)
+        self.side_by_side = self.scans is not None
+        self.scanned: set[int] = set()  # the mixer layers (module ids) whose scan was split in this call
+        self.layer: torch.nn.Module | None = None  # the mixer layer running now
         self.cache: TreeStateCache | None = None
         self.shard: ShardLayout | None = None
         self.sent: set[StateKey] = set()  # the states of this call already sent on
@@ -65,11 +70,18 @@ class StatePassing:
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
-        """While the walk runs: each mixer waits for the previous rank's states before it runs and sends its own on."""
-        handles = [m.register_forward_pre_hook(self._before) for m in self.mixers]
-        handles += [m.register_forward_hook(self._after) for m in self.mixers]
+        """While the walk runs: each mixer waits for the previous rank's states before it runs and sends its own on;
+        side by side, the scans are split over the ranks instead, and windows pass when the cache is asked for them."""
+        if self.side_by_side:
+            handles = [m.register_forward_pre_hook(self._now) for m in self.mixers]
+            scans = split_scans(self, self.scans)
+        else:
+            handles = [m.register_forward_pre_hook(self._before) for m in self.mixers]
+            handles += [m.register_forward_hook(self._after) for m in self.mixers]
+            scans = contextlib.nullcontext()
         try:
-            yield
+            with scans:
+                yield
         finally:
             for handle in handles:
                 handle.remove()
@@ -77,7 +89,77 @@ class StatePassing:
 
     def begin(self, cache: TreeStateCache, shard: ShardLayout) -> None:
         """A call starts: its cache (on ranks after the first, its initial states arrive layer by layer)."""
-        self.cache, self.shard, self.sent, self.links = cache, shard, set(), []
+        self.cache, self.shard, self.sent, self.links, self.scanned = cache, shard, set(), [], set()
+        if self.side_by_side:
+            cache.neighbours = self
+
+    # -- what treerl.engine.parallel_scan reads of the running call (`Pieces`)
+    @property
+    def rank(self) -> int:
+        return self.cp.rank
+
+    @property
+    def active(self) -> int:
+        return 1 if self.shard is None else self.shard.active
+
+    @property
+    def rows(self) -> int:
+        return self.shard.row_count
+
+    def gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        gathered = [torch.empty_like(mine) for _ in range(self.cp.size)]
+        dist.all_gather(gathered, mine, group=self.cp.group)
+        return gathered
+
+    def summed_row(self, grad: torch.Tensor) -> torch.Tensor:
+        mine = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_single(mine, grad.reshape(-1), group=self.cp.group)  # rows of the flat input, in order
+        return mine
+
+    def starts_from_parent(self, shard: ShardLayout) -> bool:
+        """Whether this rank's pieces of a call read the parent's states: rank 0's; side by side, only rank 0's (a
+        stand-in's one token is never read), else every rank's but those the previous rank's states reach."""
+        return self.cp.rank == 0 if self.side_by_side else not self.receives(shard)
+
+    def _now(self, module: torch.nn.Module, args: tuple) -> None:
+        self.layer = module
+
+    def check_scanned(self) -> None:
+        """Side by side, each mixer with a scan split it (a layer that scanned some other way would leave its pieces
+        uncorrected): on every rank alike, after the call's forward."""
+        if not self.side_by_side or self.shard.active < 2:
+            return
+        missed = [m for m in self.mixers if mixer_kind(m).side_by_side != "window" and id(m) not in self.scanned]
+        if missed:
+            raise UnsupportedModel(f"under context parallelism the mixer layer {type(missed[0]).__name__} "
+                                   f"{getattr(missed[0], 'layer_idx', '?')} did not scan through a function treerl "
+                                   "splits over the ranks (a fused kernel?), so its pieces would not continue each "
+                                   "other; set trainer.context_parallel_mixers=in-turn")
+
+    def receive_window(self, key: StateKey) -> torch.Tensor | None:
+        """Side by side: the previous rank's piece's convolution window of this layer, this piece's start (a link
+        in the graph: its gradient goes back)."""
+        if not self.receives():
+            return None
+        keys, received = self._receive()
+        if keys != [key]:
+            raise RuntimeError(f"context-parallel ranks out of step: expected the window of {key}, got {keys}")
+        if torch.is_grad_enabled():
+            received = _ReceiveState.apply(self, _DIFFERENTIABLE, *received)
+            self.links.extend(received)
+        return received[0]
+
+    def send_window(self, key: StateKey, full: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """Side by side: this piece's convolution window (`window`, the end of `full`) to the next rank; `full`
+        carries the link its gradient comes back by."""
+        if not self.sends():
+            return full
+        self._send([key], [window])
+        if not torch.is_grad_enabled():
+            return full
+        linked = _SendState.apply(self, full, window)
+        self.links.append(linked)
+        return linked
 
     def end(self) -> list[torch.Tensor]:
         """The call is done: the outputs of its links (the walk's backward starts from them too, with a zero gradient,
@@ -184,6 +266,30 @@ class StatePassing:
                 dist.broadcast(grad, self._peer(0), group=self.cp.group)
                 shared[key] = grad
         return shared
+
+
+def passed_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's outermost mixer layers whose states pass from rank to rank (each runs once per call)."""
+    mixers: list[torch.nn.Module] = []
+    outer: list[str] = []
+    for path, module in text_modules(model):
+        if type(module).__name__ in _PASSED and not any((path + ".").startswith(o) for o in outer):
+            mixers.append(module)
+            outer.append(path + ".")
+    return mixers
+
+
+def side_by_side_scans(model: torch.nn.Module, cp: ContextParallel) -> frozenset[tuple[str, str]] | None:
+    """The (module, function) scans the model's mixer layers split over the ranks when they run side by side: when
+    `cp` asks for it and every mixer can (a window alone, a scan of treerl.engine.parallel_scan.LINEAR_SCANS its
+    forward calls, or the selective scan treerl continues); None: they run in turn."""
+    if cp.mixers != "side-by-side":
+        return None
+    mixers = passed_mixers(model)
+    if not all(mixer_kind(m).side_by_side for m in mixers):
+        return None
+    scans = {(type(m).__module__, scan_of(m)) for m in mixers if mixer_kind(m).side_by_side == "scan"}
+    return None if any(name is None for _, name in scans) else frozenset(scans)
 
 
 def _header(keys: list[StateKey], states: list[torch.Tensor]) -> torch.Tensor:

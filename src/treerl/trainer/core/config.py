@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from treerl.algo import AlgoConfig
 from treerl.algo.config import DECOUPLABLE, decoupled
-from treerl.attention.context_parallel import PATH_LAYOUTS
+from treerl.attention.context_parallel import MIXER_ORDERS, PATH_LAYOUTS
 from treerl.engine.memory import check_memory_settings
 from treerl.errors import UserError
 from treerl.models import DTYPES, SHAPES
@@ -144,6 +144,7 @@ class TrainerConfig:
     fit_cost_model: bool = True  # refit treerl.distributed's cost model from measured engine times to balance ranks
     context_parallel: int = 1  # ranks that split each DFS call's rows (docs/training.md#context-parallelism-one-long-trajectory-over-several-gpus); the data-parallel ranks are WORLD_SIZE / this
     context_parallel_path: str = "sharded"  # the path's K/V: sharded (1/R a rank; queries travel) | replicated (less traffic)
+    context_parallel_mixers: str = "side-by-side"  # a hybrid's mixer layers: side-by-side (every rank at once, scans corrected) | in-turn (rank after rank)
     context_parallel_min_tokens: int = 0  # split sequences this long (or too costly for one rank); the rest train alone, a rank each
 
     # Evaluation: the policy's mean reward on a fixed set of prompts (sampled like the rollout).
@@ -241,6 +242,9 @@ def check_choices(config: Config) -> None:
     if config.trainer.context_parallel_path not in PATH_LAYOUTS:
         raise ConfigError(f"trainer.context_parallel_path={config.trainer.context_parallel_path!r} must be one of "
                           f"{', '.join(PATH_LAYOUTS)}")
+    if config.trainer.context_parallel_mixers not in MIXER_ORDERS:
+        raise ConfigError(f"trainer.context_parallel_mixers={config.trainer.context_parallel_mixers!r} must be one of "
+                          f"{', '.join(MIXER_ORDERS)}")
     if config.trainer.context_parallel > 1 and config.engine.name != "dfs":
         raise ConfigError(f"trainer.context_parallel={config.trainer.context_parallel} splits DfsEngine's calls: "
                           f"engine.name={config.engine.name} has none to split (use engine.name=dfs)")

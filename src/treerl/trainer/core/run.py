@@ -127,7 +127,7 @@ def run_mesh(trainer: TrainerConfig, env: DistEnv) -> Mesh:
     if env.world_size % trainer.context_parallel:
         raise ConfigError(f"trainer.context_parallel={trainer.context_parallel} must divide the {env.world_size} "
                           "ranks torchrun started (--nproc-per-node x nodes)")
-    return build_mesh(env, trainer.context_parallel, trainer.context_parallel_path)
+    return build_mesh(env, trainer.context_parallel, trainer.context_parallel_path, trainer.context_parallel_mixers)
 
 
 @dataclass
