@@ -11,7 +11,12 @@ What runs, and how:
   of 2 samples, a 2-prompt evaluation), `treerl bench` gets BENCH_SHRINK / BALANCE_SHRINK (every
   workload and engine, on a tiny model and short trees) / ASYNC_SHRINK (one seed) / PRECISION_SHRINK
   (every variant). Everything else runs exactly as written. Commands that shrink to the same run
-  (the same options once later ones win, wherever they write: `trainer.output_dir`) run once.
+  (the same options once later ones win, wherever they write: `trainer.output_dir`) run once. They
+  run in this interpreter (`run_in_process`: typer's CliRunner, in the fresh directory, one torch
+  thread, torch's threads and the environment put back after), which has torch and transformers
+  imported already: a fresh `python -m treerl.cli.main` spends ~4 s importing them, a fifth of
+  this file's time; processes a command starts (async workers, context-parallel ranks) start as
+  they would for a user.
 - Checked, not run: `pip install ...` (no network in CI: the extras it names must exist in
   pyproject.toml and a pinned torch must be the installed one) and `python -m pytest` (the suite
   running this test).
@@ -157,7 +162,8 @@ def user_directory(tmp_path: Path) -> Path:
 
 
 def shrunk(words: list[str]) -> list[str]:
-    """A `treerl` command as `python -m treerl.cli.main`, with the overrides that make it run in seconds."""
+    """A `treerl` command as `python -m treerl.cli.main`, with the overrides that make it run in seconds (the
+    arguments after `-m treerl.cli.main` are what `run_in_process` gives the app)."""
     command, rest = words[1] if len(words) > 1 else "", words[1:]
     if command in ("train", "sft"):
         rest = rest + TRAIN_SHRINK
@@ -217,8 +223,7 @@ def test_shell_command_runs(command, where, tmp_path):
     assert words[0] == "treerl", f"{where}: `{command}`: only treerl, pip and pytest commands are run here"
     if "cuda" in words and not torch.cuda.is_available():
         pytest.skip(f"{where}: `{command}` names --device cuda; no GPU here")
-    result = subprocess.run(shrunk(words), check=False, cwd=user_directory(tmp_path), env=environment(),
-                            capture_output=True, text=True, timeout=300)
+    result = run_in_process(shrunk(words)[3:], user_directory(tmp_path))
     assert result.returncode == 0, f"{where}: `{command}`:\n{result.stdout[-3000:]}\n{result.stderr[-4000:]}"
     if "--print-config" in words:
         assert result.stdout.startswith("model:\n"), f"{where}: `{command}` printed no config:\n{result.stdout[:500]}"
@@ -226,6 +231,32 @@ def test_shell_command_runs(command, where, tmp_path):
     positional = tuple(w for w in words[1:] if "=" not in w and not w.startswith("-"))
     for label in PRINTED.get(positional, ()):
         assert label in result.stdout, f"{where}: `{command}` did not print {label!r} (docs/training.md promises it)"
+
+
+def run_in_process(arguments: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m treerl.cli.main ARGUMENTS` run in `cwd` by this interpreter (see the module's docstring): its exit
+    code and output; the working directory, environment and torch's threads are put back after."""
+    from typer.testing import CliRunner
+
+    from treerl.cli.main import app
+
+    before, threads, environ = Path.cwd(), torch.get_num_threads(), dict(os.environ)
+    os.environ.update(environment())  # what the processes it starts see
+    torch.set_num_threads(1)
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(app, arguments)
+    finally:
+        os.chdir(before)
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(environ)
+    stderr = result.stderr if result.stderr_bytes is not None else ""
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        import traceback
+
+        stderr += "".join(traceback.format_exception(result.exception))
+    return subprocess.CompletedProcess(arguments, result.exit_code, result.stdout, stderr)
 
 
 # What the first table of docs/training.md says these commands print.
