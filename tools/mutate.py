@@ -673,6 +673,12 @@ MUTATIONS = [
              ("tests/engine/test_context_parallel.py::test_a_hybrid_whose_ranks_split_their_scans_budgets_what_a_later_rank_holds",),
              "a hybrid's ranks plan as if their pieces held the model's own graph: the ranks after the first, which scan "
              "with transfer columns, exceed the memory contract"),
+    Mutation("cp-replay-without-the-call", "src/treerl/engine/state_passing.py",
+             "        self.cache, self.shard, self.links, self.scanned = cache, shard, [], set()\n        try:",
+             "        try:",
+             ("tests/engine/test_context_parallel.py::test_context_parallel_ranks_compute_the_flat_references_logprobs_and_gradients",),
+             "a hybrid's layers replayed by gradient checkpointing under context parallelism scan unsplit: the replay's "
+             "tensors are not the forward's"),
     Mutation("checkpoint-names-not-mapped-back", "src/treerl/trainer/core/checkpoint.py",
              "    weights = model_names(model, read_weights(folder))", "    weights = read_weights(folder)",
              ("tests/cli/test_train_cmd.py::test_ppo_trains_a_critic_that_sees_the_images",),

@@ -54,9 +54,10 @@ SCAN_CHUNK = 3
 # the path's K/V held whole by each rank (trainer.context_parallel_path=replicated; sharded everywhere else): on 2
 # ranks, attention sinks and a window
 REPLICATED = ("gpt-oss-sinks-window",)
-# gradient checkpointing (its layers replayed in backward, their gathers and the sharded path's collectives too), on 2
-# ranks: both of torch's checkpoint kinds
-CHECKPOINTED = ("tiny-qwen3",)
+# gradient checkpointing (its layers replayed in backward, their gathers and the sharded path's collectives too, and a
+# hybrid's split scans and windows), on 2 ranks: both of torch's checkpoint kinds (a hybrid: the non-reentrant one,
+# the other refused for every hybrid: its replay has no graph for the state)
+CHECKPOINTED = ("tiny-qwen3", "tiny-qwen3.5")
 # the mixer layers in turn (trainer.context_parallel_mixers=in-turn; side by side where the model allows it everywhere
 # else), on 2 ranks: a Gated DeltaNet hybrid
 IN_TURN = ("tiny-qwen3.5",)
@@ -118,7 +119,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         sequences = batch(net.config.get_text_config().vocab_size)
         for plan in RUNS[world, name]:
             results[f"{name}/{plan}"] = _summed_run(net, sequences, cp, PLANS[plan])
-        for reentrant in (False, True) if world == 2 and name in CHECKPOINTED else ():
+        for reentrant in ((False, True) if name in ATTENTION else (False,)) if world == 2 and name in CHECKPOINTED \
+                else ():
             training = net.training
             net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
             net.train()  # transformers replays layers in training mode only
@@ -244,6 +246,11 @@ def test_what_context_parallelism_does_not_compute_yet_is_refused_before_compute
     zaya = build_tiny("zaya")
     with pytest.raises(UnsupportedModel, match=r"attention layers carry state of their own \(convolutional"):
         DfsEngine(context_parallel=cp).forward(zaya, batch(zaya.config.vocab_size)[:2])
+    hybrid = build_model(shape="tiny-qwen3.5", dtype=torch.float32)  # replayed in turn: refused; side by side: runs
+    hybrid.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hybrid.train()
+    with pytest.raises(UnsupportedModel, match=r"gradient checkpointing .* with the mixers side by side only"):
+        DfsEngine(context_parallel=ContextParallel(0, 2, mixers="in-turn")).forward(hybrid, batch(512)[:2])
 
 
 def test_rows_are_dealt_zigzag_so_causal_work_is_even():

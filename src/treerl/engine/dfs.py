@@ -133,7 +133,7 @@ class DfsEngine:
             raise ValueError(f"batch_tokens must be >= 0, got {self.batch_tokens}")
         check_memory_settings(self.memory, self.max_tokens, self.memory_budget_tokens, self.memory_budget_bytes)
         if self.context_parallel is not None:
-            check_context_parallel(model, sequences)
+            check_context_parallel(model, sequences, self.context_parallel)
             cp = self.context_parallel  # every rank must walk the same plan
             agree_graph_bytes(model, lambda values: cp.largest(values, _device(model)), self._side_by_side(model))
         family = vision_family(model)  # Gemma 3: an image's tokens see each other both ways, so no piece cuts one
@@ -373,14 +373,16 @@ class _Walk:
             tensors.append(link)
             grads.append(torch.zeros_like(link))
         if tensors:
-            torch.autograd.backward(tensors, grads)
+            with self.passing.replaying(data.cache, data.shard) if self.passing is not None \
+                    else contextlib.nullcontext():  # gradient checkpointing's replays pass states as the forward did
+                torch.autograd.backward(tensors, grads)
         if self.passing is not None:
             self.passing.wait()
         if self.states is not None and (self.passing is None or self.cp.rank == 0):
             self.states.add_grads(data.cache.initial)  # to the parent's final state
 
 
-def check_context_parallel(model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> None:
+def check_context_parallel(model: PreTrainedModel, sequences: Sequence[TokenSequence], cp: ContextParallel) -> None:
     """What context parallelism computes so far: attention and token mixers that keep their state through the cache
     (sparse attention's indexers, compressed attention, convolutions inside attention, images and a model's own
     attention code are refused, naming why), before any compute."""
@@ -391,9 +393,10 @@ def check_context_parallel(model: PreTrainedModel, sequences: Sequence[TokenSequ
                "not pass between ranks yet")
     elif attends_in_own_code(model):
         why = "it computes attention in its own code over its cache's keys, which the ranks do not share"
-    elif gradient_checkpointing(model) and find_mixers(model):
+    elif gradient_checkpointing(model) and find_mixers(model) and side_by_side_scans(model, cp) is None:
         why = ("gradient checkpointing replays the layers, and a replayed mixer layer would pass its state from rank to "
-               "rank again, which context parallelism does not do yet")
+               "rank again, which context parallelism does with the mixers side by side only "
+               "(trainer.context_parallel_mixers=side-by-side, where every mixer allows it)")
     elif any(s.images for s in sequences):
         why = "a sequence shows images, which context parallelism does not feed yet"
     if why is not None:

@@ -161,6 +161,17 @@ class StatePassing:
         self.links.append(linked)
         return linked
 
+    @contextlib.contextmanager
+    def replaying(self, cache: TreeStateCache, shard: ShardLayout) -> Iterator[None]:
+        """A call's backward: gradient checkpointing replays its layers' forward there, which (side by side) split
+        their scans and pass their windows as the forward did; what the replay links is not the backward's (the
+        forward's graph is), so it is dropped."""
+        self.cache, self.shard, self.links, self.scanned = cache, shard, [], set()
+        try:
+            yield
+        finally:
+            self.cache, self.shard, self.links = None, None, []
+
     def end(self) -> list[torch.Tensor]:
         """The call is done: the outputs of its links (the walk's backward starts from them too, with a zero gradient,
         so that every link's backward runs and its peer's never waits for a message that does not come)."""
