@@ -21,7 +21,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from treerl.engine.base import final_hidden
 from treerl.engine.parallel_scan import LINEAR_SCANS, scan_of
-from treerl.engine.recurrent import find_mixers, mixer_kind
+from treerl.engine.recurrent import StateKey, find_mixers, mixer_kind
 from treerl.engine.state_passing import passed_mixers
 from treerl.engine.support import attention_layers, decoder_module
 from treerl.models import model_geometry
@@ -64,15 +64,20 @@ STATE_FLOPS = {"recurrent": 6, "linear": 6, "conv": 2}
 def state_flops(model: torch.nn.Module) -> int:
     """Forward FLOPs per token of a hybrid's token mixers on their states (0 for attention-only models), from the
     states' sizes: the ones a two-token call hands on, read off a meta-device model (no memory, no compute)."""
+    return sum(STATE_FLOPS.get(kind, 0) * state.numel() for (_, kind, _), state in handed_states(model).items())
+
+
+def handed_states(model: torch.nn.Module) -> dict[StateKey, torch.Tensor]:
+    """The states a two-token call of a meta-device model hands on, by key (none for attention-only models)."""
     mixers = find_mixers(model)
     if not mixers:
-        return 0
+        return {}
     cache = mixers.new_cache(None, 1, 0)
     ids = torch.zeros(1, 2, dtype=torch.long, device="meta")
     with torch.no_grad():
         final_hidden(model, input_ids=ids, **{mixers.cache_kwarg: cache, "use_cache": True})
     cache.finish()
-    return sum(STATE_FLOPS.get(kind, 0) * state.numel() for (_, kind, _), state in cache.final.items())
+    return cache.final
 
 
 @dataclass(frozen=True)
@@ -97,18 +102,13 @@ def mixer_rates(config: PretrainedConfig) -> MixerRates | None:
     mixers = passed_mixers(model)
     if not mixers:
         return None
-    found = find_mixers(model)
-    cache = found.new_cache(None, 1, 0)
-    with torch.no_grad():
-        final_hidden(model, input_ids=torch.zeros(1, 2, dtype=torch.long, device="meta"),
-                     **{found.cache_kwarg: cache, "use_cache": True})
-    cache.finish()
+    states = handed_states(model)
     flops = transfer = shared = passed = 0.0
     for module in mixers:
         layer, side = module.layer_idx, mixer_kind(module).side_by_side
         scan = LINEAR_SCANS.get(scan_of(module)) if side == "scan" else None
         flops += 2 * _linear_weights(module)
-        for (index, kind, _), state in cache.final.items():
+        for (index, kind, _), state in states.items():
             if index != layer:
                 continue
             flops += STATE_FLOPS.get(kind, 0) * state.numel()
@@ -119,7 +119,7 @@ def mixer_rates(config: PretrainedConfig) -> MixerRates | None:
                 else state.shape[-1] / state.shape[-2]  # K/V columns (K x K beside [K, V]) or N/P rows
             transfer += STATE_FLOPS[kind] * state.numel() * ratio
             shared += 4 * state.numel() * (1 + ratio)
-    kinds = [found.layers.get(i) for i in range(model_geometry(config).layers)]
+    kinds = [find_mixers(model).layers.get(i) for i in range(model_geometry(config).layers)]
     runs = tuple(len(run) for run in "".join("m" if k is not None and not k.in_attention else " "
                                              for k in kinds).split())
     count = len(mixers)

@@ -168,8 +168,7 @@ class DfsEngine:
 
     def _side_by_side(self, model: PreTrainedModel) -> frozenset[tuple[str, str]] | None:
         """The scans a hybrid's context-parallel ranks split (their pieces hold more graph: see `graph_bytes`)."""
-        cp = self.context_parallel
-        return side_by_side_scans(model, cp) if cp is not None and find_mixers(model) else None
+        return side_by_side_scans(model, self.context_parallel) if self.context_parallel is not None else None
 
 
 def _device(model: PreTrainedModel) -> torch.device:

@@ -31,6 +31,7 @@ the state passed rank by rank (treerl.engine.state_passing).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -135,11 +136,17 @@ def running() -> Pieces | None:
 
 def scan_of(module: torch.nn.Module) -> str | None:
     """The function of `LINEAR_SCANS` the module's forward calls (read off its source), or None."""
+    return _scan_of_class(type(module))
+
+
+@functools.cache
+def _scan_of_class(cls: type) -> str | None:
+    """`scan_of` for a class: its source is read once, not at every walk."""
     try:
-        source = inspect.getsource(type(module).forward)
+        source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return None
-    namespace = vars(sys.modules[type(module).__module__])
+    namespace = vars(sys.modules[cls.__module__])
     return next((name for name in LINEAR_SCANS if name + "(" in source and name in namespace), None)
 
 

@@ -293,11 +293,11 @@ def passed_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def side_by_side_scans(model: torch.nn.Module, cp: ContextParallel) -> frozenset[tuple[str, str]] | None:
     """The (module, function) scans the model's mixer layers split over the ranks when they run side by side: when
     `cp` asks for it and every mixer can (a window alone, a scan of treerl.engine.parallel_scan.LINEAR_SCANS its
-    forward calls, or the selective scan treerl continues); None: they run in turn."""
+    forward calls, or the selective scan treerl continues); None: they run in turn, or the model has none."""
     if cp.mixers != "side-by-side":
         return None
     mixers = passed_mixers(model)
-    if not all(mixer_kind(m).side_by_side for m in mixers):
+    if not mixers or not all(mixer_kind(m).side_by_side for m in mixers):
         return None
     scans = {(type(m).__module__, scan_of(m)) for m in mixers if mixer_kind(m).side_by_side == "scan"}
     return None if any(name is None for _, name in scans) else frozenset(scans)
