@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from treerl.attention.kernels import AttentionSpec, Part, attend, attend_backward, backend, fused_backend, merge
+from treerl.testing import relative_error
 
 
 def naive(q, k, v, spec: AttentionSpec, part: Part, sink: torch.Tensor | None = None):
@@ -116,3 +117,27 @@ def test_cuda_float32_efficient_kernel_equals_the_math_version(part):
     expected = attend_backward(dout, q, k, v, ref_out, ref_lse, (), spec, part, kind="math")
     for ours, theirs in zip(grads, expected):
         assert torch.allclose(ours, theirs, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("part", PARTS, ids=["own", "ancestors"])
+def test_cuda_bfloat16_flash_kernel_equals_the_math_version_on_row_slices(part):
+    """The engines pass row slices (views) of their q, k, v and of their running (out, lse) to the kernels."""
+    torch.manual_seed(4)
+    spec = AttentionSpec(scale=0.125)
+    length, keys = 40, 40 if part.causal else 70
+    rows = lambda n, dtype=torch.bfloat16: torch.randn(2, 4, n + 9, 64, device="cuda", dtype=dtype)[:, :, 5 : 5 + n]
+    q, k, v = rows(length), rows(keys), rows(keys)
+    assert backend(q, spec, part, keys) == "cuda-flash"
+    out, lse, saved = attend(q, k, v, spec, part)
+    ref_out, ref_lse, _ = attend(q, k, v, spec, part, kind="math")
+    assert relative_error(out, ref_out) < 1e-2 and relative_error(lse, ref_lse) < 1e-3
+    kept_out, kept_lse = rows(length), rows(length, torch.float32)
+    kept_out.copy_(out)
+    kept_lse[..., 0].copy_(lse)
+    dout = rows(length)
+    grads = attend_backward(dout, q, k, v, kept_out, kept_lse[..., 0], saved, spec, part)
+    expected = attend_backward(dout, q, k, v, ref_out, ref_lse, (), spec, part, kind="math")
+    for ours, theirs in zip(grads, expected):
+        assert relative_error(ours, theirs) < 2e-2

@@ -158,9 +158,12 @@ def attend_backward(dout, q, k, v, out, lse, saved: tuple, spec: AttentionSpec, 
             offset, 0.0, [True, True, True, False], part.causal, scale=spec.scale
         )
     else:
+        # The engines hand row slices of their running (out, lse) (views); the kernel reads lse as a dense
+        # [B, H, L] buffer, so a view's strides would be ignored (gradients off by 1e4 on an H100 before this).
         cum_q, cum_k, max_q, max_k, seed, offset = saved
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, part.causal, seed, offset, scale=spec.scale
+            dout.contiguous(), q, k, v, out.contiguous(), lse.float().contiguous(), cum_q, cum_k, max_q, max_k, 0.0,
+            part.causal, seed, offset, scale=spec.scale
         )
     return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_dim]
 
