@@ -125,7 +125,7 @@ def attend(q, k, v, spec: AttentionSpec, part: Part, kind: str | None = None):
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, part.causal, scale=spec.scale)
         return out[..., :dv], lse, ()
     if kind == "cuda-efficient":
-        # Untested on hardware in this repository (no GPU in CI). The kernel pads the log-sum-exp's rows to a
+        # Tested on an H100 (tests/engine/test_cuda.py, gpu; not in CI). The kernel pads the log-sum-exp's rows to a
         # multiple of 32; its backward reads the merged one at that padded shape (see attend_backward).
         out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
             q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, part.causal, scale=spec.scale

@@ -239,7 +239,7 @@ def _add_product(target: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tenso
     """
     if target.dtype == h.dtype:
         target.addmm_(grad_logits.to(h.dtype).T, h)
-    elif target.is_cuda and _mixed_gemm(target.device):  # untested on hardware in this repository
+    elif target.is_cuda and _mixed_gemm(target.device):  # taken on an H100 (test_cuda.py, gpu)
         torch.addmm(target, grad_logits.to(h.dtype).T, h, out_dtype=target.dtype, out=target)
     else:
         target.addmm_(grad_logits.to(target.dtype).T, h.to(target.dtype))
