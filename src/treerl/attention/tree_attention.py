@@ -114,6 +114,14 @@ class UnitKV:
         self.key_grads = self.value_grads = None
 
 
+def _kept(x: torch.Tensor) -> torch.Tensor:
+    """K or V as a unit keeps them: values only. The tensor itself would close a cycle that Python's collector cannot
+    see (unit -> K -> its autograd history -> an earlier layer's attention node -> its ctx -> unit): every call's K/V
+    stayed alive after its backward wherever an engine did not clear the unit (FlatEngine's packed rows: 67 GiB on an
+    H100 within one step)."""
+    return x.detach()
+
+
 def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
     """Gradients of many descendants are summed in the store: keep them at least in float32."""
     return torch.promote_types(dtype, torch.float32)
@@ -268,7 +276,7 @@ class _UnitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, path: PathKV | None, unit: UnitKV, layout: UnitLayout, layer: Slot,
                 spec: AttentionSpec):
-        unit.keys[layer], unit.values[layer] = k, v
+        unit.keys[layer], unit.values[layer] = _kept(k), _kept(v)
         heads, kv_heads = q.shape[1], k.shape[1]
         groups = heads // kv_heads
         ke, ve = _expand_heads(k, groups), _expand_heads(v, groups)
@@ -399,7 +407,7 @@ class _ShardAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, path: PathKV | None, unit: UnitKV, layout: UnitLayout, layer: Slot,
                 spec: AttentionSpec, shard: ShardLayout):
-        unit.keys[layer], unit.values[layer] = k, v  # the whole unit's: each rank keeps its share for the path
+        unit.keys[layer], unit.values[layer] = _kept(k), _kept(v)  # the whole unit's: each rank keeps its share
         heads, kv_heads = q.shape[1], k.shape[1]
         groups = heads // kv_heads
         ke, ve = _expand_heads(k, groups), _expand_heads(v, groups)
@@ -659,7 +667,7 @@ def _over_path(k: torch.Tensor, v: torch.Tensor, path: PathKV | None, unit: Unit
     """The call's own K/V (`[rows, kv_heads, width, D]`, kept for the path) behind the path's: [path | row]. Backward
     adds what descendants sent to the own K/V, and sends the path's share to its store."""
     rows = k.shape[0]
-    unit.keys[slot], unit.values[slot] = _one_row(k), _one_row(v)  # the path store reads segments of them
+    unit.keys[slot], unit.values[slot] = _kept(_one_row(k)), _kept(_one_row(v))  # the path store reads segments
     k, v = _WithDescendantGrads.apply(k, v, unit, slot)
     if path is not None and end > 0:
         path_k, path_v = _PathRead.apply(_DIFFERENTIABLE, path, slot, end, k.dtype)
