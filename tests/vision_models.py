@@ -89,3 +89,59 @@ def sequence(parts: list, seed: int = 0, llava: bool = False) -> TokenSequence:
     g = torch.Generator().manual_seed(seed)
     return TokenSequence(torch.tensor(tokens), images=tuple(spans),
                          fields={"advantages": torch.randn(len(tokens), generator=g, dtype=torch.float64)})
+
+
+# Gemma 3 as its rollouts see it: a tokenizer that merges newlines (Gemma's does: "\n\n\n" is one token), its special
+# tokens named as Gemma's tokenizer_config names them, and a Gemma-3-like chat template that writes <start_of_image>
+# for an image part; a tiny model whose image ids are that tokenizer's.
+GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                 "<end_of_image>", "<image_soft_token>"]
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' }}{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def gemma_tokenizer():
+    """A character-level BPE whose merges join runs of newlines, with Gemma 3's special tokens and template."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    characters = list(string.digits + string.ascii_letters + string.punctuation + " \n")
+    vocab = {t: i for i, t in enumerate(GEMMA_SPECIAL + characters + ["\n\n", "\n\n\n", "\n\n\n\n"])}
+    backend = Tokenizer(models.BPE(vocab, [("\n", "\n"), ("\n\n", "\n"), ("\n\n", "\n\n")], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_next")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                              "image_token": "<image_soft_token>"})
+    tokenizer.add_tokens(GEMMA_SPECIAL[4:6], special_tokens=True)  # already in the vocabulary: ids unchanged
+    tokenizer.chat_template = GEMMA_TEMPLATE
+    return tokenizer
+
+
+def gemma3_model(tokenizer) -> torch.nn.Module:
+    """A tiny float64 Gemma 3 (a 1-layer SigLIP tower on 8 x 8 images pooled to 4 tokens, a sliding window of 4 that
+    binds around the images) whose image, start and end ids are `tokenizer`'s."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    ids = tokenizer.convert_tokens_to_ids
+    text = {**TEXT, "vocab_size": len(tokenizer), "head_dim": 8, "sliding_window": 4, "rope_parameters": None,
+            "layer_types": ["sliding_attention", "full_attention"], "bos_token_id": ids("<bos>"),
+            "eos_token_id": ids("<eos>"), "pad_token_id": ids("<pad>")}
+    model = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text, vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                         "num_attention_heads": 4, "image_size": 8, "patch_size": 2},
+        mm_tokens_per_image=4, image_token_index=ids("<image_soft_token>"), boi_token_index=ids("<start_of_image>"),
+        eoi_token_index=ids("<end_of_image>"))).double().eval()
+    with torch.no_grad():  # initialised to zero, it would show every image as zeros
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.5)
+    return model

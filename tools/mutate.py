@@ -687,6 +687,21 @@ MUTATIONS = [
              "    model.lm_head = None\n", "",
              ("tests/cli/test_train_cmd.py::test_ppo_trains_a_critic_that_sees_the_images",),
              "a vision-language critic holds a vocabulary-wide LM head it never reads"),
+    # ------------------------------------------------------------------ memory and GPU (session 6)
+    Mutation("unit-keeps-its-kv-with-history", "src/treerl/attention/tree_attention.py",
+             "    return x.detach()\n", "    return x\n",
+             ("tests/engine/test_memory.py::test_a_step_leaves_nothing_behind",),
+             "flat's packed rows keep every micro-batch's K/V alive (a cycle through autograd's nodes): a GPU runs out "
+             "of memory within a step, and a run loses that much every step"),
+    # ------------------------------------------------------------------ Gemma 3 rollouts (issue 33)
+    Mutation("gemma3-pan-and-scan-ignored", "src/treerl/rollout/images.py",
+             'return_tensors="pt", **self._pan_and_scan())', 'return_tensors="pt")',
+             ("tests/rollout/test_gemma3_rollouts.py",),
+             "a Gemma 3 checkpoint that asks for pan & scan samples without its crops: not the prompt it would see"),
+    Mutation("gemma3-screenshot-placed-before-the-glue", "src/treerl/rollout/chat.py",
+             "self.tokenizer, who, offset + len(head))", "self.tokenizer, who, offset)",
+             ("tests/rollout/test_gemma3_rollouts.py",),
+             "an agent's later screenshot on Gemma 3 is placed a token early: the tower's features land on the wrong rows"),
 ]
 
 

@@ -59,6 +59,12 @@ class ChatFormat:
             )
         )
 
+    def render_text(self, messages: list[Message], add_generation_prompt: bool, tools: list[Tool] | None = None
+                    ) -> str:
+        """`render`'s conversation as text, before tokenizing (where a processor expands images in the text)."""
+        return self.tokenizer.apply_chat_template([_without_pixels(m) for m in messages], tools=tools or None,
+                                                  add_generation_prompt=add_generation_prompt, tokenize=False)
+
     def prompt(self, messages: list[Message], tools: list[Tool] | None = None) -> list[int]:
         """The first turn's context: the conversation so far and the assistant's generation prompt (of a text
         conversation: `prompt_with_images` renders images too)."""
@@ -71,6 +77,9 @@ class ChatFormat:
                            ) -> tuple[list[int], tuple[ImageSpan, ...]]:
         """The first turn's context and the images it shows: each image part's token expanded into its placeholder
         tokens, the image read and processed as the model's processor does (`treerl.rollout.images`)."""
+        if self.images is not None and self.images.expands_text:
+            text = self.render_text(messages, add_generation_prompt=True, tools=tools)
+            return self.images.tokenize_with_images(text, read_images(messages, who), self.tokenizer, who)
         ids = self.render(messages, add_generation_prompt=True, tools=tools)
         return expand_images(ids, read_images(messages, who), self.images, who)
 
@@ -100,6 +109,15 @@ class ChatFormat:
                 "multi-turn context cannot be extended token by token; use a template without that behaviour"
             )
         head = ([] if reply_stopped else [self.stop_token_ids[0]]) + self._glue
+        if self.images is not None and self.images.expands_text and image_parts(messages):
+            before_text = self.render_text(_BASE, add_generation_prompt=False, tools=tools)
+            after_text = self.render_text(_BASE + list(messages), add_generation_prompt=True, tools=tools)
+            if not after_text.startswith(before_text):
+                raise ValueError("the chat template renders an assistant turn differently once messages follow it, so "
+                                 "a multi-turn context cannot be extended; use a template without that behaviour")
+            tail, images = self.images.tokenize_with_images(after_text[len(before_text) :], read_images(messages, who),
+                                                            self.tokenizer, who, offset + len(head))
+            return head + tail, images
         tail, images = expand_images(after[len(before) :], read_images(messages, who), self.images, who,
                                      offset + len(head))
         return head + tail, images

@@ -12,6 +12,9 @@ tokenizer: `<vision_start><image><vision_end>`); `ImageProcessor` turns the imag
 (and Qwen-VL's patch grid) and says how many placeholder tokens that one token expands to, as the model's own
 processor does: Qwen-VL's `Qwen2VLImageProcessor` (its images keep their size, rounded to whole merged patches,
 unless a checkpoint's preprocessor config says otherwise), LLaVA's CLIP processor (resized to the tower's size).
+Gemma 3's template writes `<start_of_image>`, which its processor expands in the rendered text (newlines around the
+image's tokens, which the tokenizer merges with the text's own): its prompts are tokenized by transformers'
+`Gemma3Processor` after that expansion (`ImageProcessor.tokenize_with_images`), pan & scan crops included.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from PIL import Image, UnidentifiedImageError
+from transformers import PreTrainedTokenizerBase
 
-from treerl.engine.images import Llava, QwenVL, vision_family
+from treerl.engine.images import Gemma3, Llava, QwenVL, vision_family
 from treerl.errors import UserError
 from treerl.tree import ImageSpan
 
@@ -102,18 +107,61 @@ class ImageProcessor:
         self.image_token_id: int = config.image_token_id
         self.processor = _checkpoint_processor(path) or _processor_from_config(config, family)
 
+    @property
+    def expands_text(self) -> bool:
+        """Whether the model's processor expands an image's start token in the rendered *text* (Gemma 3: "\n\n", the
+        start token, the image's tokens, the end token, "\n\n"), so that the tokenizer merges those newlines with the
+        text around them: then the prompt is tokenized after the expansion (`tokenize_with_images`), not before."""
+        return isinstance(self.family, Gemma3)
+
     def span(self, image: Image.Image, start: int) -> ImageSpan:
         """The image at token `start`, as the engines and the sampler read it (float32 pixels)."""
-        if self.family.both_ways:
-            raise UserError(f"{self.config.model_type}: its chat template marks an image with a start token that its "
-                            "processor expands (into the image's tokens between start and end tokens), which treerl's "
-                            "rollouts do not do yet; train its images from Python (treerl.tree.ImageSpan, FlatEngine)")
         out = self.processor(images=[image], return_tensors="pt")
         pixels = out["pixel_values"].float()
         grid = out["image_grid_thw"][0] if "image_grid_thw" in out else None
         if isinstance(self.family, Llava):
             pixels = pixels[0]
         return ImageSpan(start, self.family.placeholders(self.config, grid), pixels, grid)
+
+    def tokenize_with_images(self, text: str, images: list[Image.Image], tokenizer: PreTrainedTokenizerBase, who: str,
+                             offset: int = 0) -> tuple[list[int], tuple[ImageSpan, ...]]:
+        """Rendered `text`, whose chat template wrote one start token per image, as the model's own processor
+        tokenizes it (transformers' Gemma3Processor: each start token expanded in the text, pan & scan crops
+        included when the image processor asks for them), and every image it shows as a span (a crop is an image
+        of its own), placed `offset` tokens further on."""
+        from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+
+        for name in ("boi_token", "eoi_token", "image_token"):
+            if getattr(tokenizer, name, None) is None:
+                raise UserError(f"{self.config.model_type}: the tokenizer names no {name} (its tokenizer_config's "
+                                "extra_special_tokens): give the checkpoint's own tokenizer (model.tokenizer_path)")
+        if tokenizer.image_token_id != self.image_token_id:
+            raise UserError(f"the tokenizer's image token {tokenizer.image_token!r} is id {tokenizer.image_token_id}, "
+                            f"the model's image_token_id {self.image_token_id}: give the checkpoint's own tokenizer")
+        written = text.count(tokenizer.boi_token)
+        if written != len(images):
+            raise UserError(f"{who} shows {len(images)} images, but the chat template wrote {written} "
+                            f"{tokenizer.boi_token} tokens: give the model's own chat template")
+        processor = Gemma3Processor(image_processor=self.processor, tokenizer=tokenizer,
+                                    image_seq_length=self.family.placeholders(self.config))
+        out = processor(text=[text], images=[images] if images else None, add_special_tokens=False,
+                        return_tensors="pt", **self._pan_and_scan())
+        ids = out["input_ids"][0].tolist()
+        starts = [i for i, token in enumerate(ids)
+                  if token == self.image_token_id and (i == 0 or ids[i - 1] != self.image_token_id)]
+        pixels = out["pixel_values"].float() if images else torch.zeros(0)
+        if len(starts) != len(pixels):
+            raise UserError(f"{who}: the processor made {len(pixels)} images (crops included) but {len(starts)} runs of "
+                            f"image tokens")
+        length = self.family.placeholders(self.config)
+        return ids, tuple(ImageSpan(offset + start, length, pixels[k]) for k, start in enumerate(starts))
+
+    def _pan_and_scan(self) -> dict[str, Any]:
+        """The image processor's own pan & scan settings (a checkpoint's preprocessor_config), which the processor's
+        call would otherwise replace with its defaults (off)."""
+        keys = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
+                "pan_and_scan_min_ratio_to_activate")
+        return {key: getattr(self.processor, key) for key in keys if getattr(self.processor, key, None) is not None}
 
 
 def _checkpoint_processor(path: str | None):
@@ -128,6 +176,10 @@ def _checkpoint_processor(path: str | None):
 def _processor_from_config(config, family: QwenVL | Llava):
     """The image processor of a random-init shape: the model's own processor class, sized by its vision config."""
     vision = config.vision_config
+    if isinstance(family, Gemma3):
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        return Gemma3ImageProcessorPil(size={"height": vision.image_size, "width": vision.image_size})
     if isinstance(family, QwenVL):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -156,6 +208,9 @@ def expand_images(ids: list[int], images: list[Image.Image], processor: ImagePro
     if processor is None:
         raise UserError(f"{who} shows an image, but the model is not a vision-language model whose images treerl "
                         "feeds (treerl.engine.images.VISION_LANGUAGE)")
+    if processor.expands_text:
+        raise ValueError(f"{processor.config.model_type} expands its images in the text: ImageProcessor."
+                         "tokenize_with_images, before tokenizing")
     shown = [i for i, token in enumerate(ids) if token == processor.image_token_id]
     if len(shown) != len(images):
         raise UserError(f"{who} shows {len(images)} images, but the chat template wrote {len(shown)} image tokens "
