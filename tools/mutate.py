@@ -693,6 +693,11 @@ MUTATIONS = [
              ("tests/engine/test_memory.py::test_a_step_leaves_nothing_behind",),
              "flat's packed rows keep every micro-batch's K/V alive (a cycle through autograd's nodes): a GPU runs out "
              "of memory within a step, and a run loses that much every step"),
+    Mutation("unit-grads-outside-the-budget", "src/treerl/engine/memory.py",
+             "        held = per_token + unit_grad_bytes_per_token(model)", "        held = per_token",
+             ("tests/engine/test_memory.py::test_measured_peak_within_the_contract",),
+             "DfsEngine holds more than flat's packed micro-batch (its units' K/V gradient buffers unplanned): a user "
+             "switching from flat needs more memory"),
     # ------------------------------------------------------------------ Gemma 3 rollouts (issue 33)
     Mutation("gemma3-pan-and-scan-ignored", "src/treerl/rollout/images.py",
              'return_tensors="pt", **self._pan_and_scan())', 'return_tensors="pt")',

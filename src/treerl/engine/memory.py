@@ -130,8 +130,8 @@ def graph_budget_tokens(model: PreTrainedModel, largest_node: int, longest_path:
     if ranks > 1:  # a rank's share of a token's graph (as a later piece holds it) and the call's gathered K and V
         per_rank = per_token if side_by_side is None else max(per_token, graph_bytes(model, side_by_side).per_token)
         held = per_rank / ranks + path_bytes_per_token(model) / 2  # K and V, no gradients
-    else:
-        held = per_token
+    else:  # a token's graph, and its unit's K/V gradient buffers
+        held = per_token + unit_grad_bytes_per_token(model)
     tokens = (budget - -(-longest_path // path_ranks) * path_bytes_per_token(model)) // held
     return int(tokens) if budget_bytes is not None else max(int(tokens), one_path)
 
@@ -182,11 +182,23 @@ def _probe_key(model: PreTrainedModel, side_by_side: frozenset[tuple[str, str]] 
 
 
 def path_bytes_per_token(model: PreTrainedModel) -> int:
-    """Bytes one path token costs in the K/V store: keys and values of every attention call of a forward (a layer may
-    attend more than once: a slot each, `attention_slots`), and their gradients."""
+    """Bytes one path token costs in the K/V store: keys and values of every attention call of a forward, and their
+    gradients."""
+    return 2 * _kv_elements(model) * _compute_dtype(model).itemsize
+
+
+def unit_grad_bytes_per_token(model: PreTrainedModel) -> int:
+    """Bytes of a unit token's K/V gradient buffers (float32 at least), where its descendants' gradients add up: held
+    beside the unit's graph, which flat's micro-batch does not hold."""
+    return _kv_elements(model) * max(_compute_dtype(model).itemsize, 4)
+
+
+def _kv_elements(model: PreTrainedModel) -> int:
+    """Key and value elements of one token over every attention call of a forward (a layer may attend more than once:
+    a slot each, `attention_slots`)."""
     g = model_geometry(model.config)
     layers = attention_slots(model) or len(attention_layers(model, find_mixers(model).mixer_classes)) or g.layers or 1
-    return 2 * 2 * layers * g.kv_heads * g.head_dim * _compute_dtype(model).itemsize
+    return 2 * layers * g.kv_heads * g.head_dim
 
 
 def _probe(model: PreTrainedModel, device: torch.device, tokens: int,
