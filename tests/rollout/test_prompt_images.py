@@ -20,7 +20,6 @@ from treerl.errors import DataError, UserError
 from treerl.models import model_config
 from treerl.rollout import EmbeddedSampler, Rollout, RolloutConfig, builtin_tokenizer
 from treerl.rollout.chat import ChatFormat
-from treerl.rollout.client import CompletionsClient
 from treerl.rollout.images import ImageProcessor, image_processor, load_image
 from treerl.rollout.sampler import SamplingParams
 from treerl.rollout.tasks import DatasetTask, Shapes
@@ -94,8 +93,6 @@ def test_images_where_treerl_takes_text_only_are_refused():
         _vision_chat().prompt(shown)
     with pytest.raises(UserError, match="not a vision-language model"):
         ChatFormat(builtin_tokenizer()).prompt_with_images(shown)
-    with pytest.raises(UserError, match="does not send images to an inference server"):
-        CompletionsClient(["http://127.0.0.1:9"]).generate([[1, 2]], SamplingParams(), images=[(object(),)])
 
 
 def test_the_built_in_vision_tokens_are_the_vision_shapes_ids():
@@ -162,8 +159,6 @@ def test_the_shapes_task_counts_the_shapes_it_draws_and_needs_a_vision_model():
         Shapes(max_shapes=5)
     with pytest.raises(UserError, match="needs a vision-language model"):
         Rollout(RolloutConfig(task="shapes"), builtin_tokenizer(), EmbeddedSampler(fresh_model()))
-    with pytest.raises(ValueError, match="shows images, which treerl does not send"):
-        RolloutConfig(task="shapes", server_url="http://127.0.0.1:8000").check()
 
 
 def _zero(prompt, completion, answer):

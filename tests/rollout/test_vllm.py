@@ -293,7 +293,8 @@ def test_a_hung_then_killed_server_stops_the_run_with_one_line_and_a_resumable_c
     server killed by PID while a run trains stops `treerl train` with exit code 4 and one line naming the server and
     rollout.server_type, after the last complete step is checkpointed whole; the run then resumes on another
     server (whose weights it pushes first) and finishes."""
-    client = client_of(own_server, timeout=3.0)
+    client = client_of(own_server)  # connected (a fresh server's first completion can take seconds), then impatient
+    client.timeout = 3.0
     os.killpg(own_server.process.pid, signal.SIGSTOP)
     try:
         with pytest.raises(ServerError, match=rf"POST {own_server.url}/inference/v1/generate \(rollout.server_type="

@@ -21,6 +21,9 @@ goes to the server with the fewest requests in flight):
 - SGLang: `POST /generate` with the prompt repeated once per sample, each with its own
   `sampling_seed` (SGLang seeds only with `--enable-deterministic-inference`, and then gives the n
   copies of one request the same seed); per-token versions from `meta_info.weight_versions`.
+Images (a prompt's `ImageSpan`s): vLLM's token-in/token-out route only, as `content_parts` (PNG data URLs of the
+images as read, `ImageSpan.source`) beside the ids with each image's placeholders collapsed to one token; vLLM expands
+them again and must answer with the trainer's ids and image places (`check_expanded`). Other routes are sent none.
 Seeds: a call's seed gives every prompt (SGLang: every sample) a seed of its own, derived from it,
 so no two prompts share a random stream (one seed for a whole multi-prompt request makes vLLM
 sample j of every prompt from the same stream) and a seeded call is reproducible.
@@ -49,6 +52,7 @@ Every failure is a `ServerError`: one line naming the server, the endpoint, the 
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import http.client
 import json
@@ -73,8 +77,9 @@ SERVER_TYPES = ("auto", "vllm", "sglang")
 PAUSE_MODES = ("wait", "keep")  # generations in flight during a push: finish on the old weights | resume on the new
 VLLM_RL_ROUTES = ("/pause", "/resume", "/collective_rpc", "/update_weight_version", "/weight_info")
 VLLM_GENERATE = "/inference/v1/generate"
-SERVER_IMAGES = ("a prompt shows an image, and treerl does not send images to an inference server yet "
-                 "(rollout.server_url): sample in process (no rollout.server_url) to train on images")
+SERVER_IMAGES = ("a prompt shows an image: treerl sends images to vLLM's token-in/token-out route only (vLLM started "
+                 "with --enable-scale-out), not to {server} (rollout.server_url); or sample in process (no "
+                 "rollout.server_url)")
 SGLANG_ROUTES = ("/generate", "/update_weights_from_disk", "/model_info", "/pause_generation", "/continue_generation")
 
 
@@ -230,15 +235,17 @@ class CompletionsClient:
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  images: list[tuple[ImageSpan, ...]] | None = None) -> list[list[Completion]]:
         """`params.n` completions per prompt, in prompt order, each token tagged with the weights that sampled it."""
-        if images is not None and any(images):
-            raise UserError(SERVER_IMAGES)
         check_prompts(prompts)
         if any(s.info is None for s in self.servers):
             self.connect()
+        shown = images if images is not None else [()] * len(prompts)
+        if any(shown):
+            check_sendable(shown, self.servers)
         seeds = [None if params.seed is None else prompt_seed(params.seed, p) for p in range(len(prompts))]
         pool = ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(prompts)))
         try:
-            futures = [pool.submit(self._sample, prompt, params, seed) for prompt, seed in zip(prompts, seeds)]
+            futures = [pool.submit(self._sample, prompt, params, seed, tuple(spans))
+                       for prompt, seed, spans in zip(prompts, seeds, shown)]
             self._wait(futures)
             return [f.result() for f in futures]
         finally:  # after a failure, not waiting for the other servers' requests (they may run for minutes)
@@ -254,10 +261,13 @@ class CompletionsClient:
             if self.on_wait is not None:
                 self.on_wait()
 
-    def _sample(self, prompt: list[int], params: SamplingParams, seed: int | None) -> list[Completion]:
-        """One prompt's samples from the least busy server."""
+    def _sample(self, prompt: list[int], params: SamplingParams, seed: int | None,
+                images: tuple[ImageSpan, ...] = ()) -> list[Completion]:
+        """One prompt's samples from the least busy server (one whose route takes images, where the prompt shows
+        any: `check_sendable` made sure there is one)."""
         with self._lock:
-            server = min(self.servers, key=lambda s: s.in_flight)
+            able = [s for s in self.servers if not images or takes_images(s)]
+            server = min(able, key=lambda s: s.in_flight)
             server.in_flight += 1
         try:
             info = server.info
@@ -268,18 +278,25 @@ class CompletionsClient:
                                     "log-prob of the untruncated distribution, not of the one it sampled from")
                 return self._sample_sglang(server, prompt, params, seed)
             if info.generate_route == VLLM_GENERATE:
-                return self._sample_vllm_generate(server, prompt, params, seed)
+                return self._sample_vllm_generate(server, prompt, params, seed, images)
             return self._sample_vllm_completions(server, prompt, params, seed)
         finally:
             with self._lock:
                 server.in_flight -= 1
 
     def _sample_vllm_generate(self, server: Server, prompt: list[int], params: SamplingParams,
-                              seed: int | None) -> list[Completion]:
-        """vLLM's token-in/token-out route: sample j gets seed + j (vLLM's own rule), versions per token."""
-        answer = self._post(server, VLLM_GENERATE, {
-            "model": self.model, "token_ids": prompt, "sampling_params": vllm_sampling(params, seed) | {
-                "logprobs": 0, "detokenize": False}})
+                              seed: int | None, images: tuple[ImageSpan, ...] = ()) -> list[Completion]:
+        """vLLM's token-in/token-out route: sample j gets seed + j (vLLM's own rule), versions per token. Images go
+        as content parts (PNG data URLs) beside the prompt with each image's placeholders collapsed to one token:
+        vLLM's processor expands them again, and the ids and places it answers with must be the trainer's."""
+        body = {"model": self.model, "token_ids": prompt, "sampling_params": vllm_sampling(params, seed) | {
+            "logprobs": 0, "detokenize": False}}
+        if images:
+            body |= {"token_ids": collapsed(prompt, images), "return_token_ids": True,
+                     "content_parts": [{"type": "image_url", "url": data_url(span)} for span in images]}
+        answer = self._post(server, VLLM_GENERATE, body)
+        if images:
+            check_expanded(server, answer, prompt, images)
         choices = self._choices(server, answer, params.n)
         return [vllm_generate_completion(c, self.version) for c in choices]
 
@@ -415,6 +432,53 @@ class CompletionsClient:
 
 
 # ---------------------------------------------------------------------------------------------- request fields
+def takes_images(server: Server) -> bool:
+    """Whether treerl sends images to this server: vLLM's token-in/token-out route, whose prompts carry content
+    parts (SGLang's /generate and vLLM's /v1/completions are not tried against a real server here)."""
+    return server.info is not None and server.info.generate_route == VLLM_GENERATE
+
+
+def check_sendable(images: list[tuple[ImageSpan, ...]] | list[tuple], servers: list[Server]) -> None:
+    """Before any request: some server takes images, and every image has its source to send."""
+    if not any(takes_images(s) for s in servers):
+        first = servers[0]
+        raise UserError(SERVER_IMAGES.format(server=f"the {first.info.kind if first.info else ''} server at {first.url}"))
+    if any(span.source is None for spans in images for span in spans):
+        raise UserError("an image to send to an inference server has no source (ImageSpan.source, the image's PNG "
+                        "bytes): build prompts with treerl.rollout.chat.ChatFormat, which keeps it")
+
+
+def collapsed(prompt: list[int], images: tuple[ImageSpan, ...]) -> list[int]:
+    """The prompt with each image's placeholder tokens collapsed to the first: as the chat template writes it."""
+    out, last = [], 0
+    for span in sorted(images, key=lambda s: s.start):
+        out += prompt[last : span.start + 1]
+        last = span.end
+    return out + prompt[last:]
+
+
+def data_url(span: ImageSpan) -> str:
+    """The image as a base64 PNG data URL."""
+    assert span.source is not None
+    return "data:image/png;base64," + base64.b64encode(span.source).decode()
+
+
+def check_expanded(server: Server, answer: dict[str, Any], prompt: list[int], images: tuple[ImageSpan, ...]) -> None:
+    """vLLM expanded the images as the trainer did: the same prompt ids and image places (else its processor, e.g.
+    another preprocessor config or resize, sees other images than the ones trained on)."""
+    ids = answer.get("prompt_token_ids")
+    if not (answer.get("mm_placeholders") or {}).get("image"):
+        raise ServerError(f"{server.url}{VLLM_GENERATE}: the server answered without placing the prompt's images "
+                          "(no mm_placeholders): it does not take images on this route (a vLLM 0.32 server does)")
+    places = [(p.get("offset"), p.get("length")) for p in answer["mm_placeholders"]["image"]]
+    ours = [(span.start, span.length) for span in sorted(images, key=lambda s: s.start)]
+    if ids != prompt or places != ours:
+        raise ServerError(f"{server.url}: the server's processor expanded the prompt's images into other tokens than "
+                          f"the trainer's (image places {places}, the trainer's {ours}; {len(ids or [])} prompt tokens, "
+                          f"the trainer's {len(prompt)}): serve the checkpoint whose preprocessor_config.json the "
+                          "trainer reads (model.path)")
+
+
 def prompt_seed(seed: int, index: int) -> int:
     """The seed of prompt `index` of a call seeded `seed`: no two prompts share a random stream."""
     return rng_for("prompt", seed, index).getrandbits(62)

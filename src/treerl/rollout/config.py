@@ -104,9 +104,6 @@ class RolloutConfig:
         if self.task == "agent" and (not self.data_path or not self.agent):
             raise ValueError("rollout.task = 'agent' needs rollout.agent (my_agent.py:episode) and rollout.data_path "
                              "(a JSONL of tasks)")
-        if self.task == "shapes" and self.server_url is not None:
-            raise ValueError("rollout.task = 'shapes' shows images, which treerl does not send to an inference server "
-                             "yet: leave rollout.server_url unset (sample in process)")
         if self.tool_parser not in PARSER_NAMES:
             raise ValueError(f"rollout.tool_parser: {self.tool_parser!r} is not one of {', '.join(PARSER_NAMES)}")
         if self.server_url is not None and not self.server_urls:

@@ -121,7 +121,7 @@ class ImageProcessor:
         grid = out["image_grid_thw"][0] if "image_grid_thw" in out else None
         if isinstance(self.family, Llava):
             pixels = pixels[0]
-        return ImageSpan(start, self.family.placeholders(self.config, grid), pixels, grid)
+        return ImageSpan(start, self.family.placeholders(self.config, grid), pixels, grid, source=png_bytes(image))
 
     def tokenize_with_images(self, text: str, images: list[Image.Image], tokenizer: PreTrainedTokenizerBase, who: str,
                              offset: int = 0) -> tuple[list[int], tuple[ImageSpan, ...]]:
@@ -162,6 +162,13 @@ class ImageProcessor:
         keys = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
                 "pan_and_scan_min_ratio_to_activate")
         return {key: getattr(self.processor, key) for key in keys if getattr(self.processor, key, None) is not None}
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    """The image as a PNG file (lossless): what an inference server is sent, to process as the trainer did."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def _checkpoint_processor(path: str | None):

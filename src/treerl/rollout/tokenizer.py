@@ -32,6 +32,8 @@ CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
 # A vision-language shape's image, video and vision start/end ids are the top four of its vocabulary
 # (treerl.models.model_config): with `vision=True` these four close the built-in vocabulary, highest last.
 VISION_TOKENS = ("<vision_end>", "<vision_start>", "<video>", "<image>")
+VISION_NAMES = (("vision_end_token", "<vision_end>"), ("vision_start_token", "<vision_start>"),
+                ("video_token", "<video>"), ("image_token", "<image>"))
 
 BUILTIN_CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -61,7 +63,7 @@ PLAIN_CHAT_TEMPLATE = (
 def builtin_tokenizer(vision: bool = False) -> PreTrainedTokenizerFast:
     """A character-level tokenizer for the built-in tasks: digits, letters, punctuation, space, newline (and with
     `vision`, the four image tokens of a vision-language shape)."""
-    specials = [f"<{role}>" for role in ROLES] + (list(VISION_TOKENS) if vision else [])
+    roles = [f"<{role}>" for role in ROLES]
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHARACTERS) + (VISION_TOKENS if vision else ()))}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per character
@@ -72,8 +74,11 @@ def builtin_tokenizer(vision: bool = False) -> PreTrainedTokenizerFast:
         eos_token="<eos>",
         pad_token="<pad>",
         unk_token="<unk>",
-        additional_special_tokens=specials,
+        # The vision tokens by the names a processor reads (`tokenizer.image_token`: Qwen-VL's processor in vLLM)
+        extra_special_tokens=dict(VISION_NAMES) if vision else roles,
     )
+    if vision:
+        tokenizer.add_tokens(roles, special_tokens=True)  # in the vocabulary already: special, ids unchanged
     tokenizer.chat_template = BUILTIN_CHAT_TEMPLATE
     return tokenizer
 

@@ -32,12 +32,15 @@ IMAGE_KEY_OFFSETS = 2**20  # most placeholder tokens one image may have (its off
 @dataclass(frozen=True, eq=False)
 class ImageSpan:
     """An image shown at tokens [start, start + length) of its sequence (its placeholder tokens), with what the
-    model's vision tower reads: `pixel_values` as its processor makes them, `grid_thw` its patch grid (Qwen-VL)."""
+    model's vision tower reads: `pixel_values` as its processor makes them, `grid_thw` its patch grid (Qwen-VL), and
+    `source`, the image itself as a PNG file's bytes, for an inference server that processes images itself (a
+    rollout's spans carry it; the engines never read it)."""
 
     start: int
     length: int
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor | None = None
+    source: bytes | None = field(default=None, repr=False)
 
     @property
     def end(self) -> int:

@@ -287,9 +287,11 @@ def full_weights(model: PreTrainedModel) -> dict[str, torch.Tensor]:
 
 
 def write_pretrained(
-    path: Path, model: PreTrainedModel, weights: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase
+    path: Path, model: PreTrainedModel, weights: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
+    image_processor: Any = None,
 ) -> None:
-    """A fresh transformers checkpoint directory (safetensors weights, config, tokenizer) at `path`.
+    """A fresh transformers checkpoint directory (safetensors weights, config, tokenizer, and a vision-language
+    model's `image_processor` config where given: a server processes images as it says) at `path`.
 
     The config and generation config get the tokenizer's eos/bos/pad ids where they have none, so that
     `generate` on the checkpoint stops at the end of a reply.
@@ -303,15 +305,18 @@ def write_pretrained(
                 setattr(config, key, getattr(tokenizer, key))
     model.save_pretrained(path, state_dict=weights, safe_serialization=True)
     tokenizer.save_pretrained(path)
+    if image_processor is not None:
+        image_processor.save_pretrained(path)
 
 
 def write_pretrained_atomically(
-    path: Path, model: PreTrainedModel, weights: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase
+    path: Path, model: PreTrainedModel, weights: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
+    image_processor: Any = None,
 ) -> None:
     """`write_pretrained` into a temporary sibling, then renamed to `path`: a reader (an inference server loading
     the new weights) never sees half of it. Not fsynced nor hashed: a crash loses nothing a checkpoint holds."""
     tmp = path.with_name(f"{_TEMPORARY[0]}{path.name}-{os.getpid()}")
-    write_pretrained(tmp, model, weights, tokenizer)
+    write_pretrained(tmp, model, weights, tokenizer, image_processor)
     _publish(tmp, path)
 
 

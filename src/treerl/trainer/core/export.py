@@ -14,12 +14,14 @@ fingerprint the run saved), loads the adapters and merges them into the base wei
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treerl.errors import UserError
 from treerl.models import DTYPES, base_fingerprint, is_lora
+from treerl.rollout.images import image_processor
 from treerl.trainer.core.build import load_policy
 from treerl.trainer.core.checkpoint import (
     CONFIG_FILE,
@@ -56,7 +58,8 @@ def export_shape(shape: str, out: str | Path, dtype: str | None = None, seed: in
     out = Path(out)
     check_out(out, dtype)
     model, tokenizer = load_policy(ModelConfig(shape=shape, seed=seed), torch.device("cpu"))
-    return write_model(model, tokenizer, out, dtype)
+    images = image_processor(model.config)  # a vision-language shape's: a server processes its images as it says
+    return write_model(model, tokenizer, out, dtype, images.processor if images is not None else None)
 
 
 def check_out(out: Path, dtype: str | None) -> None:
@@ -67,13 +70,15 @@ def check_out(out: Path, dtype: str | None) -> None:
         raise UserError(f"{out} already exists and is not an empty directory; export writes a new one")
 
 
-def write_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, dtype: str | None) -> Path:
-    """`model` (in `dtype`, if given) and `tokenizer` as a transformers model directory, complete or absent."""
+def write_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, dtype: str | None,
+                image_processor: Any = None) -> Path:
+    """`model` (in `dtype`, if given), `tokenizer` (and `image_processor`) as a transformers model directory, complete
+    or absent."""
     model.eval()
     if dtype is not None:
         model = model.to(getattr(torch, dtype))
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():
         out.rmdir()  # empty (checked above): the atomic rename puts the complete directory there
-    write_pretrained_atomically(out, model, model.state_dict(), tokenizer)
+    write_pretrained_atomically(out, model, model.state_dict(), tokenizer, image_processor)
     return out
