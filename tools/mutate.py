@@ -709,13 +709,13 @@ MUTATIONS = [
              "an agent's later screenshot on Gemma 3 is placed a token early: the tower's features land on the wrong rows"),
     Mutation("server-images-not-checked", "src/treerl/rollout/client.py",
              "        if images:\n            check_expanded(server, answer, prompt, images)\n", "",
-             ("tests/rollout/test_vllm_images.py::test_a_server_that_expands_an_image_otherwise_is_stopped_with_the_reason",),
+             ("tests/rollout/test_vllm.py::test_a_server_that_expands_an_image_otherwise_is_stopped_with_the_reason",),
              "a server whose processor makes other placeholders of an image than the trainer's samples on, and the "
              "trainer trains those samples on other image rows than the server saw"),
     Mutation("server-images-sent-expanded", "src/treerl/rollout/client.py",
              '        body |= {"token_ids": collapsed(prompt, images), "return_token_ids": True,',
              '        body |= {"token_ids": prompt, "return_token_ids": True,',
-             ("tests/rollout/test_vllm_images.py::test_image_prompts_sample_on_vllm_with_the_trainers_logprobs",),
+             ("tests/rollout/test_vllm.py::test_image_prompts_sample_on_vllm_with_the_trainers_logprobs",),
              "vLLM expands every placeholder token of an image again: the server samples from a prompt with the "
              "image's tokens many times over"),
 ]

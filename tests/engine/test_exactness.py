@@ -130,8 +130,8 @@ def random_batches(draw):
     return lists
 
 
-@pytest.mark.slow  # 200 random trees, every plan choice: ~40 s on 2 cores
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.slow  # 150 random trees, every plan choice: ~25 s on 2 cores
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lists=random_batches(),
     arch=st.sampled_from(ARCHS),

@@ -1,11 +1,12 @@
 """Against a real vLLM 0.32 server (its CPU build, in its own venv, started as docs/training.md says): behaviour
 log-probs, seeds, weight pushes, per-token versions, training synchronously and asynchronously, an agent through the
-proxy, and a server that hangs, dies or refuses a reload. The venv is built when missing (about 2 minutes): these
-tests never skip.
+proxy, images (a vision-language checkpoint served the same way), and a server that hangs, dies or refuses a reload.
+The venv is built when missing (about 2 minutes): these tests never skip.
 
-The module's server is the docs' walkthrough run as written (tests/vllm_server.py); tests that kill or break a server
-start their own. Bounds: vLLM computes in float32 and the trainer recomputes in float64 from the same float32
-weights, so a log-prob differs by rounding alone: |delta| < 2e-5 (measured: ~1e-6).
+The module's server is the docs' walkthrough run as written (tests/vllm_server.py); the vision-language server is the
+one the hung-then-killed test stops (after the image tests), the walkthrough's the one the refused reload breaks
+(last). Bounds: vLLM computes in float32 and the trainer recomputes in float64 from the same float32 weights, so a
+log-prob differs by rounding alone: |delta| < 2e-5 (measured: ~1e-6; 1e-4 with the vision tower).
 """
 
 from __future__ import annotations
@@ -20,17 +21,23 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from transformers import AutoModelForCausalLM
 from vllm_server import ROOT, documented_server, walkthrough
 
+from treerl.engine import DfsEngine
 from treerl.errors import ServerError
 from treerl.models import build_model
-from treerl.rollout import CompletionsClient, SamplingParams, builtin_tokenizer
+from treerl.rollout import CompletionsClient, SamplingParams, builtin_tokenizer, load_tokenizer
 from treerl.rollout import client as client_module
+from treerl.rollout.chat import ChatFormat
+from treerl.rollout.images import ImageProcessor
 from treerl.rollout.sampler import truncate_logits
 from treerl.trainer import load_config, train
+from treerl.tree import TokenSequence
 
 pytestmark = pytest.mark.slow
 
@@ -279,33 +286,99 @@ def test_an_agent_task_trains_through_the_proxy(server, model_dir, tmp_path):
     client.push_weights(str(model_dir), version=0)
 
 
-# ---------------------------------------------------------------------------------------------- failures
-@pytest.fixture
-def own_server(model_dir, tmp_path):
-    """A server of this test's own, to hang or kill."""
-    with documented_server(model_dir, tmp_path) as server:
+# ---------------------------------------------------------------------------------------------- images
+@pytest.fixture(scope="module")
+def vl_dir(workdir) -> Path:
+    """A random-init Qwen2.5-VL exported as a checkpoint: weights, the built-in tokenizer (its image tokens named),
+    the image processor's config."""
+    path = workdir / "vl"
+    done = subprocess.run([sys.executable, "-m", "treerl.cli.main", "export", "--shape", "small-qwen2.5-vl", str(path)],
+                          capture_output=True, text=True, env=cli_env())
+    assert done.returncode == 0, done.stderr
+    return path
+
+
+@pytest.fixture(scope="module")
+def vl_server(vl_dir, workdir):
+    """vLLM serving the vision-language checkpoint, started as the walkthrough starts it; stopped by the hung-then-
+    killed test."""
+    with documented_server(vl_dir, workdir) as server:
         yield server
 
 
-def test_a_hung_then_killed_server_stops_the_run_with_one_line_and_a_resumable_checkpoint(own_server, server,
-                                                                                         model_dir, tmp_path):
+def _picture(seed: int, height: int, width: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def image_prompts(vl_dir: Path) -> list[tuple[list[int], tuple]]:
+    """Two image prompts (one image of 32 x 40 pixels; two images, one of them 24 x 24), as rollouts build them."""
+    chat = ChatFormat(load_tokenizer(vl_dir), images=ImageProcessor(build_model(path=vl_dir).config, str(vl_dir)))
+    one = [{"role": "user", "content": [{"type": "image", "image": _picture(0, 32, 40)},
+                                        {"type": "text", "text": "How many?"}]}]
+    two = [{"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image", "image": _picture(1, 24, 24)},
+                                        {"type": "text", "text": "and"}, {"type": "image", "image": _picture(0, 32, 40)}]}]
+    return [chat.prompt_with_images(one), chat.prompt_with_images(two)]
+
+
+def test_image_prompts_sample_on_vllm_with_the_trainers_logprobs(vl_server, vl_dir):
+    """Images go as content parts beside the ids (each image's placeholders collapsed to one); vLLM's expansion is the
+    trainer's, and the behaviour log-probs are the trainer's float64 recomputation (vision tower included)."""
+    prompts = image_prompts(vl_dir)
+    client = CompletionsClient(vl_server.url, model="policy")
+    results = client.generate([ids for ids, _ in prompts], SamplingParams(n=2, max_new_tokens=6, seed=0),
+                              images=[spans for _, spans in prompts])
+    model = build_model(path=vl_dir, dtype=torch.float64)
+    sequences, sampled = [], []
+    for (ids, spans), completions in zip(prompts, results):
+        for completion in completions:
+            sequences.append(TokenSequence(torch.tensor(ids + completion.tokens), images=spans))
+            sampled.append((len(ids), torch.tensor(completion.logprobs, dtype=torch.float64)))
+    for out, (start, logprobs) in zip(DfsEngine().forward(model, sequences), sampled):
+        assert (out["logprobs"][start:] - logprobs).abs().max() < 1e-4
+    assert len({tuple(s.tokens.tolist()) for s in sequences}) > 2  # the samples differ
+
+
+def test_a_server_that_expands_an_image_otherwise_is_stopped_with_the_reason(vl_server, vl_dir):
+    """The trainer's placeholders for an image are not what the server's processor makes of it (here: the prompt
+    claims one placeholder token fewer): a ServerError naming it, not samples trained on other images."""
+    (ids, spans), _ = image_prompts(vl_dir)
+    short = replace(spans[0], length=spans[0].length - 1)
+    ids = ids[: short.end] + ids[spans[0].end :]
+    with pytest.raises(ServerError, match="expanded the prompt's images into other tokens than the trainer's"):
+        CompletionsClient(vl_server.url, model="policy").generate([ids], SamplingParams(max_new_tokens=2),
+                                                                  images=[(short,)])
+
+
+def test_the_shapes_task_trains_on_the_server(vl_server, vl_dir, tmp_path):
+    """`treerl train shapes rollout.server_url=...`: the images are sampled on vLLM, trained, and each step's weights
+    pushed back to it."""
+    config = load_config("shapes", [*TRAIN, f"model.path={vl_dir}", f"rollout.server_url={vl_server.url}",
+                                    "trainer.steps=2", "rollout.group_size=2", f"trainer.output_dir={tmp_path / 'run'}"])
+    result = train(config)
+    assert result.steps == 2 and result.dropped_samples == 0
+    client = client_of(vl_server)
+    assert client._get(client.servers[0], "/weight_info") == {"weight_version": "2"}
+
+
+# ---------------------------------------------------------------------------------------------- failures
+def test_a_hung_then_killed_server_stops_the_run_with_one_line_and_a_resumable_checkpoint(vl_server, vl_dir, tmp_path):
     """A server that stops answering (SIGSTOP) is a ServerError naming it once rollout.request_timeout passes; a
-    server killed by PID while a run trains stops `treerl train` with exit code 4 and one line naming the server and
-    rollout.server_type, after the last complete step is checkpointed whole; the run then resumes on another
-    server (whose weights it pushes first) and finishes."""
-    client = client_of(own_server)  # connected (a fresh server's first completion can take seconds), then impatient
+    server killed by PID while a run trains (the shapes task, its images sampled there) stops `treerl train` with exit
+    code 4 and one line naming the server and rollout.server_type, after the last complete step is checkpointed whole;
+    the run then resumes from it (sampling in process) and finishes. After the image tests: it stops their server."""
+    client = client_of(vl_server)  # connected (a fresh server's first completion can take seconds), then impatient
     client.timeout = 3.0
-    os.killpg(own_server.process.pid, signal.SIGSTOP)
+    os.killpg(vl_server.process.pid, signal.SIGSTOP)
     try:
-        with pytest.raises(ServerError, match=rf"POST {own_server.url}/inference/v1/generate \(rollout.server_type="
+        with pytest.raises(ServerError, match=rf"POST {vl_server.url}/inference/v1/generate \(rollout.server_type="
                                               r"vllm\): no answer"):
             client.generate(prompts()[:1], SamplingParams(n=1, max_new_tokens=4))
     finally:
-        os.killpg(own_server.process.pid, signal.SIGCONT)
+        os.killpg(vl_server.process.pid, signal.SIGCONT)
 
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "treerl.cli.main", "train", *TRAIN, f"model.path={model_dir}",
-               f"rollout.server_url={own_server.url}", "trainer.steps=50", f"trainer.output_dir={out}",
+    command = [sys.executable, "-m", "treerl.cli.main", "train", "shapes", *TRAIN, f"model.path={vl_dir}",
+               f"rollout.server_url={vl_server.url}", "trainer.steps=50", f"trainer.output_dir={out}",
                "rollout.request_timeout=20"]
     trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
     metrics = out / "metrics.jsonl"
@@ -314,22 +387,18 @@ def test_a_hung_then_killed_server_stops_the_run_with_one_line_and_a_resumable_c
         assert trainer.poll() is None, trainer.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "the run did not train two steps in 300 s"
         time.sleep(0.2)
-    os.killpg(own_server.process.pid, signal.SIGKILL)
+    os.killpg(vl_server.process.pid, signal.SIGKILL)
     _, stderr = trainer.communicate(timeout=300)
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert trainer.returncode == ServerError.exit_code and len(errors) == 1, stderr[-3000:]
-    assert own_server.url in errors[0] and "rollout.server_type=vllm" in errors[0]
+    assert vl_server.url in errors[0] and "rollout.server_type=vllm" in errors[0]
     assert "continue with trainer.resume=auto" in errors[0]
     saved = sorted((out / "checkpoints").iterdir())
     assert saved and all((c / "manifest.json").exists() for c in saved)
 
-    resumed = load_config(None, [*TRAIN, f"model.path={model_dir}", f"rollout.server_url={server.url}",
-                                 "trainer.resume=auto", f"trainer.output_dir={out}",
-                                 f"trainer.steps={int(saved[-1].name.split('_')[1]) + 1}"])
-    try:
-        assert train(resumed).steps == resumed.trainer.steps
-    finally:
-        client_of(server).push_weights(str(model_dir), version=0)
+    resumed = load_config("shapes", [*TRAIN, f"model.path={vl_dir}", "trainer.resume=auto", f"trainer.output_dir={out}",
+                                     f"trainer.steps={int(saved[-1].name.split('_')[1]) + 1}"])
+    assert train(resumed).steps == resumed.trainer.steps
 
 
 def test_a_refused_reload_stops_with_one_line_before_anything_trains(server, model_dir, tmp_path):
