@@ -292,6 +292,7 @@ class CompletionsClient:
         body = {"model": self.model, "token_ids": prompt, "sampling_params": vllm_sampling(params, seed) | {
             "logprobs": 0, "detokenize": False}}
         if images:
+            images = tuple(sorted(images, key=lambda span: span.start))  # the content parts in the prompt's order
             body |= {"token_ids": collapsed(prompt, images), "return_token_ids": True,
                      "content_parts": [{"type": "image_url", "url": data_url(span)} for span in images]}
         answer = self._post(server, VLLM_GENERATE, body)
