@@ -25,6 +25,8 @@ Tool = dict[str, Any]  # an OpenAI tool definition: {"type": "function", "functi
 
 # A fixed conversation ending in an assistant reply, to read off how the template continues after one.
 _BASE = [{"role": "user", "content": "0"}, {"role": "assistant", "content": "0"}]
+NOT_EXTENSIBLE = ("the chat template renders an assistant turn differently once messages follow it, so a multi-turn "
+                  "context cannot be extended token by token; use a template without that behaviour")
 
 
 class ChatFormat:
@@ -101,23 +103,19 @@ class ChatFormat:
                                  ) -> tuple[list[int], tuple[ImageSpan, ...]]:
         """`continuation`, and the images its messages show (an agent's screenshot), placed as if the continuation
         started at token `offset` (the length of the context it extends)."""
-        before = self.render(_BASE, add_generation_prompt=False, tools=tools) if tools else self._base
-        after = self.render(_BASE + list(messages), add_generation_prompt=True, tools=tools)
-        if after[: len(before)] != before:
-            raise ValueError(
-                "the chat template renders an assistant turn differently once messages follow it, so a "
-                "multi-turn context cannot be extended token by token; use a template without that behaviour"
-            )
         head = ([] if reply_stopped else [self.stop_token_ids[0]]) + self._glue
-        if self.images is not None and self.images.expands_text and image_parts(messages):
+        if self.images is not None and self.images.expands_text and image_parts(messages):  # Gemma 3: in the text
             before_text = self.render_text(_BASE, add_generation_prompt=False, tools=tools)
             after_text = self.render_text(_BASE + list(messages), add_generation_prompt=True, tools=tools)
             if not after_text.startswith(before_text):
-                raise ValueError("the chat template renders an assistant turn differently once messages follow it, so "
-                                 "a multi-turn context cannot be extended; use a template without that behaviour")
+                raise ValueError(NOT_EXTENSIBLE)
             tail, images = self.images.tokenize_with_images(after_text[len(before_text) :], read_images(messages, who),
                                                             self.tokenizer, who, offset + len(head))
             return head + tail, images
+        before = self.render(_BASE, add_generation_prompt=False, tools=tools) if tools else self._base
+        after = self.render(_BASE + list(messages), add_generation_prompt=True, tools=tools)
+        if after[: len(before)] != before:
+            raise ValueError(NOT_EXTENSIBLE)
         tail, images = expand_images(after[len(before) :], read_images(messages, who), self.images, who,
                                      offset + len(head))
         return head + tail, images

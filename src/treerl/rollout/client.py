@@ -446,13 +446,15 @@ def check_sendable(images: list[tuple[ImageSpan, ...]] | list[tuple], servers: l
         raise UserError(SERVER_IMAGES.format(server=f"the {first.info.kind if first.info else ''} server at {first.url}"))
     if any(span.source is None for spans in images for span in spans):
         raise UserError("an image to send to an inference server has no source (ImageSpan.source, the image's PNG "
-                        "bytes): build prompts with treerl.rollout.chat.ChatFormat, which keeps it")
+                        "bytes): ChatFormat keeps it where it expands the images' ids itself (Qwen-VL, LLaVA); Gemma "
+                        "3's prompts, expanded in their text, are not sent to servers")
 
 
 def collapsed(prompt: list[int], images: tuple[ImageSpan, ...]) -> list[int]:
-    """The prompt with each image's placeholder tokens collapsed to the first: as the chat template writes it."""
+    """The prompt with each image's placeholder tokens (`images` in the prompt's order) collapsed to the first: as
+    the chat template writes it."""
     out, last = [], 0
-    for span in sorted(images, key=lambda s: s.start):
+    for span in images:
         out += prompt[last : span.start + 1]
         last = span.end
     return out + prompt[last:]
@@ -465,14 +467,14 @@ def data_url(span: ImageSpan) -> str:
 
 
 def check_expanded(server: Server, answer: dict[str, Any], prompt: list[int], images: tuple[ImageSpan, ...]) -> None:
-    """vLLM expanded the images as the trainer did: the same prompt ids and image places (else its processor, e.g.
-    another preprocessor config or resize, sees other images than the ones trained on)."""
+    """vLLM expanded the images (in the prompt's order) as the trainer did: the same prompt ids and image places (else
+    its processor, e.g. another preprocessor config or resize, sees other images than the ones trained on)."""
     ids = answer.get("prompt_token_ids")
     if not (answer.get("mm_placeholders") or {}).get("image"):
         raise ServerError(f"{server.url}{VLLM_GENERATE}: the server answered without placing the prompt's images "
                           "(no mm_placeholders): it does not take images on this route (a vLLM 0.32 server does)")
     places = [(p.get("offset"), p.get("length")) for p in answer["mm_placeholders"]["image"]]
-    ours = [(span.start, span.length) for span in sorted(images, key=lambda s: s.start)]
+    ours = [(span.start, span.length) for span in images]
     if ids != prompt or places != ours:
         raise ServerError(f"{server.url}: the server's processor expanded the prompt's images into other tokens than "
                           f"the trainer's (image places {places}, the trainer's {ours}; {len(ids or [])} prompt tokens, "

@@ -106,6 +106,7 @@ class ImageProcessor:
         self.config, self.family = config, family
         self.image_token_id: int = config.image_token_id
         self.processor = _checkpoint_processor(path) or _processor_from_config(config, family)
+        self._text_processor: tuple[PreTrainedTokenizerBase, Any] | None = None  # (tokenizer, its Gemma3Processor)
 
     @property
     def expands_text(self) -> bool:
@@ -129,21 +130,11 @@ class ImageProcessor:
         tokenizes it (transformers' Gemma3Processor: each start token expanded in the text, pan & scan crops
         included when the image processor asks for them), and every image it shows as a span (a crop is an image
         of its own), placed `offset` tokens further on."""
-        from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
-
-        for name in ("boi_token", "eoi_token", "image_token"):
-            if getattr(tokenizer, name, None) is None:
-                raise UserError(f"{self.config.model_type}: the tokenizer names no {name} (its tokenizer_config's "
-                                "extra_special_tokens): give the checkpoint's own tokenizer (model.tokenizer_path)")
-        if tokenizer.image_token_id != self.image_token_id:
-            raise UserError(f"the tokenizer's image token {tokenizer.image_token!r} is id {tokenizer.image_token_id}, "
-                            f"the model's image_token_id {self.image_token_id}: give the checkpoint's own tokenizer")
+        processor = self._processor_with(tokenizer)
         written = text.count(tokenizer.boi_token)
         if written != len(images):
             raise UserError(f"{who} shows {len(images)} images, but the chat template wrote {written} "
                             f"{tokenizer.boi_token} tokens: give the model's own chat template")
-        processor = Gemma3Processor(image_processor=self.processor, tokenizer=tokenizer,
-                                    image_seq_length=self.family.placeholders(self.config))
         out = processor(text=[text], images=[images] if images else None, add_special_tokens=False,
                         return_tensors="pt", **self._pan_and_scan())
         ids = out["input_ids"][0].tolist()
@@ -155,6 +146,23 @@ class ImageProcessor:
                             f"image tokens")
         length = self.family.placeholders(self.config)
         return ids, tuple(ImageSpan(offset + start, length, pixels[k]) for k, start in enumerate(starts))
+
+    def _processor_with(self, tokenizer: PreTrainedTokenizerBase):
+        """transformers' Gemma3Processor over this image processor and `tokenizer`, checked and built once."""
+        if self._text_processor is None or self._text_processor[0] is not tokenizer:
+            from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+
+            for name in ("boi_token", "eoi_token", "image_token"):
+                if getattr(tokenizer, name, None) is None:
+                    raise UserError(f"{self.config.model_type}: the tokenizer names no {name} (its tokenizer_config's "
+                                    "extra_special_tokens): give the checkpoint's own tokenizer (model.tokenizer_path)")
+            if tokenizer.image_token_id != self.image_token_id:
+                raise UserError(f"the tokenizer's image token {tokenizer.image_token!r} is id "
+                                f"{tokenizer.image_token_id}, the model's image_token_id {self.image_token_id}: give "
+                                "the checkpoint's own tokenizer")
+            self._text_processor = (tokenizer, Gemma3Processor(image_processor=self.processor, tokenizer=tokenizer,
+                                                               image_seq_length=self.family.placeholders(self.config)))
+        return self._text_processor[1]
 
     def _pan_and_scan(self) -> dict[str, Any]:
         """The image processor's own pan & scan settings (a checkpoint's preprocessor_config), which the processor's

@@ -32,8 +32,6 @@ CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
 # A vision-language shape's image, video and vision start/end ids are the top four of its vocabulary
 # (treerl.models.model_config): with `vision=True` these four close the built-in vocabulary, highest last.
 VISION_TOKENS = ("<vision_end>", "<vision_start>", "<video>", "<image>")
-VISION_NAMES = (("vision_end_token", "<vision_end>"), ("vision_start_token", "<vision_start>"),
-                ("video_token", "<video>"), ("image_token", "<image>"))
 
 BUILTIN_CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -75,7 +73,7 @@ def builtin_tokenizer(vision: bool = False) -> PreTrainedTokenizerFast:
         pad_token="<pad>",
         unk_token="<unk>",
         # The vision tokens by the names a processor reads (`tokenizer.image_token`: Qwen-VL's processor in vLLM)
-        extra_special_tokens=dict(VISION_NAMES) if vision else roles,
+        extra_special_tokens={t.strip("<>") + "_token": t for t in VISION_TOKENS} if vision else roles,
     )
     if vision:
         tokenizer.add_tokens(roles, special_tokens=True)  # in the vocabulary already: special, ids unchanged
