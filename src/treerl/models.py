@@ -291,6 +291,19 @@ def tied_names(model: torch.nn.Module) -> set[str]:
     return {name for names in by_id.values() if len(names) > 1 for name in names}
 
 
+def model_names(model: PreTrainedModel, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights under the names the model holds them by: `save_pretrained` writes a family's original
+    layout (Qwen-VL: `model.layers.*`, `visual.*` for the model's `model.language_model.layers.*`, `model.visual.*`),
+    and the renamings `from_pretrained` applies map it back. (Conversions that merge weights, e.g. experts fused on
+    load, are not renamings: such a checkpoint is refused by the name check.)"""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
+    return {rename_source_key(name, renamings, [])[0]: tensor for name, tensor in weights.items()}
+
+
+
 # ---------------------------------------------------------------------------------------------- LoRA
 ADAPTER_FILE = "adapter_model.safetensors"  # what peft's save_pretrained writes, beside adapter_config.json
 

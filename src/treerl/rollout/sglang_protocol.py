@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict
 
 from treerl.errors import UserError
 from treerl.rollout.sampler import Completion
-from treerl.rollout.server import ServedModel, version_spans
+from treerl.rollout.served import ServedModel, version_spans
 
 RELEASE = "0.5.23+treerl"  # the SGLang release whose protocol this is (GET /server_info)
 HONOURED = {"max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "n": 1,

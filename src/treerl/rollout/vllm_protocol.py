@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from treerl.errors import UserError
 from treerl.rollout.sampler import Completion
-from treerl.rollout.server import ServedModel, openai_error, version_spans
+from treerl.rollout.served import ServedModel, openai_error, version_spans
 
 RELEASE = "0.32.0+treerl"  # the vLLM release whose protocol this is (GET /version)
 

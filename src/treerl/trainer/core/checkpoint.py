@@ -61,7 +61,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from treerl.errors import CheckpointError, TrainingStopped
-from treerl.models import ADAPTER_FILE, adapter_names, first_nonfinite, is_lora, read_weights, tied_names
+from treerl.models import (
+    ADAPTER_FILE,
+    adapter_names,
+    first_nonfinite,
+    is_lora,
+    model_names,
+    read_weights,
+    tied_names,
+)
 from treerl.trainer.core.config import yaml_problem
 from treerl.trainer.core.loop_state import LoopState
 
@@ -447,18 +455,6 @@ def load_weights(folder: Path, model: PreTrainedModel) -> None:
             f"checkpoint {folder} does not fit the model: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(incompatible.unexpected_keys)[:5]}"
         )
-
-
-def model_names(model: PreTrainedModel, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights under the names the model holds them by: `save_pretrained` writes a family's original
-    layout (Qwen-VL: `model.layers.*`, `visual.*` for the model's `model.language_model.layers.*`, `model.visual.*`),
-    and the renamings `from_pretrained` applies map it back. (Conversions that merge weights, e.g. experts fused on
-    load, are not renamings: such a checkpoint is refused by the name check.)"""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, rename_source_key
-
-    renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
-    return {rename_source_key(name, renamings, [])[0]: tensor for name, tensor in weights.items()}
 
 
 def load_adapters(folder: Path, model: PreTrainedModel) -> None:
