@@ -303,7 +303,6 @@ def model_names(model: PreTrainedModel, weights: dict[str, torch.Tensor]) -> dic
     return {rename_source_key(name, renamings, [])[0]: tensor for name, tensor in weights.items()}
 
 
-
 # ---------------------------------------------------------------------------------------------- LoRA
 ADAPTER_FILE = "adapter_model.safetensors"  # what peft's save_pretrained writes, beside adapter_config.json
 
