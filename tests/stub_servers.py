@@ -74,6 +74,7 @@ def vllm_stub(version: list[str], scale_out: bool = True) -> dict[str, object]:
         return {"success": True, "new_version": body["new_version"]}
 
     answers = {"/health": {}, "/version": {"version": "0.32.0"}, "/openapi.json": {"paths": paths},
+               "/v1/models": {"object": "list", "data": [{"id": "default", "object": "model"}]},
                "/v1/completions": completions, "/pause": {"status": "paused"}, "/resume": {"status": "resumed"},
                "/collective_rpc": {"results": [None]}, "/update_weight_version": set_version,
                "/weight_info": lambda body: {"weight_version": version[0]}}

@@ -12,7 +12,7 @@ import torch
 from support import treerl_serve
 
 from treerl.engine import FlatEngine, PolicyHead
-from treerl.errors import ServerError
+from treerl.errors import ServerError, UserError
 from treerl.models import build_model
 from treerl.rollout import CompletionsClient, EmbeddedSampler, SamplingParams
 from treerl.rollout.client import prompt_seed, sample_seed
@@ -144,6 +144,18 @@ def _post(url: str, path: str, body: dict) -> tuple[int, dict]:
             return answer.status, json.loads(answer.read() or b"{}")
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")
+
+
+def test_a_model_name_the_server_does_not_serve_is_refused_when_connecting(server):
+    """rollout.server_model is read against GET /v1/models once, at connect, for either protocol (SGLang ignores the
+    name in its requests, so it would sample whatever it serves); vLLM's routes answer 404 for an unknown name."""
+    url, protocol = server
+    with pytest.raises(UserError, match=rf"^rollout.server_model='no-such-model': the server at {url} serves 'tiny' "):
+        CompletionsClient(url, model="no-such-model").connect()
+    assert _client(server).servers[0].info.models == ("tiny",)
+    if protocol == "vllm":
+        status, body = _post(url, "/v1/completions", {"model": "no-such-model", "prompt": [1, 2], "max_tokens": 1})
+        assert status == 404 and "no-such-model" in body["error"]["message"]
 
 
 def test_what_the_real_server_refuses_is_refused(server):

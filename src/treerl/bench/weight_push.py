@@ -30,10 +30,10 @@ SHARED_MEMORY = Path("/dev/shm")
 
 def measure_weight_push(url: str, model_path: str, server_model: str, repeats: int, disk: Path) -> list[dict[str, Any]]:
     """One row per place the weights are written (/dev/shm, disk): write and load times, medians over `repeats`."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    client = CompletionsClient(url, model=server_model, setting="--weight-push", model_setting="--server-model")
+    [info] = client.connect()  # before the model loads: a server that is not there is said at once
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True)
     tokenizer = load_tokenizer(model_path)
-    client = CompletionsClient(url, model=server_model)
-    [info] = client.connect()
     megabytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
     rows = []
     places = [("/dev/shm", SHARED_MEMORY / f"treerl-bench-{os.getpid()}")] if SHARED_MEMORY.is_dir() else []

@@ -91,6 +91,7 @@ class ServerInfo:
     release: str  # the server's version string (vLLM's /version, SGLang's /server_info)
     generate_route: str  # where samples come from
     versions_per_token: bool  # its answers say which weight version sampled each token
+    models: tuple[str, ...] = ()  # the model names it serves (GET /v1/models), read once when connecting
 
 
 @dataclass
@@ -114,6 +115,7 @@ class CompletionsClient:
     api_key: str | None = None
     server_type: str = "auto"  # auto (read from each server) | vllm | sglang
     setting: str = "rollout.server_url"  # the config key named in errors
+    model_setting: str = "rollout.server_model"  # the config key of `model`, named in errors
     on_wait: Callable[[], None] | None = None  # called about once a second while requests are in flight
     push_timeout: float = 3600.0  # seconds a pause (vLLM's `wait` drains every request in flight) or reload may take
     servers: list[Server] = field(init=False)
@@ -165,8 +167,9 @@ class CompletionsClient:
             self._post(server, "/resume", {})
         scale_out = self._generate_enabled(server) if (not routes or VLLM_GENERATE in routes) else False
         route = VLLM_GENERATE if scale_out else "/v1/completions"
+        models = self._served_models(server)  # before the probe below, which asks for the model by name
         self._check_processed_logprobs(server)
-        return ServerInfo("vllm", release, route, versions_per_token=scale_out)
+        return ServerInfo("vllm", release, route, versions_per_token=scale_out, models=models)
 
     def _check_processed_logprobs(self, server: Server) -> None:
         """vLLM's default `--logprobs-mode raw_logprobs` returns log-probs before the temperature (and the top_p /
@@ -191,7 +194,21 @@ class CompletionsClient:
                             "(rollout.server_type=sglang samples and pushes weights through them)")
         release = str(self._get(server, "/server_info").get("version", "unknown")) if (
             not routes or "/server_info" in routes) else "unknown"
-        return ServerInfo("sglang", release, "/generate", versions_per_token=True)
+        return ServerInfo("sglang", release, "/generate", versions_per_token=True, models=self._served_models(server))
+
+    def _served_models(self, server: Server) -> tuple[str, ...]:
+        """The models `server` serves (`GET /v1/models`, both vLLM and SGLang); `model` must be one of them, or every
+        request would be refused (vLLM: 404) or, on a server that ignores the name, sample another model."""
+        try:
+            listed = self._get(server, "/v1/models").get("data")
+        except ServerError as e:
+            raise UserError(f"{self.setting}: the server at {server.url} does not list its models ({e})") from None
+        models = tuple(str(m["id"]) for m in listed if isinstance(m, dict) and "id" in m) if isinstance(
+            listed, list) else ()
+        if self.model not in models:
+            raise UserError(f"{self.model_setting}={self.model!r}: the server at {server.url} serves "
+                            f"{', '.join(repr(m) for m in models) or 'no model'} (GET /v1/models)")
+        return models
 
     def _reach(self, server: Server) -> None:
         """Any HTTP answer to `GET /health` (an error status too) means the server is there."""

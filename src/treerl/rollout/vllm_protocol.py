@@ -94,6 +94,7 @@ def add_vllm_routes(app: FastAPI, served: ServedModel, authorized: list) -> None
     async def completions(request: CompletionRequest, raw: Request) -> dict[str, Any]:
         if request.stream or request.echo:
             raise HTTPException(400, "treerl serve does not support 'stream' or 'echo'")
+        check_model(request.model, served)
         prompts = prompt_ids(request.prompt, served)
         params = sampling(request, served, prompts)
         groups, _ = await served.generate(prompts, params, raw)
@@ -106,6 +107,7 @@ def add_vllm_routes(app: FastAPI, served: ServedModel, authorized: list) -> None
     async def generate(request: GenerateRequest, raw: Request) -> dict[str, Any]:
         if request.stream:
             raise HTTPException(400, "treerl serve does not support 'stream'")
+        check_model(request.model, served)
         params = sampling(request.sampling_params, served, [request.token_ids])
         [group], label = await served.generate([request.token_ids], params, raw)
         choices = [{"index": j, "finish_reason": c.finish_reason, "stop_reason": stop_reason(c, request.sampling_params),
@@ -157,6 +159,12 @@ def add_vllm_routes(app: FastAPI, served: ServedModel, authorized: list) -> None
         if request.method == "update_config":  # vLLM 0.32 fails it for every model_config override
             raise rpc_failed("Field '_hf_config_revision' not found in ModelConfig.")
         raise rpc_failed(f"'CPUWorker' object has no attribute {request.method!r}")
+
+
+def check_model(model: str | None, served: ServedModel) -> None:
+    """vLLM's 404 for a request naming a model it does not serve (no name: the served one)."""
+    if model is not None and model != served.name:
+        raise HTTPException(404, f"The model `{model}` does not exist.")
 
 
 def rpc_failed(reason: str) -> HTTPException:
