@@ -88,8 +88,8 @@ def test_dataset_task_with_a_users_reward_that_sometimes_fails(tokenizer, policy
     "overrides, message",
     [
         ({"task": "chess"}, "unknown task 'chess'"),
-        ({"group_size": 0}, "rollout.group_size must be >= 1"),
-        ({"temperature": 0.0}, "rollout.temperature must be > 0"),
+        ({"group_size": 0}, "rollout.group_size=0 must be >= 1"),
+        ({"temperature": 0.0}, "rollout.temperature=0.0 must be > 0"),
         ({"top_p": 1.5}, "rollout.top_p"),
         ({"branch_at": [0]}, "rollout.branch_at"),
         ({"max_new_tokens": 0}, "rollout.max_new_tokens"),

@@ -59,7 +59,7 @@ def test_yaml_then_overrides_win(tmp_path):
     (["trainer.context_parallel_path=ring"], r"trainer.context_parallel_path='ring' must be one of sharded, replicated"),
     (["trainer.context_parallel_mixers=wavefront"], r"trainer.context_parallel_mixers='wavefront' must be one of "
                                                     r"side-by-side, in-turn"),
-    (["rollout.top_k=-1"], r"rollout.top_k must be >= 0"),
+    (["rollout.top_k=-1"], r"rollout.top_k=-1 must be >= 0"),
     (["rollout.min_p=1"], r"rollout.min_p must be in \[0, 1\)"),
     (["rollout.server_url=[]"], r"rollout.server_url is an empty list"),
     (["rollout.server_url=[http://127.0.0.1:8000,ftp://x]"], r"rollout.server_url='ftp://x' must be an http"),

@@ -9,6 +9,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 from treerl.rollout.client import SERVER_TYPES
+from treerl.rollout.tasks.shapes import MAX_SHAPES
 from treerl.rollout.tool_parsers import PARSER_NAMES
 from treerl.tree.io import MAX_LINE_BYTES
 
@@ -86,17 +87,14 @@ class RolloutConfig:
         """Reject bad values with the option's name, before anything runs."""
         if self.task not in TASKS:
             raise ValueError(f"rollout.task: unknown task {self.task!r}; known: {', '.join(TASKS)}")
-        for name in ("prompts_per_step", "group_size", "branch_factor", "max_context_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_new_tokens", "max_turns"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"rollout.{name} must be >= 1 (or null for the task's default), got {value}")
-        if not self.temperature > 0:
-            raise ValueError(f"rollout.temperature must be > 0, got {self.temperature}")
+        check_numbers(self)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"rollout.min_p must be in [0, 1) (0: no limit), got {self.min_p}")
+        if not 1 <= self.max_shapes <= MAX_SHAPES:
+            raise ValueError(f"rollout.max_shapes={self.max_shapes} must be in [1, {MAX_SHAPES}] (one shape a cell of "
+                             "the shapes task's image)")
         if any(turn < 1 for turn in self.branch_at):
             raise ValueError(f"rollout.branch_at: turns must be >= 1 (turn 0 samples group_size): {self.branch_at}")
         if self.task == "dataset" and (not self.data_path or not self.reward_fn):
@@ -110,16 +108,41 @@ class RolloutConfig:
             raise ValueError("rollout.server_url is an empty list: give one URL or several, or null to sample in "
                              "process")
         for server in self.server_urls:
-            url = urllib.parse.urlsplit(server)
-            if url.scheme not in ("http", "https") or not url.hostname:
-                raise ValueError(f"rollout.server_url={server!r} must be an http:// or https:// URL with a host, e.g. "
-                                 "http://127.0.0.1:8000")
-        if self.top_k < 0:
-            raise ValueError(f"rollout.top_k must be >= 0 (0: no limit), got {self.top_k}")
-        if not 0 <= self.min_p < 1:
-            raise ValueError(f"rollout.min_p must be in [0, 1) (0: no limit), got {self.min_p}")
+            check_server_url(server, "rollout.server_url")
         if self.server_type not in SERVER_TYPES:
             raise ValueError(f"rollout.server_type: {self.server_type!r} is not one of {', '.join(SERVER_TYPES)}")
-        for name in ("episode_timeout", "max_concurrent_episodes"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"rollout.{name} must be > 0, got {getattr(self, name)}")
+
+
+# The rollout's counts, sizes and timeouts, checked in one place: the key (under rollout.) and its least value.
+AT_LEAST = {"prompts_per_step": 1, "group_size": 1, "branch_factor": 1, "max_context_tokens": 1, "max_number": 1,
+            "max_concurrent_episodes": 1, "max_line_bytes": 1, "max_operand": 0, "top_k": 0}
+AT_LEAST_ONE_OR_NULL = ("max_new_tokens", "max_turns")  # null: the task's default
+POSITIVE = ("temperature", "request_timeout", "episode_timeout", "reward_timeout")  # timeouts in seconds; null: no limit
+
+
+def check_numbers(config: RolloutConfig) -> None:
+    """Every count, size and timeout of the section against its table above (a ValueError naming the key)."""
+    for name, least in AT_LEAST.items():
+        if getattr(config, name) < least:
+            raise ValueError(f"rollout.{name}={getattr(config, name)} must be >= {least}")
+    for name in AT_LEAST_ONE_OR_NULL:
+        if getattr(config, name) is not None and getattr(config, name) < 1:
+            raise ValueError(f"rollout.{name}={getattr(config, name)} must be >= 1 (or null for the task's default)")
+    for name in POSITIVE:
+        if getattr(config, name) is not None and not getattr(config, name) > 0:
+            raise ValueError(f"rollout.{name}={getattr(config, name)} must be > 0")
+
+
+def check_server_url(url: str, key: str) -> None:
+    """An inference server's address: http(s), a host, and a TCP port if one is given (`urllib` would take 99999 as
+    port 34463, and a port that is no number would fail at the first request)."""
+    parts = urllib.parse.urlsplit(url)
+    example = "e.g. http://127.0.0.1:8000"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{key}={url!r} must be an http:// or https:// URL with a host, {example}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"{key}={url!r}: the port must be a number from 1 to 65535, {example}")

@@ -21,6 +21,8 @@ from treerl.rollout.tasks.base import Prompt, rng_for
 CELL = 16  # pixels a side of the cell each shape is drawn in
 COLOURS = ((230, 40, 40), (40, 200, 60), (50, 90, 240), (240, 220, 40), (240, 240, 240))
 QUESTION = "How many shapes?"
+IMAGE_SIZE = 32  # pixels a side of the task's image
+MAX_SHAPES = (IMAGE_SIZE // CELL) ** 2  # one shape a cell at most (rollout.max_shapes)
 
 
 @dataclass
@@ -28,7 +30,7 @@ class Shapes:
     """An image of 1..max_shapes shapes; the reply is their count."""
 
     max_shapes: int = 3
-    image_size: int = 32  # pixels a side; (image_size / 16)^2 cells, each with at most one shape
+    image_size: int = IMAGE_SIZE  # pixels a side; (image_size / 16)^2 cells, each with at most one shape
     seed: int = 0
     name: str = "shapes"
     reward_fn = staticmethod(reward)

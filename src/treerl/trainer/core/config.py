@@ -329,12 +329,10 @@ def check_ranges(config: Config) -> None:
         "sft.conversations_per_step": config.sft.conversations_per_step,
         "trainer.rollout_workers": t.rollout_workers, "trainer.worker_threads": t.worker_threads,
         "trainer.interrupt_tokens": t.interrupt_tokens, "trainer.worker_timeout": t.worker_timeout,
-        "rollout.max_line_bytes": config.rollout.max_line_bytes, "sft.max_line_bytes": config.sft.max_line_bytes,
+        "sft.max_line_bytes": config.sft.max_line_bytes,  # the rollout section's numbers: RolloutConfig.check
     }
     optional = {"trainer.micro_batch_tokens": t.micro_batch_tokens, "trainer.max_grad_norm": t.max_grad_norm,
-                "critic.lr": config.critic.lr, "trainer.threads": t.threads,
-                "rollout.reward_timeout": config.rollout.reward_timeout,
-                "trainer.worker_prompts": t.worker_prompts}
+                "critic.lr": config.critic.lr, "trainer.threads": t.threads, "trainer.worker_prompts": t.worker_prompts}
     positive.update({k: v for k, v in optional.items() if v is not None})
     for key, value in positive.items():
         if not value > 0:
