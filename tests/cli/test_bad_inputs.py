@@ -13,19 +13,23 @@ import json
 import re
 import shutil
 import socket
+import struct
 import sys
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from typer.testing import CliRunner
 
 from treerl.cli.main import app
 from treerl.errors import UserError
 from treerl.models import build_model
 from treerl.rollout import builtin_tokenizer
+from treerl.rollout.images import png_bytes
 
 TRAIN = ["trainer.steps=2", "trainer.progress=false", "trainer.eval_prompts=0", "rollout.prompts_per_step=2",
          "rollout.group_size=2", "trainer.tensorboard=false"]
@@ -270,6 +274,50 @@ DATA = [
 ]
 
 
+def image_data(image: Callable[[Path], Path | bytes], *overrides: str,
+               row: dict | None = None) -> Callable[[Path, Assets], list[str]]:
+    """The issue's image run (a vision-language shape, one row showing `image(tmp)`: a path, or a file's bytes)."""
+
+    def setup(tmp: Path, a: Assets) -> list[str]:
+        shown = image(tmp)
+        path = shown if isinstance(shown, Path) else write(tmp, "picture.png", shown)
+        content = jsonl({"prompt": "<image>How many shapes?", "image": str(path), "answer": "1", **(row or {})})
+        return dataset(content, "data.jsonl", "rollout.max_new_tokens=4", "model.shape=tiny-qwen2.5-vl",
+                       *overrides)(tmp, a)
+
+    return setup
+
+
+def png(width: int, height: int) -> Callable[[Path], bytes]:
+    return lambda tmp: png_bytes(Image.new("RGB", (width, height), (200, 30, 30)))
+
+
+def claimed_size(width: int, height: int) -> Callable[[Path], bytes]:
+    """A 1x1 PNG whose header claims `width` x `height` pixels (its checksum fixed)."""
+
+    def make(tmp: Path) -> bytes:
+        data = bytearray(png_bytes(Image.new("RGB", (1, 1))))
+        header = b"IHDR" + struct.pack(">II", width, height) + bytes(data[24:29])
+        data[12:29], data[29:33] = header, struct.pack(">I", zlib.crc32(header))
+        return bytes(data)
+
+    return make
+
+
+IMAGES = [
+    Case("<image> marker without an image", image_data(png(8, 8), "rollout.image_key=picture"),
+         r"data.jsonl:1: the prompt has 1 <image> marker\(s\) but no image: the row's field 'picture' holds none"),
+    Case("image of an extreme aspect ratio", image_data(png(400, 1)),
+         r"data.jsonl:1: image 0: the image is 400x1 pixels, an aspect ratio above 200"),
+    Case("image header claiming 20000x20000", image_data(claimed_size(20000, 20000)),
+         r"data.jsonl:1: image 0: the image is larger than \d+ pixels, the most treerl decodes"),
+    Case("image path a directory", image_data(lambda tmp: (tmp / "pictures").mkdir() or tmp / "pictures"),
+         r"data.jsonl:1: image 0: image path '.*pictures' is a directory, not an image file"),
+    Case("image rows for a text model", image_data(png(8, 8), "model.shape=tiny-qwen3"),
+         r"data.jsonl:1: the prompt shows an image, but the model is not a vision-language model"),
+]
+
+
 # ---------------------------------------------------------------------------------------------- rewards
 def reward(spec: str, module: str | None = None) -> Callable[[Path, Assets], list[str]]:
     def setup(tmp: Path, a: Assets) -> list[str]:
@@ -498,7 +546,7 @@ def model_with(tmp: Path, a: Assets, change: Callable[[Path, Path], None]) -> Pa
     change(tmp / "model", tmp)
     return tmp / "model"
 
-CASES = CONFIG + MODEL + DATA + REWARDS + SFT + INSPECT + CHECKPOINTS + SERVE
+CASES = CONFIG + MODEL + DATA + IMAGES + REWARDS + SFT + INSPECT + CHECKPOINTS + SERVE
 
 
 def snapshot(root: Path) -> dict[str, str]:

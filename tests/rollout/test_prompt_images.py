@@ -66,6 +66,36 @@ def test_an_image_that_cannot_be_read_is_refused_naming_where_it_is(value, says)
         load_image(value, "row 3")
 
 
+def claimed_size_png(width: int, height: int) -> bytes:
+    """A 1x1 PNG whose header claims `width` x `height` pixels (its checksum fixed): a few bytes that would decode
+    into gigabytes."""
+    import struct
+    import zlib
+
+    data = bytearray(_png(_picture(0, size=1)))
+    header = b"IHDR" + struct.pack(">II", width, height) + bytes(data[24:29])
+    data[12:29] = header
+    data[29:33] = struct.pack(">I", zlib.crc32(header))
+    return bytes(data)
+
+
+@pytest.mark.parametrize("image, limit, says", [
+    (lambda tmp: str(tmp), None, r"image path '.*' is a directory, not an image file"),
+    (lambda tmp: Image.new("RGB", (400, 1)), None, r"the image is 400x1 pixels, an aspect ratio above 200"),
+    (lambda tmp: claimed_size_png(20000, 20000), None, r"the image is larger than \d+ pixels, the most treerl decodes"),
+    (lambda tmp: claimed_size_png(10000, 10000), None, r"the image is larger than \d+ pixels, the most treerl decodes"),
+    (lambda tmp: Image.new("RGB", (20, 20)), 100, r"the image is 20x20 pixels, more than the 100 treerl decodes"),
+])
+def test_an_image_no_processor_could_take_is_refused_when_read(tmp_path, monkeypatch, image, limit, says):
+    """Checked from the header, before the pixels are decoded: PIL itself refuses twice its limit with an exception
+    of its own, and only warns below that; an image given decoded is held to the same limit (`limit` lowers it);
+    Qwen-VL's processor refuses an aspect ratio above 200 mid-rollout."""
+    if limit is not None:
+        monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", limit)
+    with pytest.raises(UserError, match=f"^row 3: {says}"):
+        load_image(image(tmp_path), "row 3")
+
+
 def test_each_image_token_the_template_writes_becomes_the_images_placeholders():
     """Two images in one message: each `<image>` the chat template writes expands into the image's placeholder tokens
     (a 32 x 32 image: 8 x 8 patches, merged 2 x 2: 16 tokens; a 48 x 32 one: 24), at the place the image is shown."""
@@ -183,6 +213,30 @@ def test_a_datasets_image_column_shows_each_rows_images_at_its_markers(tmp_path)
     first, images = chat.prompt_with_images(task.prompts(0, 1)[0].messages)
     third, same = chat.prompt_with_images(task.prompts(0, 3)[2].messages)
     assert images[0].digest == same[0].digest  # one file, one image: the trees share it
+
+
+def test_images_given_without_markers_go_before_the_text(tmp_path):
+    """As the docs say: a row whose prompt has no <image> marker shows all its images before its text."""
+    (tmp_path / "a.png").write_bytes(_png(_picture(0)))
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"prompt": "Same?", "image": [str(tmp_path / "a.png")] * 2}) + "\n")
+    [prompt] = DatasetTask.load(path, _zero).prompts(0, 1)
+    assert [part["type"] for part in prompt.messages[-1]["content"]] == ["image", "image", "text"]
+
+
+@pytest.mark.parametrize("row, options, says", [
+    ({"prompt": "<image>How many?", "image": "/x.png"}, {"image_key": "picture"},
+     r"data.jsonl:1: the prompt has 1 <image> marker\(s\) but no image: the row's field 'picture' holds none"),
+    ({"prompt": "<image>How many?", "image": "/x.png"}, {"vision": False},
+     r"data.jsonl:1: the prompt shows an image, but the model is not a vision-language model"),
+])
+def test_an_image_row_the_model_cannot_see_fails_when_the_data_loads(tmp_path, row, options, says):
+    """A marker with no image would be trained as text (an image token without pixels); an image shown to a text
+    model failed only at the first rollout, naming the prompt, not the row."""
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=says):
+        DatasetTask.load(path, _zero, **options)
 
 
 @pytest.mark.parametrize("row, says", [

@@ -94,7 +94,7 @@ class Rollout:
         self.sampler = sampler
         self.chat = ChatFormat(tokenizer, config.stop_tokens, images)
         reward_fn = load_reward_fn(config.reward_fn) if config.task == "dataset" else None
-        self.task: SingleTurnTask | AgentTask = build_task(config, reward_fn)
+        self.task: SingleTurnTask | AgentTask = build_task(config, reward_fn, vision=images is not None)
         sampling = SamplingParams(
             n=config.group_size,
             max_new_tokens=config.max_new_tokens or self.task.max_new_tokens,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from treerl.errors import UserError
 from treerl.tree import ImageSpan
 
 IMAGE_PARTS = ("image", "image_url")  # content part types that show an image
+MAX_ASPECT_RATIO = 200  # longest side / shortest side of an image (Qwen-VL's processor refuses more)
 
 
 def image_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -60,14 +62,22 @@ def read_images(messages: list[dict[str, Any]], who: str) -> list[Image.Image]:
 
 
 def load_image(value: Any, who: str) -> Image.Image:
-    """`value` as an RGB PIL image; a UserError naming `who` when it is none of the accepted forms or unreadable."""
+    """`value` as an RGB PIL image; a UserError naming `who` when it is none of the accepted forms, unreadable, or of
+    a size no processor takes (`check_size`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)  # PIL only warns up to twice its limit
+        return _load_image(value, who)
+
+
+def _load_image(value: Any, who: str) -> Image.Image:
+    """`load_image`, with PIL's decompression-bomb warning raised as an error."""
     try:
         if isinstance(value, Image.Image):
             image = value
         elif isinstance(value, np.ndarray):
             image = Image.fromarray(value)
         elif isinstance(value, dict) and ("bytes" in value or "path" in value):  # a datasets Image value
-            return load_image(value.get("bytes") or value.get("path"), who)
+            return _load_image(value.get("bytes") or value.get("path"), who)
         elif isinstance(value, (bytes, bytearray)):
             image = Image.open(io.BytesIO(value))
         elif isinstance(value, str) and value.startswith("data:"):
@@ -79,18 +89,39 @@ def load_image(value: Any, who: str) -> Image.Image:
             raise UserError(f"{who}: {value[:80]!r} is a web address; treerl downloads nothing at run time: save the "
                             "image and give its local path, its bytes or a data URL")
         elif isinstance(value, (str, Path)):
+            if Path(value).is_dir():
+                raise UserError(f"{who}: image path {str(value)!r} is a directory, not an image file")
             if not Path(value).is_file():
                 raise UserError(f"{who}: image file {str(value)!r} does not exist")
             image = Image.open(value)
         else:
             raise UserError(f"{who}: an image must be a PIL image, a uint8 array, bytes, a local path or a data URL, "
                             f"not {type(value).__name__}")
+        check_size(image, who)  # from the header, before the pixels are decoded
         image.load()
     except UserError:
         raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):  # PIL's, when the file is opened
+        raise UserError(f"{who}: the image is larger than {Image.MAX_IMAGE_PIXELS} pixels, the most treerl decodes "
+                        "(a decompression bomb?)") from None
     except (UnidentifiedImageError, OSError, ValueError, TypeError, binascii.Error) as e:
         raise UserError(f"{who}: cannot read the image ({e})") from None
     return image.convert("RGB")
+
+
+def check_size(image: Image.Image, who: str) -> None:
+    """An image every vision-language processor treerl feeds can take: at most PIL's decompression-bomb limit of
+    pixels (a small file may claim a huge size), and no more than MAX_ASPECT_RATIO times longer than wide (Qwen-VL's
+    processor refuses more, mid-rollout)."""
+    width, height = image.size
+    if width < 1 or height < 1:
+        raise UserError(f"{who}: the image is {width}x{height} pixels, it has none")
+    if Image.MAX_IMAGE_PIXELS is not None and width * height > Image.MAX_IMAGE_PIXELS:
+        raise UserError(f"{who}: the image is {width}x{height} pixels, more than the {Image.MAX_IMAGE_PIXELS} treerl "
+                        "decodes (a decompression bomb?)")
+    if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+        raise UserError(f"{who}: the image is {width}x{height} pixels, an aspect ratio above {MAX_ASPECT_RATIO} "
+                        "(Qwen-VL's processor refuses it): crop or pad it")
 
 
 class ImageProcessor:

@@ -19,8 +19,9 @@ if TYPE_CHECKING:
     from treerl.rollout.config import RolloutConfig
 
 
-def build_task(config: RolloutConfig, reward_fn: RewardFn | None = None) -> SingleTurnTask | AgentTask | AgentTools:
-    """The task `config.task` names, with its options from the config."""
+def build_task(config: RolloutConfig, reward_fn: RewardFn | None = None,
+               vision: bool = True) -> SingleTurnTask | AgentTask | AgentTools:
+    """The task `config.task` names, with its options from the config (`vision`: whether the model reads images)."""
     if config.task == "arithmetic":
         return Arithmetic(max_operand=config.max_operand, seed=config.seed)
     if config.task == "shapes":
@@ -33,7 +34,7 @@ def build_task(config: RolloutConfig, reward_fn: RewardFn | None = None) -> Sing
         return DatasetTask.load(
             config.data_path, reward_fn, prompt_key=config.prompt_key, answer_key=config.answer_key,
             system_prompt=config.system_prompt, seed=config.seed, shuffle=config.shuffle,
-            max_line_bytes=config.max_line_bytes, image_key=config.image_key,
+            max_line_bytes=config.max_line_bytes, image_key=config.image_key, vision=vision,
         )
     if config.task == "agent_tools":
         return AgentTools(seed=config.seed)

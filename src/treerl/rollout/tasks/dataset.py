@@ -35,6 +35,7 @@ from treerl.rollout.tokenizer import ROLES
 from treerl.tree.io import MAX_LINE_BYTES, json_lines
 
 DATASETS_FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json"}
+MARKER = "<image>"  # where a row's image goes in its prompt's text (verl's multimodal data)
 
 
 def read_rows(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
@@ -71,8 +72,9 @@ def located_rows(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES,
 
 
 def row_messages(row: dict[str, Any], where: str, prompt_key: str, system_prompt: str | None,
-                 image_key: str | None = None) -> list[Message]:
-    """The chat messages of one row's prompt (with its images, if it shows any), checked."""
+                 image_key: str | None = None, vision: bool = True) -> list[Message]:
+    """The chat messages of one row's prompt (with its images, if it shows any), checked; `vision`: whether the
+    model reads images (a row that shows one to a text model fails here, not at its first rollout)."""
     if prompt_key not in row:
         raise DataError(f"{where}: no field {prompt_key!r} (fields: {', '.join(row)})")
     value = row[prompt_key]
@@ -87,10 +89,23 @@ def row_messages(row: dict[str, Any], where: str, prompt_key: str, system_prompt
     else:
         raise DataError(f"{where}: field {prompt_key!r} must be a string or a list of {{'role', 'content'}} messages "
                         "(content: a string, or a list of text and image parts)")
+    return shown_images(messages, row, where, image_key, vision)
+
+
+def shown_images(messages: list[Message], row: dict[str, Any], where: str, image_key: str | None,
+                 vision: bool) -> list[Message]:
+    """`messages` with the row's `image_key` images placed, and every image the prompt shows read now (decoded and
+    its size checked): a bad one, or one shown to a text model, fails before training, not at its first rollout."""
     images = row.get(image_key) if image_key else None
     if images is not None:
         messages = with_images(messages, images if isinstance(images, list) else [images], where, image_key)
-    for k, part in enumerate(image_parts(messages)):  # read each image now: a bad one fails before training
+    elif image_key and not image_parts(messages) and (markers := sum(t.count(MARKER) for t in texts(messages))):
+        raise DataError(f"{where}: the prompt has {markers} {MARKER} marker(s) but no image: the row's field "
+                        f"{image_key!r} holds none (rollout.image_key; null trains the marker as text)")
+    if image_parts(messages) and not vision:
+        raise DataError(f"{where}: the prompt shows an image, but the model is not a vision-language model whose "
+                        "images treerl feeds (treerl.engine.images.VISION_LANGUAGE)")
+    for k, part in enumerate(image_parts(messages)):
         try:
             load_image(part_image(part), f"{where}: image {k}")
         except UserError as e:
@@ -112,9 +127,9 @@ def with_images(messages: list[Message], images: list[Any], where: str, image_ke
         raise DataError(f"{where}: field {image_key!r} holds images, but the prompt has no user message of plain "
                         "text to show them in")
     text = messages[users[-1]]["content"]
-    pieces = text.split("<image>")
-    if len(pieces) == 1:
-        pieces = ["", text]
+    pieces = text.split(MARKER)
+    if len(pieces) == 1:  # no marker: every image before the text
+        pieces = [""] * len(images) + [text]
     if len(pieces) - 1 != len(images):
         raise DataError(f"{where}: the prompt has {len(pieces) - 1} <image> markers but field {image_key!r} holds "
                         f"{len(images)} images")
@@ -125,6 +140,15 @@ def with_images(messages: list[Message], images: list[Any], where: str, image_ke
         if piece:
             content.append({"type": "text", "text": piece})
     return [*messages[: users[-1]], {"role": "user", "content": content}, *messages[users[-1] + 1 :]]
+
+
+def texts(messages: list[Message]) -> list[str]:
+    """The text of every message: its string content, or its text parts."""
+    out: list[str] = []
+    for message in messages:
+        content = message["content"]
+        out += [content] if isinstance(content, str) else [p["text"] for p in content if p.get("type") == "text"]
+    return out
 
 
 def check_roles(messages: list[dict[str, Any]], where: str, prompt_key: str) -> None:
@@ -151,14 +175,15 @@ class DatasetTask:
     def load(
         cls, path: str | Path, reward_fn: RewardFn, prompt_key: str = "prompt", answer_key: str = "answer",
         system_prompt: str | None = None, max_line_bytes: int = MAX_LINE_BYTES, image_key: str | None = "image",
-        **kwargs: Any,
+        vision: bool = True, **kwargs: Any,
     ) -> DatasetTask:
-        """Read and check every row up front, so a bad row fails before training starts."""
+        """Read and check every row up front, so a bad row fails before training starts (`vision`: whether the model
+        reads images)."""
         check_reward_fn(reward_fn, getattr(reward_fn, "__name__", "reward_fn"))
         rows = located_rows(path, max_line_bytes)
         if not rows:
             raise DataError(f"{path}: no rows")
-        data = [(row_messages(row, where, prompt_key, system_prompt, image_key), row.get(answer_key))
+        data = [(row_messages(row, where, prompt_key, system_prompt, image_key, vision), row.get(answer_key))
                 for where, row in rows]
         return cls(data, reward_fn, **kwargs)
 
