@@ -540,13 +540,41 @@ SERVE = [
 ]
 
 
+# ---------------------------------------------------------------------------------------------- bench
+def bench(*options: str) -> Callable[[Path, Assets], list[str]]:
+    return lambda tmp, a: ["bench", "--out", str(tmp / "bench"), *options]
+
+
+BENCH = [  # each before a model is built or a process started
+    Case("bench --cp empty", bench("--cp", ""), r"--cp='' must be comma-separated integers >= 1"),  # ran the engines
+    Case("bench --cp a word", bench("--cp", "two"), r"--cp='two' must be comma-separated integers >= 1, e.g. --cp 1,2,4"),
+    Case("bench --cp a gap", bench("--cp", "1,,2"), r"--cp='1,,2' must be comma-separated integers >= 1"),
+    Case("bench --cp zero ranks", bench("--cp", "0"), r"--cp='0' must be comma-separated integers >= 1"),
+    Case("bench --cp-tokens zero", bench("--cp", "2", "--cp-tokens", "0"), r"--cp-tokens=0 must be > 0"),
+    Case("bench an unknown shape", bench("--cp", "2", "--shape", "nonexistent"),
+         r"--shape='nonexistent' is not one of: tiny-qwen3, "),
+    Case("bench an unknown engine", bench("--engines", "dfs,bogus"), r"--engines='dfs,bogus': unknown 'bogus'"),
+    Case("bench zero repeats", bench("--repeats", "0"), r"--repeats=0 must be > 0"),
+    Case("bench seeds not numbers", bench("--async", "--seeds", "a"), r"--seeds='a' must be comma-separated integers"),
+    Case("bench --weight-push, a model path that is not there", bench("--weight-push", "http://127.0.0.1:1",
+                                                                       "--model-path", "nope"),
+         r"--model-path='nope' does not exist \(treerl only reads local files; nothing is downloaded\)"),
+    Case("bench --weight-push, a port that is not one", lambda tmp, a: bench(
+        "--weight-push", "http://127.0.0.1:99999", "--model-path", str(a.model))(tmp, a),
+         r"--weight-push='http://127.0.0.1:99999': the port must be a number from 1 to 65535"),
+    Case("bench --weight-push, no server there", lambda tmp, a: bench(
+        "--weight-push", f"http://127.0.0.1:{closed_port()}", "--model-path", str(a.model))(tmp, a),
+         r"^error: --weight-push='http://127.0.0.1:\d+': cannot reach the inference server"),
+]
+
+
 def model_with(tmp: Path, a: Assets, change: Callable[[Path, Path], None]) -> Path:
     """A copy of the asset model, changed by `change(copy, tmp)`."""
     shutil.copytree(a.model, tmp / "model")
     change(tmp / "model", tmp)
     return tmp / "model"
 
-CASES = CONFIG + MODEL + DATA + IMAGES + REWARDS + SFT + INSPECT + CHECKPOINTS + SERVE
+CASES = CONFIG + MODEL + DATA + IMAGES + REWARDS + SFT + INSPECT + CHECKPOINTS + SERVE + BENCH
 
 
 def snapshot(root: Path) -> dict[str, str]:

@@ -18,6 +18,7 @@ from treerl.bench.context_parallel import CpBenchConfig
 from treerl.bench.engines import (
     DEFAULT_ENGINES,
     ENGINES,
+    IMAGE_WORKLOADS,
     OPT_IN_ENGINES,
     BenchConfig,
     describe,
@@ -27,6 +28,10 @@ from treerl.bench.engines import (
 )
 from treerl.bench.precision import VARIANTS as PRECISION_VARIANTS
 from treerl.bench.precision import PrecisionBenchConfig
+from treerl.cli.options import check_among, check_existing, check_positive, integers
+from treerl.errors import UserError
+from treerl.models import DTYPES, SHAPES, check_device
+from treerl.rollout.config import check_server_url
 
 
 def run_precision_bench(config: PrecisionBenchConfig, out: Path) -> None:
@@ -86,19 +91,23 @@ def bench(
     out: Path = typer.Option(Path("outputs/bench"), help="where JSON, markdown and PNG go"),
 ) -> None:
     """Measure what prefix sharing buys: time, memory and speedup over flat, against the FLOP ideal."""
+    check_options(shape, vocab_size, device, dtype, workloads, engines, variants, weight_push, model_path, {
+        "--scale": scale, "--repeats": repeats, "--balance-scale": balance_scale, "--prompt-tokens": prompt_tokens,
+        "--response-tokens": response_tokens, "--samples": samples, "--lora-rank": lora_rank, "--cp-tokens": cp_tokens,
+        **({"--threads": threads} if threads is not None else {})})
     config = BenchConfig(
         shape=shape, vocab_size=vocab_size or None, device=device, dtype=dtype, scale=scale, repeats=repeats,
         memory=memory, workloads=workloads.split(","), engines=engines.split(","), threads=threads,
     )
-    if cp:
+    if cp is not None:  # `--cp ''` too: refused as no rank counts, not taken for no --cp
         run_cp_bench(CpBenchConfig(shape=shape, vocab_size=vocab_size or None, tokens=cp_tokens,
-                                   ranks=[int(r) for r in cp.split(",")], paths=cp_paths.split(","),
+                                   ranks=integers("--cp", cp, least=1), paths=cp_paths.split(","),
                                    mixers=cp_mixers.split(","), memory=memory),
                      out)
     elif weight_push:
         run_weight_push(weight_push, model_path, server_model, repeats, out)
     elif compare_async:
-        run_async_compare(train_config, override, [int(s) for s in seeds.split(",")], target, threads or 1, out)
+        run_async_compare(train_config, override, integers("--seeds", seeds), target, threads or 1, out)
     elif profile:
         run_profile(config, out)
     elif precision:
@@ -110,6 +119,29 @@ def bench(
         run_balance(config, balance_scale, out)
     else:
         run_engine_bench(config, out, scaling)
+
+
+def check_options(shape: str, vocab_size: int, device: str, dtype: str, workloads: str, engines: str, variants: str,
+                  weight_push: str | None, model_path: str | None, positive: dict[str, float]) -> None:
+    """Every option checked before a model is built or a process started, as `treerl train` checks its config: one
+    line naming the option."""
+    check_among("--shape", [shape], tuple(SHAPES))
+    check_among("--dtype", [dtype], DTYPES)
+    check_device(device, "--device")
+    check_positive(positive)
+    if vocab_size < 0:
+        raise UserError(f"--vocab-size={vocab_size} must be >= 0 (0: the shape's own)")
+    check_among("--workloads", workloads.split(","), [*workload_names(), *IMAGE_WORKLOADS])
+    check_among("--engines", engines.split(","), ENGINES)
+    check_among("--variants", variants.split(","), PRECISION_VARIANTS)
+    if weight_push is not None:
+        try:
+            check_server_url(weight_push, "--weight-push")
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if not model_path:
+            raise UserError("--weight-push needs --model-path, the directory of the model the server serves")
+    check_existing("--model-path", model_path)
 
 
 def run_engine_bench(config: BenchConfig, out: Path, scaling: bool = True) -> None:
@@ -146,12 +178,10 @@ def run_cp_bench(config: CpBenchConfig, out: Path) -> None:
     Console().print(f"written to {out}/context_parallel.{{json,md}}")
 
 
-def run_weight_push(url: str, model_path: str | None, server_model: str, repeats: int, out: Path) -> None:
+def run_weight_push(url: str, model_path: str, server_model: str, repeats: int, out: Path) -> None:
     """`--weight-push`: the push times, printed and written to out/weight_push.{json,md}."""
     from treerl.bench.weight_push import measure_weight_push, weight_push_markdown
 
-    if not model_path:
-        raise typer.BadParameter("--weight-push needs --model-path, the directory of the model the server serves")
     rows = measure_weight_push(url, model_path, server_model, repeats, out / "pushed")
     out.mkdir(parents=True, exist_ok=True)
     (out / "weight_push.json").write_text(json.dumps(rows, indent=1))
