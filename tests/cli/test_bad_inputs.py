@@ -506,7 +506,8 @@ CHECKPOINTS = [
     Case("steps already done", checkpoint(None, "trainer.steps=2"),
          r"trainer.steps=2, but checkpoint .*step_000002 has already done 2 steps: set trainer.steps above 2"),
     Case("fresh run over a run", fresh_run_in,
-         r"trainer.output_dir='.*out' already holds a run \(checkpoints, metrics.jsonl, summary.json\): continue it with "
+         r"trainer.output_dir='.*out' already holds a run \(checkpoints, metrics.jsonl, summary.json, curves.png\): "
+         r"continue it with "
          r"trainer.resume=auto, or replace it with trainer.overwrite=true"),
     Case("resume=auto, only a broken checkpoint", checkpoint(
         lambda s, t: [shutil.rmtree(s.with_name("step_000001")), truncate(s / "model.safetensors")], resume="auto"),

@@ -29,3 +29,28 @@ def test_the_last_line_shows_the_steps_token_compression_without_the_progress_ba
     sft = last_line(tiny_config, capsys, [{"loss": 1.0}])
     assert "compression" not in sft
     assert sft.startswith("training reward: first 3 steps 0.500 -> last 3 steps 0.500; 1 s")
+
+
+def test_a_run_draws_its_curves_at_each_checkpoint_and_at_the_end_and_names_them(tiny_config, capsys, monkeypatch):
+    """curves.png in output_dir: drawn at the checkpoint of step 1 (from the metrics written by then), again at the
+    end with every step, and named on the last line; every curve but the KL to a reference (none here) has values."""
+    from pathlib import Path
+
+    from treerl.trainer import train
+    from treerl.trainer.core import curves, reporter
+
+    config = tiny_config("trainer.steps=2", "trainer.save_every=1", "trainer.eval_prompts=2")
+    drawn: list[list[int]] = []
+
+    def recorded(out: Path) -> Path | None:
+        drawn.append(sorted({step for step, _ in curves.logged_rows(out / "metrics.jsonl")}))
+        return curves.plot_curves(out)
+
+    monkeypatch.setattr(reporter, "plot_curves", recorded)
+    train(config)
+    out = Path(config.trainer.output_dir)
+    assert drawn == [[0], [0, 1], [0, 1, 2]]  # the checkpoints of steps 1 and 2, the end (its evaluation: step 2)
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith(f"curves in {out / 'curves.png'}")
+    rows = curves.logged_rows(out / "metrics.jsonl")
+    assert all(curves.series(rows, key)[0] for _, shown in curves.PANELS for _, key in shown if key != "train/kl")

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from treerl.distributed import DistEnv
 from treerl.trainer.core.config import Config, to_yaml
+from treerl.trainer.core.curves import plot_curves
 from treerl.trainer.core.metrics import MetricsLogger, import_wandb, json_number
 
 
@@ -100,14 +101,24 @@ class Reporter:
             self._compression.append(compression)
 
     def summarise(self, summary: dict[str, Any], line: str) -> None:
-        """The run's last line on the console, and output_dir/summary.json (rank 0; NaN written as null)."""
+        """The run's last line on the console (naming its curves), output_dir/summary.json (NaN written as null) and
+        the curves drawn a last time; rank 0."""
         output = Path(self.config.trainer.output_dir)
         compression = self._compression_item()
-        self.print(f"{line}{compression}; {summary['seconds']:.0f} s; metrics in {output / 'metrics.jsonl'}")
+        curves = self.plot()
+        shown = f", curves in {curves}" if curves is not None else ""
+        self.print(f"{line}{compression}; {summary['seconds']:.0f} s; metrics in {output / 'metrics.jsonl'}{shown}")
         if self.env.is_main:
             summary = {key: json_number(value) for key, value in summary.items()}
             output.mkdir(parents=True, exist_ok=True)
             (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    def plot(self) -> Path | None:
+        """output_dir/curves.png drawn from the metrics written so far (rank 0, once the run writes: at each checkpoint
+        and at the end); its path, or None."""
+        if not (self.env.is_main and self.opened):
+            return None
+        return plot_curves(Path(self.config.trainer.output_dir))
 
     def _compression_item(self) -> str:
         """The steps' token compression on the last line, so a run without the progress bar shows it too."""

@@ -295,6 +295,7 @@ class Run:
         self._saved = steps_done
         if self.env.is_main:
             prune_checkpoints(self.config.trainer.output_dir, self.config.trainer.keep_checkpoints, self.run_id)
+        self.report.plot()
         return path
 
     def checkpoint(self, steps_done: int) -> Path:
