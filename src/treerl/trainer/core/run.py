@@ -64,30 +64,33 @@ def device_for(config: ModelConfig, env: DistEnv) -> torch.device:
     return env.device if config.device == "auto" else check_device(config.device, "model.device")
 
 
-def set_threads(trainer: TrainerConfig, device: torch.device, on_servers: bool = False) -> int:
-    """Set torch's threads for this rank: `trainer.threads`, or the usable cores shared among the local ranks less
-    the async workers' threads (none when they sample `on_servers`: they wait on HTTP; never more than torch's own
-    default). Warns when the CPU is oversubscribed or busy, which can make a step several times slower. Returns the
-    count before."""
+def set_threads(trainer: TrainerConfig, device: torch.device, on_servers: bool = False) -> tuple[int, str | None]:
+    """Set torch's threads for this rank: `trainer.threads`, or the cores free when the run starts (those the load
+    average leaves: threads on busy cores wait on each other, and a step can take 20 times longer) shared among the
+    local ranks, less the async workers' threads (none when they sample `on_servers`: they wait on HTTP; never more
+    than torch's own default). Warns when trainer.threads oversubscribes the CPU. Returns the count before, and on
+    the CPU the line that says what was chosen."""
     before = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     sampling = trainer.mode == "async" and not on_servers
     workers = trainer.rollout_workers * trainer.worker_threads if sampling else 0
-    threads = trainer.threads or max(1, min(before, (cores - workers) // ranks))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    free = max(1, cores - round(load))
+    threads = trainer.threads or max(1, min(before, (free - workers) // ranks))
     torch.set_num_threads(threads)
     if device.type != "cpu":
-        return before
+        return before, None
     used = threads * ranks + workers
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    if used > cores:
+    if trainer.threads and used > cores:
         log.warning("%d torch threads x %d local ranks + %d async worker threads = %d threads on %d cores: threads "
                     "will wait on each other; lower trainer.threads / trainer.worker_threads", threads, ranks,
                     workers, used, cores)
-    elif threads > 1 and load >= cores:
-        log.warning("the CPU is busy (load average %.1f on %d cores): torch's %d threads may wait on each other and "
-                    "make each step several times slower; trainer.threads=1 avoids that", load, cores, threads)
-    return before
+    if trainer.threads:
+        return before, f"torch threads: {threads} (trainer.threads)"
+    shared = (f", less {workers} for async workers" if workers else "") + (f", over {ranks} ranks" if ranks > 1 else "")
+    return before, (f"torch threads: {threads} ({free} of {cores} cores free at the start, load average {load:.1f}"
+                    f"{shared}; trainer.threads sets them)")
 
 
 def on_main(env: DistEnv, fn: Callable[[], T]) -> T:
@@ -163,13 +166,15 @@ class Run:
         if not env.is_main:  # every rank samples the same batch: rank 0 alone reports dropped samples
             logging.getLogger("treerl").setLevel(logging.ERROR)
         device = device_for(config.model, env)
-        threads_before = set_threads(config.trainer, device, on_servers=bool(config.rollout.server_urls))
+        threads_before, chosen = set_threads(config.trainer, device, on_servers=bool(config.rollout.server_urls))
         try:
             run = cls._build(config, env, device, temperature)
         except BaseException:
             torch.set_num_threads(threads_before)
             raise
         run.threads_before = threads_before
+        if chosen is not None:
+            run.report.print(chosen)
         return run
 
     @classmethod
