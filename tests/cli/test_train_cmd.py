@@ -106,3 +106,14 @@ def test_sft_smoke(tmp_path):
     assert result.exit_code == 0, result.output
     assert "mean loss at start:" in result.output and "mean loss at end:" in result.output
     assert (out / "checkpoints" / "step_000002" / "tokenizer.json").exists()
+
+
+def test_train_help_lists_the_packaged_configs():
+    """A config is named by its packaged name (`treerl train shapes`): --help says which names there are."""
+    from treerl.trainer.core.config import packaged_configs
+
+    result = CliRunner().invoke(app, ["train", "--help"], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    help_text = " ".join(result.output.split())
+    assert {"arithmetic", "guess_number", "shapes", "agent_tools"} <= set(packaged_configs())
+    assert all(name in help_text for name in packaged_configs()), help_text

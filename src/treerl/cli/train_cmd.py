@@ -11,8 +11,11 @@ from collections.abc import Callable
 
 import typer
 
+from treerl.trainer.core.config import packaged_configs
+
 ARGS = "CONFIG (a YAML file or a packaged config name), then key=value overrides"
-TRAIN_ARGS_HELP = f"{ARGS}; e.g. guess_number trainer.steps=100"
+TRAIN_ARGS_HELP = (f"{ARGS}; e.g. guess_number trainer.steps=100. Packaged configs: "
+                   f"{', '.join(sorted(packaged_configs()))}")
 SFT_ARGS_HELP = f"{ARGS}; e.g. sft.data_path=conversations.jsonl trainer.steps=50 (no CONFIG: sft_example)"
 
 
