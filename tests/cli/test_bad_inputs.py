@@ -126,6 +126,11 @@ CONFIG = [
          r"trainer.output_dir='.*out' is a file: it must be a directory"),
     Case("output_dir under a file", lambda tmp, a: ["train", *TRAIN, f"trainer.output_dir={write(tmp, 'f', '') / 'run'}"],
          r"trainer.output_dir='.*f/run' is under '.*f', a file"),
+    Case("weights_dir is a file", lambda tmp, a: train(f"rollout.weights_dir={write(tmp, 'w', 'a file')}")(tmp, a),
+         r"rollout.weights_dir='.*w' is a file: it must be a directory"),
+    Case("a missing model before a run in output_dir", lambda tmp, a: [shutil.copytree(a.run, tmp / "out"),
+                                                                      *train("model.path=/nonexistent")(tmp, a)][1:],
+         r"model.path='/nonexistent' does not exist"),
     Case("resume=auto with overwrite=true", train("trainer.resume=auto", "trainer.overwrite=true"),
          r"trainer.resume=auto continues the run in output_dir, trainer.overwrite=true deletes it .*set one of the "
          r"two"),
@@ -257,7 +262,7 @@ GOOD_ROW = {"prompt": "1+1=", "answer": "2"}
 DATA = [
     Case("missing data file", lambda tmp, a: train("rollout.task=dataset", f"rollout.data_path={tmp / 'no.jsonl'}",
                                                    "rollout.reward_fn=bad_input_rewards:one")(tmp, a),
-         r"data path '.*no.jsonl' does not exist"),
+         r"rollout.data_path='.*no.jsonl' does not exist"),
     Case("bad JSON line", dataset(jsonl(GOOD_ROW, '{"prompt": ')), r"data.jsonl:2: not valid JSON"),
     Case("row not an object", dataset(jsonl(GOOD_ROW, "[1, 2]")), r"data.jsonl:2: expected a JSON object, got list"),
     Case("not UTF-8", dataset(jsonl(GOOD_ROW).encode() + b'{"prompt": "caf\xe9"}\n'),

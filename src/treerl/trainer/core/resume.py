@@ -22,7 +22,6 @@ new `trainer.lr` really is the learning rate from the next step on.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import uuid
 from dataclasses import dataclass, fields
@@ -63,10 +62,10 @@ class Start:
 
 
 def choose_start(config: Config) -> Start:
-    """Claim output_dir and pick the checkpoint to resume, refusing before anything is built or written."""
+    """Claim output_dir (checked to be one by `check_paths`) and pick the checkpoint to resume, refusing before anything
+    is built or written."""
     trainer = config.trainer
     out = Path(trainer.output_dir)
-    check_output_dir(out)
     for leftover in remove_leftovers(out):
         log.warning("removed %s, an incomplete checkpoint left by a run that was killed while writing it", leftover)
     path = find_resume_path(trainer.resume, out)
@@ -86,19 +85,6 @@ def choose_start(config: Config) -> Start:
     if changes:
         log.warning("resuming from %s with new values (they are used from now on): %s", path, "; ".join(changes))
     return Start(path, step, manifest.get("run_id") or uuid.uuid4().hex[:12], replaces=bool(another_run))
-
-
-def check_output_dir(out: Path) -> None:
-    """output_dir must be (or become) a directory this process can write: not a file, nor under one."""
-    for folder in (out, *out.parents):
-        if folder.exists():
-            if not folder.is_dir():
-                where = "is a file" if folder == out else f"is under {str(folder)!r}, a file"
-                raise UserError(f"trainer.output_dir={str(out)!r} {where}: it must be a directory (or not exist yet)")
-            if not os.access(folder, os.W_OK | os.X_OK):
-                raise UserError(f"trainer.output_dir={str(out)!r}: cannot write into {str(folder)!r} (permission "
-                                "denied); choose another output_dir")
-            return
 
 
 def claim_fresh(trainer: TrainerConfig) -> bool:

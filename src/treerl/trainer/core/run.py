@@ -48,6 +48,7 @@ from treerl.trainer.core.checkpoint import (
     save_checkpoint,
 )
 from treerl.trainer.core.config import Config, ConfigError, ModelConfig, TrainerConfig, to_yaml
+from treerl.trainer.core.inputs import check_paths
 from treerl.trainer.core.learner import Learner, NonfiniteGuard
 from treerl.trainer.core.loop_state import LoopState
 from treerl.trainer.core.reporter import Reporter
@@ -160,8 +161,10 @@ class Run:
 
     @classmethod
     def start(cls, config: Config, temperature: float = 1.0) -> Run:
-        """Join the ranks, check output_dir and the checkpoint to resume, build everything, and resume."""
+        """Join the ranks, check the paths the run reads and writes, then output_dir and the checkpoint to resume,
+        build everything, and resume."""
         config.check()
+        check_paths(config)  # a missing input is said before output_dir's state (which a first run may not expect)
         env = init_distributed()
         if not env.is_main:  # every rank samples the same batch: rank 0 alone reports dropped samples
             logging.getLogger("treerl").setLevel(logging.ERROR)
