@@ -400,7 +400,7 @@ def check_context_parallel(model: PreTrainedModel, sequences: Sequence[TokenSequ
         why = "a sequence shows images, which context parallelism does not feed yet"
     if why is not None:
         raise UnsupportedModel(f"{model_name(model)} under context parallelism: {why}; train it without "
-                               "(engine.context_parallel unset)")
+                               "(trainer.context_parallel=1)")
 
 
 class _NodeImages:
