@@ -93,7 +93,8 @@ def test_vllm_with_raw_logprobs_is_refused_naming_the_flag():
     paths = {route: {} for route in (*VLLM_RL_ROUTES, "/v1/completions")}
     raw = {"choices": [{"index": 0, "logprobs": {"top_logprobs": [{"a": -0.5, "b": -2.0}]}}]}
     answers = {"/health": {}, "/version": {"version": "0.32.0"}, "/openapi.json": {"paths": paths},
-               "/v1/completions": raw, "/weight_info": {"weight_version": "default"}, "/v1/models": {"data": [{"id": "default"}]}}
+               "/v1/completions": raw, "/weight_info": {"weight_version": "default"},
+               "/v1/models": {"data": [{"id": "default"}]}}
     with stub_server(answers) as url, pytest.raises(UserError, match="--logprobs-mode processed_logprobs"):
         CompletionsClient(url).connect()
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from stub_servers import stub_server, vllm_stub
-from support import treerl_serve_process
+from support import treerl_serve, treerl_serve_process
 
 from treerl.errors import ServerError
 from treerl.models import read_weights
@@ -144,3 +144,28 @@ def test_a_server_killed_during_async_training_stops_the_run_with_one_line_and_a
     # whichever meets the dead server first
     saved = sorted((out / "checkpoints").iterdir())
     assert saved and all(checkpoint.verify_checkpoint(c) is not None for c in saved)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol, error, says", [
+    ("sglang", "UserError", r"a prompt shows an image: treerl sends images to vLLM's token-in/token-out route only"),
+    ("vllm", "ServerError", r"the server answered without placing the prompt's images \(no mm_placeholders\)"),
+])
+def test_a_vision_language_run_on_treerl_serve_reaches_the_image_refusal_of_its_protocol(tmp_path, protocol, error,
+                                                                                       says):
+    """`treerl serve --model-path VL` (a `treerl export --shape tiny-qwen2.5-vl`) loads the run's first push, the very
+    checkpoint it serves (its weights in Qwen-VL's layout once failed the name check); then the shapes task's first
+    sample meets what each protocol does with images: SGLang's route takes none (refused before the request), the
+    look-alike vLLM route answers without placing them (the check of vLLM's expansion stops the run)."""
+    from treerl.errors import UserError
+    from treerl.trainer.core.config import load_config
+    from treerl.trainer.core.export import export_shape
+
+    model = export_shape("tiny-qwen2.5-vl", tmp_path / "vl")
+    with treerl_serve("--model-path", str(model), "--protocol", protocol, "--served-model-name", "policy") as url:
+        config = load_config("shapes", [
+            f"model.path={model}", f"rollout.server_url={url}", "rollout.server_model=policy", "trainer.steps=1",
+            "trainer.progress=false", "trainer.tensorboard=false", "trainer.eval_prompts=0", "rollout.prompts_per_step=1",
+            "rollout.group_size=2", f"trainer.output_dir={tmp_path / 'run'}"])
+        with pytest.raises({"UserError": UserError, "ServerError": ServerError}[error], match=says):
+            train(config)
