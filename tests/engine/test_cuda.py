@@ -15,7 +15,7 @@ from treerl.bench.workloads import AgentShape, agent_trees, grpo_groups, random_
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
 from treerl.engine.memory import ONE_PATH_SLACK, graph_bytes
 from treerl.models import build_model
-from treerl.testing import EngineRun, compare_runs, run_engine
+from support import as_close_as_flat
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -28,10 +28,6 @@ ENGINES = {
     "packed": lambda: PackedEngine(),  # FlexAttention on CUDA
     "flat-packed": lambda: FlatEngine(layout="packed"),
 }
-# An engine's error from float64 may be this many times the flat reference's on the same device, plus a floor a few
-# ulps of the dtype wide (as tests/engine/test_exactness.py's low-precision test, on CPU).
-RATIO = {"logprobs": 1.5, "entropy": 1.5, "gradient": 1.5, "loss": 2.0}
-FLOOR = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 def _loss(view):
@@ -48,12 +44,6 @@ def _batches() -> dict[str, list]:
     }
 
 
-def _on_cpu(run: EngineRun) -> EngineRun:
-    """A run's tensors in float64 on the CPU, to compare with the float64 reference there."""
-    outputs = [{k: v.detach().double().cpu() for k, v in out.items()} for out in run.outputs]
-    return EngineRun(outputs, run.loss, {k: v.double().cpu() for k, v in run.grads.items()})
-
-
 def check_as_close_as_flat(device: str, shape: str, mode: str, engines: list[str], batch: str) -> list[str]:
     """Each of `engines` on `device` is no further from the float64 run than the flat reference on `device` is;
     answers what failed, engine by engine (empty: all held).
@@ -64,20 +54,7 @@ def check_as_close_as_flat(device: str, shape: str, mode: str, engines: list[str
     model = build_model(shape=shape, vocab_size=VOCAB, dtype=dtype, seed=0).to(device)
     high = build_model(shape=shape, vocab_size=VOCAB, dtype=torch.float64, seed=0).to(device)
     high.load_state_dict({k: v.double() for k, v in model.state_dict().items()})  # the same (rounded) weights
-    flat_engine = FlatEngine(layout="sequences")
-    sequences = _batches()[batch]
-    reference = _on_cpu(run_engine(flat_engine, high, sequences, _loss))
-    failed = []
-    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=mode == "bf16-mixed"):
-        flat = compare_runs(_on_cpu(run_engine(flat_engine, model, sequences, _loss)), reference)
-        for engine in engines:
-            ours = compare_runs(_on_cpu(run_engine(ENGINES[engine](), model, sequences, _loss)), reference)
-            for part, ratio in RATIO.items():
-                flat_worst = max(e for k, e in flat.items() if k.endswith(part))
-                our_worst = max(e for k, e in ours.items() if k.endswith(part))
-                if our_worst > ratio * flat_worst + FLOOR[torch.float32 if mode == "float32" else torch.bfloat16]:
-                    failed.append(f"{engine}: {part} off by {our_worst:.3g}, flat by {flat_worst:.3g}")
-    return failed
+    return as_close_as_flat(model, high, _batches()[batch], _loss, mode, {name: ENGINES[name] for name in engines})
 
 
 def check_peak_within_the_contract(device: str, shape: str, batch: str) -> dict[str, int]:

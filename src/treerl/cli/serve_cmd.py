@@ -17,7 +17,9 @@ from treerl.rollout.server import PROTOCOLS
 
 
 def serve(
-    model_path: str = typer.Option(None, "--model-path", help="local checkpoint (default: random-init --shape)"),
+    model_path: str = typer.Option(None, "--model-path", help="local checkpoint, GGUF file or packaged model "
+                                   "(smollm2-135m-instruct) (default: random-init --shape)"),
+    gguf_file: str = typer.Option(None, "--gguf-file", help="--model-path holds several GGUF files: this one"),
     shape: str = typer.Option("tiny-qwen3", help="model shape when no --model-path (see treerl.models.SHAPES)"),
     tokenizer_path: str = typer.Option(
         None, "--tokenizer", help="local tokenizer (default: --model-path's, or the built-in character tokenizer)"
@@ -48,6 +50,7 @@ def serve(
     """
     import torch
 
+    from treerl.gguf_checkpoint import local_checkpoint
     from treerl.models import build_model, check_device, check_model_dir
     from treerl.rollout.embedded import EmbeddedSampler
     from treerl.rollout.server import Guard, run_server
@@ -66,6 +69,7 @@ def serve(
         raise UserError(f"--port={port} must be a TCP port, 1 to 65535")
     device = str(check_device(device, "--device"))
     if model_path is not None:
+        model_path = local_checkpoint(model_path, gguf_file, "--model-path", "--gguf-file")
         check_model_dir(model_path, "--model-path")
     tokenizer = load_tokenizer(tokenizer_path or model_path, trust_remote_code=trust_remote_code)
     model = build_model(

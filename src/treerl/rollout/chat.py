@@ -29,6 +29,11 @@ NOT_EXTENSIBLE = ("the chat template renders an assistant turn differently once 
                   "context cannot be extended token by token; use a template without that behaviour")
 
 
+# A tool offered to see whether the chat template writes tools into the prompt at all (SmolLM2's does not).
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "A probe.",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
 class ChatFormat:
     """Renders messages with the tokenizer's chat template and knows which tokens end a reply; with `images` (a
     vision-language model's processor) it renders image content parts too (`prompt_with_images`)."""
@@ -50,6 +55,8 @@ class ChatFormat:
         self.stop_token_ids: list[int] = list(dict.fromkeys([tokenizer.eos_token_id, *extra]))
         self._base = self.render(_BASE, add_generation_prompt=False)
         self._glue = self._end_of_turn_glue()
+        self.shows_tools = self.render(_BASE, False, tools=[_PROBE_TOOL]) != self._base
+
 
     def render(self, messages: list[Message], add_generation_prompt: bool, tools: list[Tool] | None = None) -> list[int]:
         """Token ids of a conversation (with the tools offered, if any), as the model's chat template writes it."""

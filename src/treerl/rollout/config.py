@@ -13,7 +13,7 @@ from treerl.rollout.tasks.shapes import MAX_SHAPES
 from treerl.rollout.tool_parsers import PARSER_NAMES
 from treerl.tree.io import MAX_LINE_BYTES
 
-TASKS = ("arithmetic", "shapes", "guess_number", "dataset", "agent", "agent_tools")
+TASKS = ("arithmetic", "arithmetic_chat", "shapes", "guess_number", "dataset", "agent", "agent_tools")
 AGENT_TASKS = ("agent", "agent_tools")
 
 
@@ -22,7 +22,7 @@ class RolloutConfig:
     """Every rollout option. Built-in tasks need nothing else; `dataset` needs `data_path` and `reward_fn`."""
 
     # What to sample.
-    task: str = "arithmetic"  # arithmetic | shapes (images: a vision-language model.shape) | guess_number (multi-turn) | dataset (yours) | agent (your agent) | agent_tools
+    task: str = "arithmetic"  # arithmetic | arithmetic_chat (the sums asked in words, for pretrained chat models) | shapes (images: a vision-language model.shape) | guess_number (multi-turn) | dataset (yours) | agent (your agent) | agent_tools
     prompts_per_step: int = 16  # prompts (single-turn) or episodes (multi-turn) per training step
     group_size: int = 8  # samples per prompt; for multi-turn tasks the replies sampled at turn 0
     seed: int = 0  # seeds the prompt order and the sampling (same seed + step + weights -> same rollout)
@@ -42,7 +42,7 @@ class RolloutConfig:
     max_context_tokens: int = 4096  # context + reply budget of any model call, at most the model's positions: a multi-turn trajectory ends before it would exceed this; a longer prompt or agent call is dropped (context_limit)
 
     # Built-in tasks.
-    max_operand: int = 4  # arithmetic: operands in [0, max_operand] (4: one-digit sums, learnt in minutes)
+    max_operand: int = 4  # arithmetic, arithmetic_chat: operands in [0, max_operand] (4: one-digit sums, learnt in minutes)
     max_number: int = 9  # guess_number: the secret is in [1, max_number]
     max_shapes: int = 3  # shapes: each image shows 1..max_shapes shapes (at most 4), the reply is their count
 

@@ -54,6 +54,9 @@ the policy the trainer trains), so tool choices are enforced on what the model w
 - no parser (`rollout.tool_parser` resolves to `none`): no reply can hold a tool call, so a request
   with `tools` and a required or named tool choice is refused with HTTP 400 (`no_tool_parser`),
   naming `rollout.tool_parser` and its values, before anything is sampled.
+- a chat template that does not write tools into the prompt (SmolLM2's: the same prompt with and without them):
+  any request offering tools, unless `tool_choice="none"`, is refused with HTTP 400 (`template_without_tools`):
+  the model would never see the tools it is asked to call.
 Penalties, `logit_bias`, constrained output formats and `top_logprobs` are refused with HTTP 400.
 
 Images (a vision-language policy): a user or tool message may show `image_url` parts (base64 data URLs; the
@@ -278,6 +281,13 @@ class NoToolParser(HTTPException):
     code = "no_tool_parser"
 
 
+class TemplateWithoutTools(HTTPException):
+    """HTTP 400: the request offers tools, and the chat template writes no tools into the prompt: the model would
+    never see them."""
+
+    code = "template_without_tools"
+
+
 @dataclass
 class ChatProxy:
     """The proxy: sampling settings of the rollout, its sampler, and the recorder of open episodes."""
@@ -403,6 +413,11 @@ class ChatProxy:
         if request.tools and request.tool_choice in ("required", "function") and self.parser_name == "none":
             raise NoToolParser(400, f"tool_choice {request.tool_choice!r} needs a tool call, but "
                                     f"{no_parser_hint(self.tool_parser)}")
+        if request.tools and request.tool_choice != "none" and not self.chat.shows_tools:
+            raise TemplateWithoutTools(400, "the request offers tools, but the policy's chat template does not write "
+                                            "tools into the prompt (it renders the same with and without them), so the "
+                                            "model would never see them: give the policy a template that shows tools "
+                                            "(model.tokenizer_path), or send no tools")
         if log is not None and log.max_calls is not None and len(log.calls) >= log.max_calls:
             raise HTTPException(400, f"episode {log.id!r} made {len(log.calls)} model calls, the limit "
                                      "(rollout.max_turns)")

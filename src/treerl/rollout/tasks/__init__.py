@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from treerl.rollout.rewards import RewardFn
 from treerl.rollout.tasks.agent_tools import AgentTools
-from treerl.rollout.tasks.arithmetic import Arithmetic
+from treerl.rollout.tasks.arithmetic import Arithmetic, ArithmeticChat
 from treerl.rollout.tasks.base import AgentTask, Environment, EnvReply, Prompt, SingleTurnTask
 from treerl.rollout.tasks.dataset import DatasetTask, load_agent_tasks
 from treerl.rollout.tasks.guess_number import GuessEnv, GuessNumber
@@ -24,6 +24,8 @@ def build_task(config: RolloutConfig, reward_fn: RewardFn | None = None,
     """The task `config.task` names, with its options from the config (`vision`: whether the model reads images)."""
     if config.task == "arithmetic":
         return Arithmetic(max_operand=config.max_operand, seed=config.seed)
+    if config.task == "arithmetic_chat":
+        return ArithmeticChat(max_operand=config.max_operand, seed=config.seed)
     if config.task == "shapes":
         return Shapes(max_shapes=config.max_shapes, seed=config.seed)
     if config.task == "guess_number":
@@ -44,6 +46,6 @@ def build_task(config: RolloutConfig, reward_fn: RewardFn | None = None,
 
 
 __all__ = [
-    "AgentTask", "AgentTools", "Arithmetic", "DatasetTask", "EnvReply", "Environment", "GuessEnv", "GuessNumber", "Prompt",
+    "AgentTask", "AgentTools", "Arithmetic", "ArithmeticChat", "DatasetTask", "EnvReply", "Environment", "GuessEnv", "GuessNumber", "Prompt",
     "Shapes", "SingleTurnTask", "build_task",
 ]

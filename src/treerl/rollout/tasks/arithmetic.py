@@ -9,6 +9,7 @@ without its stop token: padding with spaces or special tokens does not pass for 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from treerl.rollout.tasks.base import Prompt, rng_for
@@ -46,9 +47,39 @@ class Arithmetic:
         return len(str(2 * self.max_operand)) + 2
 
     def prompts(self, step: int, count: int) -> list[Prompt]:
-        out = []
-        for i in range(count):
-            rng = rng_for(self.name, self.seed, step, i)
-            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-            out.append(Prompt(f"s{step}/p{i}", [{"role": "user", "content": f"{a}+{b}="}], answer=a + b))
-        return out
+        return [self.prompt(step, i) for i in range(count)]
+
+    def prompt(self, step: int, i: int) -> Prompt:
+        """Prompt `i` of step `step`: its operands drawn from the task's seeded stream."""
+        rng = rng_for(self.name, self.seed, step, i)
+        a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+        return Prompt(f"s{step}/p{i}", [{"role": "user", "content": self.question(a, b)}], answer=a + b)
+
+    def question(self, a: int, b: int) -> str:
+        """What the model is asked: the bare sum to complete."""
+        return f"{a}+{b}="
+
+
+def last_number_reward(prompt: str, completion: str, answer: int) -> float:
+    """1 when the reply's last integer is the sum ("3 + 4 = 7", "The answer is 7."), else 0: a pretrained chat
+    model's way of answering, read as math graders read a final answer."""
+    numbers = re.findall(r"-?\d+", completion)
+    return 1.0 if numbers and numbers[-1] == str(answer) else 0.0
+
+
+@dataclass
+class ArithmeticChat(Arithmetic):
+    """The same sums asked as a chat model is asked ("What is 3 + 4? Answer with the number only."), for pretrained
+    instruct checkpoints (configs/smollm2.yaml); the reward reads the reply's last number."""
+
+    name: str = "arithmetic_chat"
+    max_tokens: int = 16
+    reward_fn = staticmethod(last_number_reward)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Room for a short sentence around the number ("3 + 4 = 7.")."""
+        return self.max_tokens
+
+    def question(self, a: int, b: int) -> str:
+        return f"What is {a} + {b}? Answer with the number only."

@@ -22,6 +22,7 @@ from treerl.distributed import DistributedModel
 from treerl.engine import AutocastEngine, DfsEngine, Engine, FlatEngine, PackedEngine, PolicyHead, ValueHead
 from treerl.engine.images import tower_parameters
 from treerl.engine.support import check_no_dropout
+from treerl.gguf_checkpoint import PACKAGED_MODELS, local_checkpoint
 from treerl.models import add_lora, build_model, check_model_dir, policy_config, shows_images
 from treerl.rollout import load_tokenizer
 from treerl.rollout.images import ImageProcessor, image_processor
@@ -55,13 +56,14 @@ def build_train_engine(config: EngineConfig, temperature: float = 1.0, head: Pol
 def load_policy(config: ModelConfig, device: torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model and tokenizer of `model.*`: a local checkpoint (checked first), or a random-init shape; with
     gradient checkpointing and LoRA adapters if configured."""
-    if config.path is not None:
-        check_model_dir(config.path, "model.path")
-    if config.tokenizer_path is not None and not Path(config.tokenizer_path).exists():
+    path = checkpoint_path(config)
+    if path is not None:
+        check_model_dir(path, "model.path")
+    if config.tokenizer_path not in (None, *PACKAGED_MODELS) and not Path(config.tokenizer_path).exists():
         raise ConfigError(f"model.tokenizer_path={config.tokenizer_path!r} does not exist")
     tokenizer = policy_tokenizer(config)
     model = build_model(
-        path=config.path, shape=config.shape, vocab_size=None if config.path else len(tokenizer),
+        path=path, shape=config.shape, vocab_size=None if path else len(tokenizer),
         dtype=getattr(torch, config.dtype or "float32"), device=device, seed=config.seed,
         attn_implementation=config.attn_implementation, trust_remote_code=config.trust_remote_code,
     )
@@ -88,18 +90,25 @@ def freeze_vision_tower(model: PreTrainedModel) -> None:
         parameter.requires_grad_(False)
 
 
+def checkpoint_path(config: ModelConfig) -> str | None:
+    """The checkpoint directory `model.path` stands for (a GGUF file or a packaged model: its cached conversion),
+    or None for a random-init shape."""
+    return local_checkpoint(config.path, config.gguf_file) if config.path is not None else None
+
+
 def policy_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
     """The policy's tokenizer: `model.tokenizer_path`, else the checkpoint's, else the built-in one (with the image
     tokens for a vision-language shape)."""
-    return load_tokenizer(config.tokenizer_path or config.path, trust_remote_code=config.trust_remote_code,
+    path = local_checkpoint(config.tokenizer_path, key="model.tokenizer_path") if config.tokenizer_path else None
+    return load_tokenizer(path or checkpoint_path(config), trust_remote_code=config.trust_remote_code,
                           vision=shows_images(config.shape))
 
 
 def policy_images(config: ModelConfig, vocab_size: int) -> ImageProcessor | None:
     """The policy's image processor (None: a text model), from its config alone: the trainer and every rollout worker
     render prompts that show images with it."""
-    model_config = policy_config(config.path, config.shape, vocab_size, config.trust_remote_code)
-    return image_processor(model_config, config.path)
+    path = checkpoint_path(config)
+    return image_processor(policy_config(path, config.shape, vocab_size, config.trust_remote_code), path)
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
@@ -128,9 +137,9 @@ def build_critic_learner(config: Config, strategy: str, vocab_size: int, device:
                          guard: NonfiniteGuard) -> Learner:
     """PPO's value model: its body from `critic.path` (else the policy's checkpoint or shape), a fresh value layer,
     its own learning rate (`critic.lr`, else the policy's)."""
-    path = config.critic.path or config.model.path
+    path = local_checkpoint(config.critic.path, key="critic.path") if config.critic.path else checkpoint_path(config.model)
     if config.critic.path is not None:
-        check_model_dir(config.critic.path, "critic.path")
+        check_model_dir(path, "critic.path")
     model = build_critic(path=path, shape=config.model.shape, vocab_size=None if path else vocab_size,
                          dtype=getattr(torch, config.model.dtype), device=device, seed=config.critic.seed,
                          attn_implementation=config.model.attn_implementation,

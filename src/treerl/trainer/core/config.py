@@ -28,6 +28,7 @@ from treerl.algo.config import DECOUPLABLE, decoupled
 from treerl.attention.context_parallel import MIXER_ORDERS, PATH_LAYOUTS
 from treerl.engine.memory import check_memory_settings
 from treerl.errors import UserError
+from treerl.gguf_checkpoint import PACKAGED_MODELS
 from treerl.models import DTYPES, SHAPES
 from treerl.rollout import RolloutConfig
 from treerl.trainer.core.precision import canonical, parameter_dtype
@@ -61,7 +62,8 @@ class LoraConfig:
 class ModelConfig:
     """The policy: a local transformers checkpoint, or a named shape with random weights."""
 
-    path: str | None = None  # local checkpoint directory (config + weights, e.g. a save_pretrained dir); never downloaded
+    path: str | None = None  # local checkpoint directory (config + weights, e.g. a save_pretrained dir), a GGUF file (or a directory of them), or a packaged model (smollm2-135m-instruct); never downloaded
+    gguf_file: str | None = None  # model.path is a directory holding several GGUF files: the one to load (converted once, cached; docs/training.md#real-checkpoints-and-gguf-files)
     shape: str = "tiny-qwen3"  # when path is null: a shape of treerl.models.SHAPES, randomly initialised
     tokenizer_path: str | None = None  # null: the tokenizer saved with model.path; with no path, the built-in one
     dtype: str | None = None  # parameters and optimizer state; null: as trainer.precision says (float32, or bfloat16 for bf16); float64 with fp32 for exactness tests
@@ -255,7 +257,7 @@ def check_choices(config: Config) -> None:
             f"algo.advantage=gae (the default of algo.loss={config.algo.loss}) trains a critic, which "
             "trainer.mode=async does not run; use trainer.mode=sync, or algo.advantage=group, group_mean, rloo or returns"
         )
-    if config.critic.path is not None and not Path(config.critic.path).exists():
+    if config.critic.path not in (None, *PACKAGED_MODELS) and not Path(config.critic.path).exists():
         raise ConfigError(f"critic.path={config.critic.path!r} does not exist (treerl only loads local checkpoints)")
     timeout = config.rollout.reward_timeout
     if config.trainer.mode == "async" and timeout is not None and not timeout < config.trainer.worker_timeout:

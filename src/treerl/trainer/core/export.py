@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treerl.errors import UserError
+from treerl.gguf_checkpoint import local_checkpoint
 from treerl.models import DTYPES, base_fingerprint, is_lora
 from treerl.rollout.images import image_processor
 from treerl.trainer.core.build import load_policy
@@ -60,6 +61,15 @@ def export_shape(shape: str, out: str | Path, dtype: str | None = None, seed: in
     model, tokenizer = load_policy(ModelConfig(shape=shape, seed=seed), torch.device("cpu"))
     images = image_processor(model.config)  # a vision-language shape's: a server processes its images as it says
     return write_model(model, tokenizer, out, dtype, images.processor if images is not None else None)
+
+
+def export_model(path: str, gguf_file: str | None, out: str | Path, dtype: str | None = None) -> Path:
+    """Write the model at `path` (a GGUF file or a packaged model: dequantized) to the new directory `out`."""
+    out = Path(out)
+    check_out(out, dtype)
+    source = local_checkpoint(path, gguf_file, "--model-path", "--gguf-file")
+    model, tokenizer = load_policy(ModelConfig(path=source), torch.device("cpu"))
+    return write_model(model, tokenizer, out, dtype)
 
 
 def check_out(out: Path, dtype: str | None) -> None:

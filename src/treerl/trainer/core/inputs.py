@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from treerl.gguf_checkpoint import PACKAGED_MODELS
 from treerl.trainer.core.config import Config, ConfigError, get
 
 READ = ("model.path", "model.tokenizer_path", "critic.path", "rollout.data_path", "sft.data_path")
@@ -25,7 +26,7 @@ def check_paths(config: Config) -> None:
     """Every path of READ exists, every directory of WRITTEN can be one; a ConfigError naming the key."""
     for key in READ:
         value = get(config, key)
-        if value is not None and not Path(value).exists():
+        if value is not None and value not in PACKAGED_MODELS and not Path(value).exists():
             raise ConfigError(f"{key}={value!r} does not exist (treerl only reads local files)")
     for key in WRITTEN:
         if get(config, key) is not None:
