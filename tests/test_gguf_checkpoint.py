@@ -29,7 +29,7 @@ def real_file() -> Path:
 
 @pytest.fixture
 def tmp_cache(tmp_path, monkeypatch) -> Path:
-    """TREERL_CACHE in tmp_path (for files made in tmp_path only: the in-process memo does not key on the root)."""
+    """TREERL_CACHE in tmp_path."""
     monkeypatch.setenv("TREERL_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
 
@@ -178,8 +178,8 @@ def _cut(fraction: float | None, at: int = 0):
 
 BAD_FILES = {
     "not gguf": (_not_gguf, r"is not a GGUF file \(it does not start with 'GGUF'\)"),
-    "first half": (_cut(0.5), r"\(49\d{6} bytes: truncated or corrupt|is truncated: its tensors end at byte"),
-    "cut in the header": (_cut(None, at=1000), r"cannot read its GGUF header and tensor table \(1000 bytes: truncated"),
+    "first half": (_cut(0.5), r"gguf cannot read it \(49\d{6} bytes: truncated or corrupt"),
+    "cut in the header": (_cut(None, at=1000), r"gguf cannot read it \(1000 bytes: truncated"),
     "unknown architecture": (lambda tmp, real: write_gguf(tmp / "odd.gguf", arch="notanarch"),
                              r"transformers cannot load this GGUF file \(.*notanarch"),
     "float64 tensor": (lambda tmp, real: write_gguf(tmp / "f64.gguf", extra={"blk.0.ffn_norm.weight": np.ones(8)}),

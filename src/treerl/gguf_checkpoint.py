@@ -106,14 +106,19 @@ def cache_root() -> Path:
 def converted(file: Path, key: str = "model.path") -> Path:
     """The cached conversion of the GGUF `file`, made now (checked first) if there is none."""
     stat = file.stat()
-    return _converted(file.resolve(), stat.st_size, stat.st_mtime_ns, key)
+    out = _converted(file, stat.st_size, stat.st_mtime_ns, key, cache_root())
+    if not (out / COMPLETE).is_file():  # removed since this process converted it
+        _converted.cache_clear()
+        out = _converted(file, stat.st_size, stat.st_mtime_ns, key, cache_root())
+    return out
 
 
 @lru_cache(maxsize=8)
-def _converted(file: Path, size: int, mtime_ns: int, key: str) -> Path:
-    """`converted`, once per file version in a process (hashing 100 MB each time a worker loads would add up)."""
+def _converted(file: Path, size: int, mtime_ns: int, key: str, root: Path) -> Path:
+    """`converted`, once per file version and cache root in a process (hashing 100 MB each time a worker loads would
+    add up); errors name `file` as given."""
     check_gguf(file, key)
-    out = cache_root() / "gguf" / f"{file.stem}-{file_digest(file)[:16]}"
+    out = root / "gguf" / f"{file.resolve().stem}-{file_digest(file)[:16]}"  # a link finds its target's copy
     if not (out / COMPLETE).is_file():
         convert(file, out)
     return out
@@ -142,17 +147,11 @@ def check_gguf(file: Path, key: str = "model.path") -> None:
     with open(file, "rb") as handle:
         if handle.read(4) != GGUF_MAGIC:
             raise ModelPathError(f"{key}={str(file)!r} is not a GGUF file (it does not start with 'GGUF')")
-    size = file.stat().st_size
     try:
-        reader = GGUFReader(file)
+        reader = GGUFReader(file)  # reads the header, the tensor table and every tensor's extent in the file
     except (ValueError, IndexError, KeyError, OSError) as e:
-        raise ModelPathError(f"{key}={str(file)!r}: cannot read its GGUF header and tensor table ({size} bytes: "
-                             f"truncated or corrupt; {type(e).__name__}: {e})") from None
-    if reader.tensors:
-        end = max(t.data_offset + t.n_bytes for t in reader.tensors)
-        if end > size:
-            raise ModelPathError(f"{key}={str(file)!r} is truncated: its tensors end at byte {end}, the file has "
-                                 f"{size}")
+        raise ModelPathError(f"{key}={str(file)!r}: gguf cannot read it ({file.stat().st_size} bytes: truncated or "
+                             f"corrupt; {type(e).__name__}: {e})") from None
     try:
         load_gguf_checkpoint(str(file), return_tensors=False)  # transformers' own mapping of the config
     except (ValueError, KeyError, NotImplementedError) as e:

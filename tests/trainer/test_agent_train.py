@@ -129,8 +129,8 @@ def test_an_agent_run_whose_template_writes_no_known_tool_format_says_so(tiny_co
     naming the setting (not one per rollout: here the evaluation has its own), and the built-in agent's named tool
     choice is refused with the same advice, which dropped.jsonl shows (and the run, none of whose steps trained,
     stops saying so)."""
-    tokenizer = builtin_tokenizer()
-    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    tokenizer = builtin_tokenizer()  # the tools shown, in no format a parser reads
+    tokenizer.chat_template = "{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}" + PLAIN_CHAT_TEMPLATE
     tokenizer.save_pretrained(tmp_path / "tokenizer")
     config = tiny_config(f"model.tokenizer_path={tmp_path / 'tokenizer'}", "trainer.steps=1", "trainer.eval_prompts=2",
                          "rollout.prompts_per_step=1", "rollout.group_size=2", config="agent_tools")

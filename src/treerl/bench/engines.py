@@ -65,6 +65,7 @@ class BenchConfig:
 
     shape: str = "small-qwen3"
     vocab_size: int | None = 4096  # None: the shape's own vocabulary
+    model_path: str | None = None  # a local checkpoint directory instead of the shape (its own weights and vocabulary)
     device: str = "cpu"
     dtype: str = "float32"
     scale: float = 1 / 16
@@ -248,11 +249,17 @@ def _model_and_batches(config: BenchConfig) -> tuple[torch.nn.Module, dict[str, 
         raise ValueError(f"unknown engines {unknown}; known: {', '.join(ENGINES)}")
     if config.threads:
         torch.set_num_threads(config.threads)
-    device = torch.device(config.device)
-    dtype = getattr(torch, config.dtype)
-    model = build_model(shape=config.shape, vocab_size=config.vocab_size, dtype=dtype, device=device, seed=config.seed)
+    model = bench_model(config)
     vocab = model.get_input_embeddings().num_embeddings
     return model, {w: make_workload(w, config.scale, vocab, config.seed, model.config) for w in config.workloads}
+
+
+def bench_model(config: BenchConfig) -> torch.nn.Module:
+    """The model measured: the checkpoint at `model_path` (a real model), else random weights of `shape`."""
+    if config.model_path:
+        return build_model(path=config.model_path, dtype=getattr(torch, config.dtype), device=config.device).eval()
+    return build_model(shape=config.shape, vocab_size=config.vocab_size, dtype=getattr(torch, config.dtype),
+                       device=config.device, seed=config.seed)
 
 
 def profile_engines(config: BenchConfig) -> list[dict]:
@@ -284,8 +291,7 @@ def memory_scaling(config: BenchConfig, groups: tuple[int, ...] = (1, 4, 16, 64)
     if config.threads:
         torch.set_num_threads(config.threads)
     device = torch.device(config.device)
-    model = build_model(shape=config.shape, vocab_size=config.vocab_size, dtype=getattr(torch, config.dtype),
-                        device=device, seed=config.seed)
+    model = bench_model(config)
     s = lambda n: max(2, round(n * config.scale))
     rows = []
     for g in groups:

@@ -30,6 +30,7 @@ from treerl.bench.precision import VARIANTS as PRECISION_VARIANTS
 from treerl.bench.precision import PrecisionBenchConfig
 from treerl.cli.options import check_among, check_existing, check_positive, integers
 from treerl.errors import UserError
+from treerl.gguf_checkpoint import PACKAGED_MODELS, local_checkpoint
 from treerl.models import DTYPES, SHAPES, check_device
 from treerl.rollout.config import check_server_url
 
@@ -80,7 +81,9 @@ def bench(
     lora_rank: int = typer.Option(16, help="--precision: rank of the LoRA variant"),
     weight_push: str | None = typer.Option(None, "--weight-push", help="URL of a running inference server: the time "
                                            "of one weight push (write + load) through /dev/shm and disk instead"),
-    model_path: str | None = typer.Option(None, help="--weight-push: the directory of the model the server serves"),
+    model_path: str | None = typer.Option(None, help="a checkpoint to measure instead of --shape: a local directory, a "
+                                          "GGUF file or a packaged model (smollm2-135m-instruct); --weight-push: the "
+                                          "model the server serves"),
     server_model: str = typer.Option("policy", help="--weight-push: the server's model name"),
     cp: str | None = typer.Option(None, "--cp", help="context parallelism: comma-separated rank counts (e.g. 1,2,4): "
                                   "one long trajectory (--cp-tokens) over that many gloo processes, and the GPU model"),
@@ -95,8 +98,11 @@ def bench(
         "--scale": scale, "--repeats": repeats, "--balance-scale": balance_scale, "--prompt-tokens": prompt_tokens,
         "--response-tokens": response_tokens, "--samples": samples, "--lora-rank": lora_rank, "--cp-tokens": cp_tokens,
         **({"--threads": threads} if threads is not None else {})})
+    if model_path is not None:
+        model_path = local_checkpoint(model_path, key="--model-path")
     config = BenchConfig(
-        shape=shape, vocab_size=vocab_size or None, device=device, dtype=dtype, scale=scale, repeats=repeats,
+        shape=shape, vocab_size=vocab_size or None, model_path=model_path, device=device, dtype=dtype, scale=scale,
+        repeats=repeats,
         memory=memory, workloads=workloads.split(","), engines=engines.split(","), threads=threads,
     )
     if cp is not None:  # `--cp ''` too: refused as no rank counts, not taken for no --cp
@@ -141,7 +147,8 @@ def check_options(shape: str, vocab_size: int, device: str, dtype: str, workload
             raise UserError(str(e)) from None
         if not model_path:
             raise UserError("--weight-push needs --model-path, the directory of the model the server serves")
-    check_existing("--model-path", model_path)
+    if model_path not in PACKAGED_MODELS:
+        check_existing("--model-path", model_path)
 
 
 def run_engine_bench(config: BenchConfig, out: Path, scaling: bool = True) -> None:

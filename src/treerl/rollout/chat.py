@@ -34,6 +34,12 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": 
                                                 "parameters": {"type": "object", "properties": {}}}}
 
 
+def template_shows_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template writes offered tools into the prompt at all (the model can only call what it sees)."""
+    render = lambda tools: tokenizer.apply_chat_template(_BASE, tools=tools, tokenize=False)
+    return render([_PROBE_TOOL]) != render(None)
+
+
 class ChatFormat:
     """Renders messages with the tokenizer's chat template and knows which tokens end a reply; with `images` (a
     vision-language model's processor) it renders image content parts too (`prompt_with_images`)."""
@@ -55,7 +61,7 @@ class ChatFormat:
         self.stop_token_ids: list[int] = list(dict.fromkeys([tokenizer.eos_token_id, *extra]))
         self._base = self.render(_BASE, add_generation_prompt=False)
         self._glue = self._end_of_turn_glue()
-        self.shows_tools = self.render(_BASE, False, tools=[_PROBE_TOOL]) != self._base
+        self.shows_tools = template_shows_tools(tokenizer)
 
 
     def render(self, messages: list[Message], add_generation_prompt: bool, tools: list[Tool] | None = None) -> list[int]:

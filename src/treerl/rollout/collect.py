@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treerl.rollout.agent import AgentWorkflow, load_agent
-from treerl.rollout.chat import ChatFormat
+from treerl.rollout.chat import ChatFormat, template_shows_tools
 from treerl.rollout.client import API_KEY_ENV, CompletionsClient
 from treerl.rollout.config import AGENT_TASKS, RolloutConfig
 from treerl.errors import UserError
@@ -72,10 +72,16 @@ def server_client(config: RolloutConfig) -> CompletionsClient:
                              server_type=config.server_type, api_key=os.environ.get(API_KEY_ENV))
 
 
-def tool_format_warning(config: RolloutConfig, chat_template: str | dict[str, str] | None) -> str | None:
-    """What an agent run says at its start when rollout.tool_parser=auto finds no tool-call format in the chat
-    template (its agents' tool calls would come back as plain text); None when all is well."""
-    if config.task not in AGENT_TASKS or config.tool_parser != "auto" or detect_tool_parser(chat_template) != "none":
+def tool_format_warning(config: RolloutConfig, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """What an agent run says at its start when its chat template writes no tools (every request offering tools is
+    refused), or when rollout.tool_parser=auto finds no tool-call format in it (its agents' tool calls would come back
+    as plain text); None when all is well."""
+    if config.task not in AGENT_TASKS:
+        return None
+    if not template_shows_tools(tokenizer):
+        return ("the policy's chat template writes no tools into the prompt: every request offering tools is refused "
+                "(template_without_tools); give the policy a template that shows tools with model.tokenizer_path")
+    if config.tool_parser != "auto" or detect_tool_parser(tokenizer.chat_template) != "none":
         return None
     return f"{no_parser_hint('auto')} (a request with tool_choice='required' or a named function is refused)"
 

@@ -410,14 +410,14 @@ class ChatProxy:
         if request.top_p is not None and abs(request.top_p - self.top_p) > 1e-9:
             raise HTTPException(400, f"top_p {request.top_p} differs from the rollout's {self.top_p} (rollout.top_p); "
                                      "leave it unset")
-        if request.tools and request.tool_choice in ("required", "function") and self.parser_name == "none":
-            raise NoToolParser(400, f"tool_choice {request.tool_choice!r} needs a tool call, but "
-                                    f"{no_parser_hint(self.tool_parser)}")
         if request.tools and request.tool_choice != "none" and not self.chat.shows_tools:
             raise TemplateWithoutTools(400, "the request offers tools, but the policy's chat template does not write "
                                             "tools into the prompt (it renders the same with and without them), so the "
                                             "model would never see them: give the policy a template that shows tools "
                                             "(model.tokenizer_path), or send no tools")
+        if request.tools and request.tool_choice in ("required", "function") and self.parser_name == "none":
+            raise NoToolParser(400, f"tool_choice {request.tool_choice!r} needs a tool call, but "
+                                    f"{no_parser_hint(self.tool_parser)}")
         if log is not None and log.max_calls is not None and len(log.calls) >= log.max_calls:
             raise HTTPException(400, f"episode {log.id!r} made {len(log.calls)} model calls, the limit "
                                      "(rollout.max_turns)")

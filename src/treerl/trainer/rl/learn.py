@@ -80,7 +80,7 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
     write summary.json (with the keys `summary()` adds). An agent task whose tool calls no parser reads is warned
     about first."""
     config = run.config
-    if warning := tool_format_warning(config.rollout, run.tokenizer.chat_template):
+    if warning := tool_format_warning(config.rollout, run.tokenizer):
         log.warning(warning)  # once a run, before its first episode
     done = run.start_step  # steps complete (the model is their result)
     try:
