@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from treerl.algo.config import AlgoConfig
+from treerl.algo.config import AlgoConfig, uses_proximal
 from treerl.tree import BatchError, TokenSequence, validate_sequences
 
 LOGPROB_FIELDS = ("old_logprobs", "prox_logprobs", "ref_logprobs")
@@ -31,7 +31,7 @@ def required_fields(config: AlgoConfig, critic: bool = False) -> list[str]:
         return needed + ["returns"] + (["values"] if config.value_clip is not None else [])
     if config.loss != "sft":
         needed += ["advantages", "old_logprobs"]
-    if config.loss == "decoupled_ppo":
+    if uses_proximal(config):
         needed.append("prox_logprobs")
     if config.kl_coef > 0 and not config.kl_in_reward:
         needed.append("ref_logprobs")
@@ -73,10 +73,16 @@ def check_logprobs(seq: TokenSequence, index: int, name: str) -> None:
 
 def check_sequence(config: AlgoConfig, seq: TokenSequence, index: int, critic: bool = False) -> None:
     """Everything the loss of `config` needs from one sequence (lengths and NaN/inf: validate_sequences)."""
-    purpose = "needed by the value loss" if critic else f"needed by algo.loss={config.loss}"
+    purpose = "needed by the value loss" if critic else f"needed by {loss_setting(config)}"
     for name in required_fields(config, critic):
         require_field(seq, index, name, purpose)
     check_mask_and_logprobs(seq, index)
+
+
+def loss_setting(config: AlgoConfig) -> str:
+    """The settings a field is needed by, as a user wrote them."""
+    preset = "" if config.rollout_correction == "none" else f" algo.rollout_correction={config.rollout_correction}"
+    return f"algo.loss={config.loss}{preset}"
 
 
 def check_mask_and_logprobs(seq: TokenSequence, index: int) -> None:

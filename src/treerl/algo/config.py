@@ -17,6 +17,14 @@ ADVANTAGES = ("group", "group_mean", "rloo", "gae", "returns", "none")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 DECOUPLABLE = ("ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp")  # losses with a per-token ratio to the old policy
+# algo.rollout_correction (named after verl's RolloutCorrectionConfig presets where they mean the same): how the
+# mismatch between the sampler's log-probs and the trainer's own is corrected; docs/mismatch.md. Each decoupled
+# preset weights or drops tokens by r = pi_prox / pi_behav, the trainer's recomputation over the sampler's.
+ROLLOUT_CORRECTIONS = ("none", "bypass_ppo_clip", "decoupled_token_is", "decoupled_seq_is", "decoupled_geo_is",
+                       "decoupled_token_rs", "decoupled_geo_rs", "decoupled_seq_is_rs")
+IMPORTANCE_WEIGHTED = ("decoupled_token_is", "decoupled_seq_is", "decoupled_geo_is", "decoupled_seq_is_rs")
+REJECTION_DEFAULTS = {"decoupled_token_rs": 2.0, "decoupled_geo_rs": 1.001, "decoupled_seq_is_rs": 2.0}
+REJECTING = tuple(REJECTION_DEFAULTS)
 
 # The usual settings of each loss (AReaL, verl, TRL, OpenRLHF); a key set in the config wins.
 LOSS_DEFAULTS: dict[str, dict[str, object]] = {
@@ -45,6 +53,11 @@ class AlgoConfig:
     clip_eps_high: float | None = None  # upper clip (DAPO's clip-higher); None: clip_eps (GSPO 4e-4)
     dual_clip: float | None = None  # c > 1: for negative advantages the token loss is capped at c * |A|
     behav_imp_weight_cap: float | None = None  # decoupled_ppo: tokens with pi_prox/pi_behav above it are dropped
+
+    # Training-inference mismatch (docs/mismatch.md): r = pi_prox / pi_behav, the trainer's log-probs at the rollout's weights over the sampler's.
+    rollout_correction: str = "none"  # none | bypass_ppo_clip (the sampler's log-probs are the old policy) | decoupled_token_is (weight min(r, C)) | decoupled_seq_is (min(prod r, C)) | decoupled_geo_is (min(geometric mean of r, C)) | decoupled_token_rs (drop tokens with r outside [1/R, R]) | decoupled_geo_rs (drop sequences whose geometric-mean r is outside [1/R, R]) | decoupled_seq_is_rs (seq_is, and drop sequences whose prod r is outside [1/R, R])
+    rollout_is_threshold: float | None = None  # C >= 1: the importance weights of the *_is presets are truncated at it; null: 2
+    rollout_rs_threshold: float | None = None  # R > 1: the *_rs presets keep [1/R, R]; null: the preset's usual (token_rs 2, geo_rs 1.001, seq_is_rs 2)
 
     # Regularisers.
     kl_coef: float = 0.0  # weight of the KL penalty to the reference policy (needs field ref_logprobs)
@@ -88,6 +101,35 @@ class AlgoConfig:
             raise ValueError(f"algo.dual_clip={self.dual_clip} must be > 1")
         if self.behav_imp_weight_cap is not None and self.loss != "decoupled_ppo":
             raise ValueError("algo.behav_imp_weight_cap only applies to algo.loss=decoupled_ppo")
+        self.check_rollout_correction()
+
+    def check_rollout_correction(self) -> None:
+        """The preset exists, its thresholds are in range, and the loss has behaviour log-probs to correct."""
+        preset = self.rollout_correction
+        if preset not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"algo.rollout_correction={preset!r} is not one of: {', '.join(ROLLOUT_CORRECTIONS)}")
+        if self.rollout_is_threshold is not None and not self.rollout_is_threshold >= 1:
+            raise ValueError(f"algo.rollout_is_threshold={self.rollout_is_threshold} must be >= 1")
+        if self.rollout_rs_threshold is not None and not self.rollout_rs_threshold > 1:
+            raise ValueError(f"algo.rollout_rs_threshold={self.rollout_rs_threshold} must be > 1 (the band is "
+                             "[1/R, R])")
+        for key, applies in (("rollout_is_threshold", IMPORTANCE_WEIGHTED), ("rollout_rs_threshold", REJECTING)):
+            if getattr(self, key) is not None and preset not in applies:
+                raise ValueError(f"algo.{key} only applies to algo.rollout_correction={' | '.join(applies)}, "
+                                 f"not {preset}")
+        if preset == "none":
+            return
+        if self.loss == "sft":
+            raise ValueError(f"algo.rollout_correction={preset} corrects behaviour log-probs, which algo.loss=sft "
+                             "has none of (set algo.rollout_correction=none)")
+        if self.behav_imp_weight_cap is not None:
+            raise ValueError(f"algo.rollout_correction={preset} and algo.behav_imp_weight_cap both weight "
+                             "pi_prox / pi_behav: set one of the two")
+
+    def correction_thresholds(self) -> tuple[float, float]:
+        """(C, R): the importance-weight truncation and the rejection band of the preset, its usual where unset."""
+        usual = REJECTION_DEFAULTS.get(self.rollout_correction, 2.0)
+        return self.rollout_is_threshold or 2.0, self.rollout_rs_threshold or usual
 
     def resolved(self) -> AlgoConfig:
         """A copy with every None replaced by the loss's usual value."""
@@ -103,6 +145,14 @@ class AlgoConfig:
                 f"algo.kl_in_reward=True needs per-token rewards (algo.advantage=gae or returns), not {out.advantage}"
             )
         return out
+
+
+def uses_proximal(algo: AlgoConfig) -> bool:
+    """Whether the loss reads `prox_logprobs`: decoupled PPO, or any policy loss under a decoupled preset (bypass
+    takes the behaviour log-probs as the old policy instead)."""
+    if algo.rollout_correction == "bypass_ppo_clip":
+        return False
+    return algo.loss == "decoupled_ppo" or algo.rollout_correction.startswith("decoupled_")
 
 
 def decoupled(algo: AlgoConfig) -> AlgoConfig:

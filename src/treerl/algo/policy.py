@@ -9,6 +9,8 @@ positions outside the loss mask hold harmless values (log-ratios are zeroed ther
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -71,3 +73,30 @@ def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, estima
     if estimator == "k3":
         return torch.expm1(-d) + d
     raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def rollout_weight(preset: str, prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor, is_threshold: float,
+                   rs_threshold: float) -> torch.Tensor:
+    """A decoupled `algo.rollout_correction` preset's constant weight per token, from r_t = pi_prox / pi_behav of one
+    sequence: truncated importance weights (token, product or geometric mean) and 0 on rejected tokens or sequences."""
+    log_r = masked_log_ratio(prox, behav, mask)
+    trained = mask.sum()
+    log_seq = log_r.sum().expand_as(log_r)
+    log_geo = (log_r.sum() / torch.where(trained > 0, trained, 1.0)).expand_as(log_r)
+    log_c, log_band = math.log(is_threshold), math.log(rs_threshold)
+    weights = {
+        "decoupled_token_is": lambda: torch.exp(log_r.clamp(max=log_c)),
+        "decoupled_seq_is": lambda: torch.exp(log_seq.clamp(max=log_c)),
+        "decoupled_geo_is": lambda: torch.exp(log_geo.clamp(max=log_c)),
+        "decoupled_token_rs": lambda: inside_band(log_r, log_band),
+        "decoupled_geo_rs": lambda: inside_band(log_geo, log_band),
+        "decoupled_seq_is_rs": lambda: torch.exp(log_seq.clamp(max=log_c)) * inside_band(log_seq, log_band),
+    }
+    if preset not in weights:
+        raise ValueError(f"algo.rollout_correction={preset!r} has no importance weight")
+    return weights[preset]().detach()
+
+
+def inside_band(log_ratio: torch.Tensor, log_band: float) -> torch.Tensor:
+    """1 where the ratio lies in [1/R, R] (|log r| <= log R), 0 where it is rejected."""
+    return (log_ratio.abs() <= log_band).to(log_ratio.dtype)
