@@ -30,9 +30,14 @@ def sequence_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) ->
     With one advantage per sequence and the sequence-mean aggregation this is exactly GSPO's
     sequence-level objective (value, clipping and gradient); it also accepts per-token advantages.
     """
-    trained = mask.sum()
-    log_s = (masked_log_ratio(logp, old, mask) * mask).sum() / torch.where(trained > 0, trained, 1.0)
+    log_s = mean_log_ratio(masked_log_ratio(logp, old, mask), mask)
     return torch.exp(logp - logp.detach() + log_s.detach())
+
+
+def mean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mask-weighted mean of a sequence's log-ratios: the log of its geometric-mean ratio (0 with nothing trained)."""
+    trained = mask.sum()
+    return (log_ratio * mask).sum() / torch.where(trained > 0, trained, 1.0)
 
 
 def clipped_surrogate(
@@ -80,9 +85,8 @@ def rollout_weight(preset: str, prox: torch.Tensor, behav: torch.Tensor, mask: t
     """A decoupled `algo.rollout_correction` preset's constant weight per token, from r_t = pi_prox / pi_behav of one
     sequence: truncated importance weights (token, product or geometric mean) and 0 on rejected tokens or sequences."""
     log_r = masked_log_ratio(prox, behav, mask)
-    trained = mask.sum()
     log_seq = log_r.sum().expand_as(log_r)
-    log_geo = (log_r.sum() / torch.where(trained > 0, trained, 1.0)).expand_as(log_r)
+    log_geo = mean_log_ratio(log_r, mask).expand_as(log_r)
     log_c, log_band = math.log(is_threshold), math.log(rs_threshold)
     weights = {
         "decoupled_token_is": lambda: torch.exp(log_r.clamp(max=log_c)),

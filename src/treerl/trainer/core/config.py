@@ -126,6 +126,7 @@ class TrainerConfig:
     minibatches: int = 1  # optimizer steps per pass; a minibatch holds whole groups (a prompt's samples stay together)
     micro_batch_tokens: int | None = None  # unique tokens per engine call on a rank; null: one call per rank
     recompute_logprobs: bool = False  # recompute old_logprobs with the training engine instead of the rollout's
+    mismatch_metrics: bool | None = None  # log mismatch/* each step: the sampler's log-probs against the trainer's at the same weights (docs/mismatch.md); null: with rollout.server_url or an algo.rollout_correction preset
 
     # Asynchronous RL (mode=async; docs/training.md#asynchronous-rl-trainermodeasync).
     max_staleness: int = 1  # async: a group is trained at most this many policy versions after its oldest token (0: synchronous)
@@ -236,6 +237,7 @@ def check_choices(config: Config) -> None:
                           "each step is not implemented for LoRA; sample with the embedded sampler (no server_url), "
                           "and serve the result with `treerl export`")
     check_truncated_sampling(config)
+    check_rollout_correction(config)
     if config.trainer.context_parallel < 1:
         raise ConfigError(f"trainer.context_parallel={config.trainer.context_parallel} must be >= 1")
     if config.trainer.context_parallel_min_tokens < 0:
@@ -284,6 +286,23 @@ def check_truncated_sampling(config: Config) -> None:
     if config.trainer.recompute_logprobs:
         raise ConfigError(f"{why}; trainer.recompute_logprobs=true would overwrite the behaviour log-probs with the "
                           "untruncated policy's and lose that correction: set it false")
+
+
+def check_rollout_correction(config: Config) -> None:
+    """A preset corrects the sampler's log-probs towards the trainer's: trainer.recompute_logprobs=true replaces the
+    former with the latter, and the preset would silently weigh every token by 1."""
+    preset = config.algo.rollout_correction
+    if preset != "none" and config.trainer.recompute_logprobs:
+        raise ConfigError(f"algo.rollout_correction={preset} corrects the sampler's log-probs, which "
+                          "trainer.recompute_logprobs=true replaces with the trainer's (every ratio would be 1): set "
+                          "one of the two")
+
+
+def measures_mismatch(config: Config) -> bool:
+    """Whether each step logs mismatch/* (trainer.mismatch_metrics; unset: with servers or a correction preset)."""
+    if config.trainer.mismatch_metrics is not None:
+        return config.trainer.mismatch_metrics
+    return bool(config.rollout.server_urls) or config.algo.rollout_correction != "none"
 
 
 def trained_algo(config: Config) -> AlgoConfig:

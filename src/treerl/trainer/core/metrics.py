@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -111,6 +112,20 @@ def sum_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
         for key, value in rank_metrics.items():
             total[key] += value
     return dict(total)
+
+
+def summarise_mismatch(steps: list[dict[str, float]]) -> dict[str, float]:
+    """A run's mismatch/* in summary.json: each measure's mean over the steps that measured it, the extremes' extreme
+    (*_max, *_min) and the tokens' sum; `steps` is the steps' metrics."""
+    values: dict[str, list[float]] = defaultdict(list)
+    for metrics in steps:
+        for key, value in metrics.items():
+            values[key.removeprefix("mismatch/")].append(value)
+    combine = {"max": max, "min": min, "tokens": sum}
+    summary = {key: combine.get(key.rsplit("_", 1)[-1], statistics.fmean)(each) for key, each in values.items()}
+    if summary:
+        summary["steps"] = len([metrics for metrics in steps if metrics.get("mismatch/tokens")])
+    return summary
 
 
 def tree_metrics(sequences: list[TokenSequence]) -> dict[str, float]:

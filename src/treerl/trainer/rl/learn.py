@@ -21,7 +21,7 @@ import statistics
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,8 @@ from treerl.algo import (
     fill_fields,
     validate_batch,
 )
+from treerl.algo.config import uses_proximal
+from treerl.algo.mismatch import correction_metrics, measured_tokens, mismatch_metrics
 from treerl.algo.policy import kl_penalty
 from treerl.distributed import Assignment
 from treerl.engine import LossFn, SequenceView
@@ -44,9 +46,9 @@ from treerl.errors import ServerError, TrainingStopped
 from treerl.models import is_lora
 from treerl.rollout import Rollout, RolloutBatch, RolloutStats, Sampler, tool_format_warning
 from treerl.trainer.core.build import load_policy
-from treerl.trainer.core.config import Config
+from treerl.trainer.core.config import Config, measures_mismatch
 from treerl.trainer.core.learner import Learner
-from treerl.trainer.core.metrics import tree_metrics
+from treerl.trainer.core.metrics import summarise_mismatch, tree_metrics
 from treerl.trainer.core.run import Run, on_main
 from treerl.trainer.core.servers import ServerSampler
 from treerl.trainer.core.update import update
@@ -71,6 +73,7 @@ class TrainResult:
     seconds: float
     output_dir: str
     nonfinite_skipped: int = 0  # optimizer steps skipped for a NaN/inf loss or gradient (trainer.nonfinite=skip)
+    mismatch: dict[str, float] = field(default_factory=dict)  # mismatch/* over the steps measured (summarise_mismatch)
     stopped_by: str | None = None  # "SIGINT" / "SIGTERM": stopped early, after a checkpoint
 
 
@@ -89,9 +92,11 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
         first: list[float] = []
         dropped = 0
         failing: Counter[str] = Counter()  # reason -> samples dropped in the latest steps in a row that all failed
+        mismatch: list[dict[str, float]] = []  # each measured step's mismatch/* metrics
         for step in run.steps():
             metrics = train_step(step)
             reward = metrics["rollout/reward_mean"]
+            mismatch.append({key: value for key, value in metrics.items() if key.startswith("mismatch/")})
             dropped += int(metrics["rollout/dropped"])
             if run.failed_steps:  # this step's every sample was dropped too (a step that trains clears them)
                 failing += dropped_by_reason(metrics)
@@ -117,6 +122,7 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
         steps=run.steps_done, skipped_steps=run.loop_state.skipped_steps, dropped_samples=dropped,
         seconds=time.perf_counter() - started, output_dir=config.trainer.output_dir,
         nonfinite_skipped=run.loop_state.nonfinite_skipped, stopped_by=run.stopped_by,
+        mismatch=summarise_mismatch(mismatch),
     )
     run.report.summarise(asdict(result) | summary(), f"training reward: first {len(first)} steps "
                   f"{result.train_reward_first:.3f} -> last {len(rewards)} steps {result.train_reward_last:.3f}")
@@ -153,12 +159,14 @@ def learn(run: Run, batch: RolloutBatch, reference: Reference | None, step: int,
         run.failed_steps.clear()
         metrics.update(tree_metrics(batch.sequences))
         algo = run.config.algo.resolved()
-        proximal_in_loss = proximal_in_loss and algo.loss == "decoupled_ppo"
+        proximal_in_loss = proximal_in_loss and uses_proximal(algo)
         prepared = time.perf_counter()
-        prepare(run, batch.sequences, reference, proximal_in_loss)
+        behaviour = prepare(run, batch.sequences, reference, proximal_in_loss)
         metrics["time/logprobs"] = time.perf_counter() - prepared
         metrics.update(update(run, batch.sequences, step,
                               lambda minibatch: policy_loss(algo, minibatch, proximal_in_loss)))
+        if behaviour is not None:  # after the update: with proximal_in_loss its forward gave the trainer's log-probs
+            metrics.update(step_mismatch(run.config, batch.sequences, behaviour, step))
         if run.critic is not None:
             metrics.update(update_critic(run, batch.sequences, step, algo))
     else:  # every sample was dropped: nothing to learn from, the schedule still advances
@@ -351,19 +359,24 @@ def load_reference(config: Config, run: Run) -> Reference:
 
 
 def prepare(run: Run, sequences: list[TokenSequence], reference: Reference | None,
-            proximal_in_loss: bool = False) -> None:
-    """Fill the log-prob fields the loss reads, then the advantages; every check before the first update.
+            proximal_in_loss: bool = False) -> list[torch.Tensor] | None:
+    """Fill the log-prob fields the loss reads, then the advantages; every check before the first update. Returns the
+    sampler's log-probs of each sequence when the step measures the mismatch (None when it does not).
 
     `old_logprobs` are the rollout's behaviour log-probs unless `trainer.recompute_logprobs`.
     Each rank runs the no-grad forwards for its own share of the batch and the fields are then
     shared, so every rank ends with the same complete batch. With `proximal_in_loss` the
     `prox_logprobs` field is a copy of `old_logprobs` that the loss replaces before reading it.
+    A step that measures the mismatch with no pass of the trainer's own runs one for `prox_logprobs`.
     """
     algo = run.config.algo.resolved()
     assignment = run.balancer.assign(sequences)
-    proximal = algo.loss == "decoupled_ppo" and not proximal_in_loss
+    behaviour = [seq.fields["old_logprobs"] for seq in sequences] if measures_mismatch(run.config) else None
+    proximal = uses_proximal(algo) and not proximal_in_loss
     policy_fields = (["old_logprobs"] if run.config.trainer.recompute_logprobs else []) + (
         ["prox_logprobs"] if proximal else [])
+    if behaviour is not None and not policy_fields and not proximal_in_loss:
+        policy_fields = ["prox_logprobs"]  # the trainer's log-probs the sampler's are measured against
     # every rank enters each gathered() (FSDP2: a collective), whatever its share holds
     parts = _parts_of_this_rank(run, assignment, sequences)
     if policy_fields:
@@ -387,6 +400,21 @@ def prepare(run: Run, sequences: list[TokenSequence], reference: Reference | Non
             seq.fields["prox_logprobs"] = seq.fields["old_logprobs"].clone()
     compute_advantages(algo, sequences)
     validate_batch(algo, sequences)
+    return behaviour
+
+
+def step_mismatch(config: Config, sequences: list[TokenSequence], behaviour: list[torch.Tensor],
+                  version: int) -> dict[str, float]:
+    """mismatch/*: the sampler's log-probs against the trainer's at the weights of `version` (the proximal pass, or
+    old_logprobs recomputed), on the tokens that version sampled; rollout_correction/*: what a decoupled preset did."""
+    algo = config.algo.resolved()
+    recomputed = config.trainer.recompute_logprobs and "prox_logprobs" not in sequences[0].fields
+    name = "old_logprobs" if recomputed else "prox_logprobs"  # a missing pass fails here, never measures 0
+    metrics = mismatch_metrics([seq.fields[name] for seq in sequences], behaviour,
+                               [measured_tokens(seq, version) for seq in sequences])
+    if uses_proximal(algo) and algo.rollout_correction != "none":
+        metrics.update(correction_metrics(algo, sequences))
+    return metrics
 
 
 def _fill(learner: Learner, model: torch.nn.Module, sequences: list[TokenSequence],
