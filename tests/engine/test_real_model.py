@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import as_close_as_flat, chat_trees, real_model_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from treerl.engine import DfsEngine, FlatEngine, PackedEngine
 from treerl.testing import EngineRun, assert_matches_model, compare_runs, run_engine
-from support import as_close_as_flat, chat_trees, real_model_dir
 
 pytestmark = pytest.mark.slow
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from treerl.errors import UserError
 from treerl.rollout.agent import AgentWorkflow, load_agent
 from treerl.rollout.chat import ChatFormat, template_shows_tools
 from treerl.rollout.client import API_KEY_ENV, CompletionsClient
 from treerl.rollout.config import AGENT_TASKS, RolloutConfig
-from treerl.errors import UserError
 from treerl.rollout.embedded import EmbeddedSampler
 from treerl.rollout.images import ImageProcessor
 from treerl.rollout.multi_turn import MultiTurnWorkflow
