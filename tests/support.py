@@ -312,15 +312,13 @@ def chat_trees(tokenizer) -> dict[str, list]:
     answers = ["17 + 25 = 42.", "First add the tens: 10 + 20 = 30. Then the ones: 7 + 5 = 12. So 42.",
                "The answer is 42", "17 plus 25 makes 32."]
     grpo = [sequence(question + [{"role": "assistant", "content": a}], f"grpo/{i}") for i, a in enumerate(answers)]
-    system = [{"role": "system", "content": "You are a shop assistant. Look orders up before you answer; reply "
-                                            "LOOKUP <id> to read an order, ANSWER <text> to finish."},
-              {"role": "user", "content": "Where is my order 4471? It was due on Monday."}]
+    system = [{"role": "system", "content": "Reply LOOKUP <id> to read an order, ANSWER <text> to finish."},
+              {"role": "user", "content": "Where is order 4471?"}]
     agent = []
-    for sample, first in enumerate(["LOOKUP 4471", "LOOKUP order 4471 please"]):
+    for sample, first in enumerate(["LOOKUP 4471", "LOOKUP order 4471"]):
         turns = system + [{"role": "assistant", "content": first}]
         agent.append(sequence(turns, f"agent/{sample}/turn0"))
-        turns = turns + [{"role": "user", "content": "order 4471: shipped Tuesday, carrier DHL, arrives Friday."}]
-        for branch, reply in enumerate(["ANSWER It shipped on Tuesday and arrives on Friday.",
-                                        "LOOKUP 4471 carrier"]):
+        turns = turns + [{"role": "user", "content": "4471: shipped, arrives Friday."}]
+        for branch, reply in enumerate(["ANSWER It arrives on Friday.", "LOOKUP 4471 carrier"]):
             agent.append(sequence(turns + [{"role": "assistant", "content": reply}], f"agent/{sample}/b{branch}"))
     return {"grpo": grpo, "agent": agent}

@@ -49,7 +49,8 @@ NOT_RUN_LIMIT = 12
 TRAIN_SHRINK = ["trainer.steps=2", "trainer.eval_prompts=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
                 "sft.conversations_per_step=2", "sft.eval_conversations=2", "trainer.progress=false"]
 TINY_MODEL = ["--shape", "tiny-qwen3", "--vocab-size", "128"]
-BENCH_SHRINK = ["--scale", "0.001", "--repeats", "1", "--no-memory", *TINY_MODEL]
+# One thread: commands that differ only in --threads (the threads table, the real model's) run once.
+BENCH_SHRINK = ["--scale", "0.001", "--repeats", "1", "--no-memory", "--threads", "1", *TINY_MODEL]
 BALANCE_SHRINK = ["--balance-scale", "0.02", "--scale", "0.004", *TINY_MODEL]
 ASYNC_SHRINK = ["--seeds", "0", *(f"--set={o}" for o in TRAIN_SHRINK)]
 PROFILE_SHRINK = ["--workloads", "grpo", "--engines", "flat,dfs", *BENCH_SHRINK]  # the profiler is slow

@@ -14,12 +14,11 @@ from treerl.testing import EngineRun, assert_matches_model, compare_runs, run_en
 
 pytestmark = pytest.mark.slow
 
-ENGINES = {
+ENGINES = {  # the tree engines (flat's own layouts are the reference's business)
     "dfs": lambda: DfsEngine(),
     "dfs-one-path": lambda: DfsEngine(memory="one-path"),
     "dfs-recompute-chunk-5": lambda: DfsEngine(recompute="always", chunk_tokens=5),
     "packed": lambda: PackedEngine(),
-    "flat-packed": lambda: FlatEngine(layout="packed"),
 }
 FLAT = FlatEngine(layout="sequences")
 

@@ -70,7 +70,7 @@ def set_threads(trainer: TrainerConfig, device: torch.device, on_servers: bool =
     average leaves: threads on busy cores wait on each other, and a step can take 20 times longer) shared among the
     local ranks, less the async workers' threads (none when they sample `on_servers`: they wait on HTTP; never more
     than torch's own default). Warns when trainer.threads oversubscribes the CPU. Returns the count before, and on
-    the CPU the line that says what was chosen."""
+    the CPU the line that says what was chosen (None: trainer.threads chose)."""
     before = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -88,7 +88,7 @@ def set_threads(trainer: TrainerConfig, device: torch.device, on_servers: bool =
                     "will wait on each other; lower trainer.threads / trainer.worker_threads", threads, ranks,
                     workers, used, cores)
     if trainer.threads:
-        return before, f"torch threads: {threads} (trainer.threads)"
+        return before, None  # as the user set them: nothing to say (a wrapper may read the run's stdout)
     shared = (f", less {workers} for async workers" if workers else "") + (f", over {ranks} ranks" if ranks > 1 else "")
     return before, (f"torch threads: {threads} ({free} of {cores} cores free at the start, load average {load:.1f}"
                     f"{shared}; trainer.threads sets them)")
