@@ -182,6 +182,8 @@ MODEL = [
     Case("truncated weights", model_dir(lambda m, t: truncate(m / "model.safetensors")), r"cannot load its weights"),
     Case("no tokenizer files", lambda tmp, a: train(f"model.tokenizer_path={tmp}")(tmp, a),
          r"tokenizer path '.*' has no tokenizer files"),
+    Case("gguf_file without model.path", train("model.gguf_file=model.Q4_1.gguf"),
+         r"model.gguf_file='model.Q4_1.gguf' picks a file in model.path's directory, and model.path is not set"),
     Case("missing critic", train("algo.loss=ppo", "critic.path=/no/such/critic"),
          r"critic.path='/no/such/critic' does not exist"),
     Case("a NaN weight", model_dir(lambda m, t: nan_weight(m)),

@@ -259,6 +259,9 @@ def check_choices(config: Config) -> None:
             f"algo.advantage=gae (the default of algo.loss={config.algo.loss}) trains a critic, which "
             "trainer.mode=async does not run; use trainer.mode=sync, or algo.advantage=group, group_mean, rloo or returns"
         )
+    if config.model.gguf_file is not None and config.model.path is None:
+        raise ConfigError(f"model.gguf_file={config.model.gguf_file!r} picks a file in model.path's directory, and "
+                          "model.path is not set: set model.path to the directory holding it (or to the file itself)")
     if config.critic.path not in (None, *PACKAGED_MODELS) and not Path(config.critic.path).exists():
         raise ConfigError(f"critic.path={config.critic.path!r} does not exist (treerl only loads local checkpoints)")
     timeout = config.rollout.reward_timeout
