@@ -50,9 +50,9 @@ from typing import Any
 
 from treerl.errors import Interrupted, UserError
 from treerl.rollout.proxy import ChatProxy, EpisodeLog, RecordedCall
-from treerl.rollout.rewards import RewardFailure, check_reward, import_object
+from treerl.rollout.rewards import RewardFailure, check_metrics, check_reward, import_object
 from treerl.rollout.sampler import Sampler
-from treerl.rollout.sequences import model_call_sequence
+from treerl.rollout.sequences import environment_info, model_call_sequence
 from treerl.rollout.stats import DroppedSample, RolloutStats
 from treerl.rollout.tasks.base import Prompt
 from treerl.tree import TokenSequence
@@ -71,6 +71,11 @@ def load_agent(spec: str) -> AgentFn:
     except TypeError:
         raise UserError(f"agent {spec!r} has signature {inspect.signature(fn)}; it must accept (client, task)") from None
     return fn
+
+
+def agent_of(agent: str | AgentFn) -> AgentFn:
+    """An agent task's episode function: given as one, or named by "module:function" (`load_agent`)."""
+    return load_agent(agent) if isinstance(agent, str) else agent
 
 
 def import_openai() -> Any:
@@ -118,6 +123,7 @@ class EpisodeReward:
 
     reward: float
     turns: dict[str, list[float]] = field(default_factory=dict)  # response id -> a reward per choice, or one for all
+    metrics: dict[str, float] = field(default_factory=dict)  # named metrics of the episode (logged, not trained on)
 
 
 @dataclass
@@ -131,18 +137,23 @@ class Episode:
 
 
 def episode_reward(value: Any) -> EpisodeReward | RewardFailure:
-    """An episode's return value: a number, or {"reward": number, "turn_rewards": {response id: number | [number]}}."""
+    """An episode's return value: a number, or {"reward": number, "turn_rewards": {response id: number | [number]},
+    "metrics": {name: number}} (each key but "reward" optional; the metrics are logged per environment)."""
     if not isinstance(value, dict):
         reward = check_reward(value)
         return reward if isinstance(reward, RewardFailure) else EpisodeReward(reward)
-    expected = 'a number or {"reward": number, "turn_rewards": {response id: number or [number per choice]}}'
-    unknown = set(value) - {"reward", "turn_rewards"}
+    expected = ('a number or {"reward": number, "turn_rewards": {response id: number or [number per choice]}, '
+                '"metrics": {name: number}}')
+    unknown = set(value) - {"reward", "turn_rewards", "metrics"}
     turns = value.get("turn_rewards", {})
     if unknown or not isinstance(turns, dict):
         return RewardFailure("not_a_number", f"returned {str(value)[:200]}, not {expected}")
     reward = check_reward(value.get("reward", 0.0))
     if isinstance(reward, RewardFailure):
         return reward
+    metrics = check_metrics(value.get("metrics", {}))
+    if isinstance(metrics, RewardFailure):
+        return metrics
     checked: dict[str, list[float]] = {}
     for response_id, given in turns.items():
         values = [check_reward(v) for v in (given if isinstance(given, (list, tuple)) else [given])]
@@ -150,7 +161,7 @@ def episode_reward(value: Any) -> EpisodeReward | RewardFailure:
         if failure is not None:
             return RewardFailure(failure.kind, f"turn_rewards[{response_id!r}]: {failure.message}")
         checked[str(response_id)] = values  # type: ignore[assignment]
-    return EpisodeReward(reward, checked)
+    return EpisodeReward(reward, checked, metrics)
 
 
 def turn_rewards(calls: list[RecordedCall], outcome: EpisodeReward) -> dict[int, float] | RewardFailure:
@@ -280,7 +291,8 @@ class AgentWorkflow:
         for call in calls:
             info = {"reward": reward, "group": episode.prompt.id, "trajectory": name, "turn": call.index,
                     "turns": len(calls), "parent": call.follows, "finish_reason": call.completion.finish_reason,
-                    "cut": call.parent is None and call.follows is not None}
+                    "cut": call.parent is None and call.follows is not None,
+                    **environment_info(episode.prompt.env, episode.reward.metrics)}  # type: ignore[union-attr]
             if own:
                 info["turn_reward"] = own[call.index]
             sequences.append(model_call_sequence(call.prompt, call.completion, info, f"{name}/call{call.index}",

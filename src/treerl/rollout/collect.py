@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treerl.errors import UserError
-from treerl.rollout.agent import AgentWorkflow, load_agent
+from treerl.rollout.agent import AgentWorkflow, agent_of
 from treerl.rollout.chat import ChatFormat, template_shows_tools
 from treerl.rollout.client import API_KEY_ENV, CompletionsClient
 from treerl.rollout.config import AGENT_TASKS, RolloutConfig
@@ -110,15 +110,18 @@ class Rollout:
             min_p=config.min_p,
             stop_token_ids=tuple(self.chat.stop_token_ids),
         )
-        self.user_code = UserCode(timeout=config.reward_timeout)  # rewards and environments, with a time limit
+        # rewards and environments, with a time limit (rollout.env's environments: rollout.env_timeout)
+        self.user_code = (UserCode(config.env_timeout, "rollout.env_timeout") if config.task == "env"
+                          else UserCode(config.reward_timeout))
+        drop_prefix = "env" if config.task == "env" else "reward"
         self.proxy: ChatProxy | None = None
-        if config.task in AGENT_TASKS:  # an agent's episodes, recorded by the chat proxy this rollout serves
+        if config.task in AGENT_TASKS or hasattr(self.task, "agent"):  # an agent's episodes, recorded by the proxy
             self.proxy = ChatProxy(sampler, self.chat, tool_parser=config.tool_parser, temperature=config.temperature,
                                    top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
                                    max_new_tokens=sampling.max_new_tokens,
                                    max_context_tokens=config.max_context_tokens)
             self.workflow: SingleTurnWorkflow | MultiTurnWorkflow | AgentWorkflow = AgentWorkflow(
-                load_agent(config.agent or self.task.agent), self.proxy, group_size=config.group_size,  # type: ignore[union-attr]
+                agent_of(config.agent or self.task.agent), self.proxy, group_size=config.group_size,  # type: ignore[union-attr]
                 episode_timeout=config.episode_timeout, max_concurrent_episodes=config.max_concurrent_episodes,
                 max_calls=config.max_turns or getattr(self.task, "max_turns", None),
             )
@@ -126,11 +129,11 @@ class Rollout:
             self.workflow = MultiTurnWorkflow(
                 self.task, self.chat, sampling, group_size=config.group_size, branch_at=tuple(config.branch_at),
                 branch_factor=config.branch_factor, max_turns=config.max_turns or self.task.max_turns,
-                max_context_tokens=config.max_context_tokens, user_code=self.user_code,
+                max_context_tokens=config.max_context_tokens, user_code=self.user_code, drop_prefix=drop_prefix,
             )
         else:
             self.workflow = SingleTurnWorkflow(self.task, self.chat, sampling, self.user_code,
-                                               max_context_tokens=config.max_context_tokens)
+                                               max_context_tokens=config.max_context_tokens, drop_prefix=drop_prefix)
 
     def watch(self, beat: Callable[[], None]) -> None:
         """Call `beat` before every reward or environment call and every second while agent episodes run (an

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import urllib.parse
 from dataclasses import dataclass, field
+from typing import Any
 
 from treerl.rollout.client import SERVER_TYPES
+from treerl.rollout.environments.spec import parse_env_specs
 from treerl.rollout.tasks.shapes import MAX_SHAPES
 from treerl.rollout.tool_parsers import PARSER_NAMES
 from treerl.tree.io import MAX_LINE_BYTES
 
-TASKS = ("arithmetic", "arithmetic_chat", "shapes", "guess_number", "dataset", "agent", "agent_tools")
+TASKS = ("arithmetic", "arithmetic_chat", "shapes", "guess_number", "dataset", "agent", "agent_tools", "env")
+DEFAULT_TASK = "arithmetic"
 AGENT_TASKS = ("agent", "agent_tools")
 
 
@@ -22,7 +25,7 @@ class RolloutConfig:
     """Every rollout option. Built-in tasks need nothing else; `dataset` needs `data_path` and `reward_fn`."""
 
     # What to sample.
-    task: str = "arithmetic"  # arithmetic | arithmetic_chat (the sums asked in words, for pretrained chat models) | shapes (images: a vision-language model.shape) | guess_number (multi-turn) | dataset (yours) | agent (your agent) | agent_tools
+    task: str = DEFAULT_TASK  # arithmetic | arithmetic_chat (the sums asked in words, for pretrained chat models) | shapes (images: a vision-language model.shape) | guess_number (multi-turn) | dataset (yours) | agent (your agent) | agent_tools | env (rollout.env's; set by it)
     prompts_per_step: int = 16  # prompts (single-turn) or episodes (multi-turn) per training step
     group_size: int = 8  # samples per prompt; for multi-turn tasks the replies sampled at turn 0
     seed: int = 0  # seeds the prompt order and the sampling (same seed + step + weights -> same rollout)
@@ -58,6 +61,11 @@ class RolloutConfig:
     max_line_bytes: int = MAX_LINE_BYTES  # longest line of a JSONL data_path; a longer one is an error naming it
     shuffle: bool = True  # visit rows in a seeded random order, reshuffled every epoch
 
+    # Environments of the ecosystem's libraries (docs/environments.md); setting rollout.env makes the task env.
+    env: Any = None  # library:name, e.g. reasoning_gym:leg_counting, textarena:GuessTheNumber-v0, openenv:my_pkg.env:MyEnv, openenv+http://127.0.0.1:8000, trl:my_pkg.mod:MyEnvClass, verifiers:ENV_ID; a list mixes them by weight ([reasoning_gym:leg_counting@2, reasoning_gym:basic_arithmetic]) or holds {env, weight, env_args, name} entries
+    env_args: dict[str, Any] = field(default_factory=dict)  # passed to the environment's constructor (reasoning-gym's dataset config, TextArena's make); each entry's own env_args win
+    env_timeout: float | None = 60.0  # seconds one environment call (reset, step, score) may take, else its episode or sample is dropped (env_timeout); null: no limit
+
     # Agents (task = "agent": your `async def episode(client, task)`; "agent_tools": the built-in tool world).
     agent: str | None = None  # "file.py:function" or "module:function"; agent_tools: its built-in agent
     tool_parser: str = "auto"  # tool-call format: auto (the chat template's) | hermes (qwen2.5, qwen3) | qwen3_coder (qwen3.5) | llama3_json | none
@@ -87,6 +95,7 @@ class RolloutConfig:
         """Reject bad values with the option's name, before anything runs."""
         if self.task not in TASKS:
             raise ValueError(f"rollout.task: unknown task {self.task!r}; known: {', '.join(TASKS)}")
+        check_env(self)
         check_numbers(self)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
@@ -117,7 +126,23 @@ class RolloutConfig:
 AT_LEAST = {"prompts_per_step": 1, "group_size": 1, "branch_factor": 1, "max_context_tokens": 1, "max_number": 1,
             "max_concurrent_episodes": 1, "max_line_bytes": 1, "max_operand": 0, "top_k": 0}
 AT_LEAST_ONE_OR_NULL = ("max_new_tokens", "max_turns")  # null: the task's default
-POSITIVE = ("temperature", "request_timeout", "episode_timeout", "reward_timeout")  # timeouts in seconds; null: no limit
+POSITIVE = ("temperature", "request_timeout", "episode_timeout", "reward_timeout", "env_timeout")  # timeouts in seconds; null: no limit
+
+
+def check_env(config: RolloutConfig) -> None:
+    """`rollout.env` names what to train on, so the task is `env` (set here); another task beside it is refused, as
+    are a task `env` without it and a bad spec (its syntax: the library's names are checked when it is built)."""
+    if config.env is None:
+        if config.task == "env":
+            raise ValueError("rollout.task=env needs rollout.env, e.g. rollout.env=reasoning_gym:leg_counting")
+        if config.env_args:
+            raise ValueError("rollout.env_args is set but rollout.env is not: name the environment they configure")
+        return
+    if config.task not in (DEFAULT_TASK, "env"):
+        raise ValueError(f"rollout.env={config.env!r} and rollout.task={config.task} both say what to train on: set "
+                         "one of the two")
+    parse_env_specs(config.env, config.env_args)
+    config.task = "env"
 
 
 def check_numbers(config: RolloutConfig) -> None:

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field, replace
 
 from treerl.errors import UserError
 from treerl.rollout.chat import ChatFormat
-from treerl.rollout.rewards import RewardFailure, UserCode, check_reward
+from treerl.rollout.rewards import SCORERS, RewardFailure, UserCode, check_metrics, check_reward
 from treerl.rollout.sampler import Completion, Sampler, SamplingParams, images_kwarg
-from treerl.rollout.sequences import model_call_sequence
+from treerl.rollout.sequences import environment_info, model_call_sequence
 from treerl.rollout.stats import DroppedSample, RolloutStats
 from treerl.rollout.tasks.base import AgentTask, Environment, Prompt, rng_for
 from treerl.tree import ImageSpan, TokenSequence
@@ -70,10 +70,12 @@ class Trajectory:
     calls: list[ModelCall] = field(default_factory=list)
     reward: float = 0.0
     truncated: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)  # the environment's named info, latest value of each
 
     def fork(self, branch: int) -> Trajectory:
         """A branch that shares the calls so far and owns a copy of the environment."""
-        return replace(self, env=copy.deepcopy(self.env), calls=list(self.calls), id=f"{self.id}/{branch}")
+        return replace(self, env=copy.deepcopy(self.env), calls=list(self.calls), id=f"{self.id}/{branch}",
+                       metrics=dict(self.metrics))
 
 
 @dataclass
@@ -89,6 +91,7 @@ class MultiTurnWorkflow:
     max_turns: int = 4
     max_context_tokens: int = 4096
     user_code: UserCode = field(default_factory=UserCode)  # runs the environment's steps (time limit per call)
+    drop_prefix: str = "reward"  # the reasons of dropped trajectories: reward_raised ... ("env" for rollout.env's)
 
     def run(
         self, sampler: Sampler, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
@@ -98,10 +101,14 @@ class MultiTurnWorkflow:
         live = []
         for p in prompts:
             context, images = self.chat.prompt_with_images(p.messages, who=f"prompt {p.id}")
-            live.append(Trajectory(p, self.task.environment(p), context, p.id, images=images))
-        live = [t for t in live if not stats.drop_over_context(t.id, t.prompt.text, len(t.context),
-                                                               self.sampling.max_new_tokens, self.max_context_tokens,
-                                                               self.group_size)]
+            if stats.drop_over_context(p.id, p.text, len(context), self.sampling.max_new_tokens,
+                                       self.max_context_tokens, self.group_size):
+                continue
+            env = self.user_code.call(lambda p=p: self.task.environment(p))  # a failure if it raised or timed out
+            if isinstance(env, RewardFailure):
+                self._drop_episode(p, f"{SCORERS[self.drop_prefix]} reset {env.message}", env.kind, stats)
+                continue
+            live.append(Trajectory(p, env, context, p.id, images=images))
         finished: list[Trajectory] = []
         for turn in range(self.max_turns):
             if not live:
@@ -137,12 +144,14 @@ class MultiTurnWorkflow:
         text = self.chat.reply_text(completion.tokens)
         reply = self.user_code.call(lambda: trajectory.env.step(text))  # a failure if it raised or timed out
         reward = reply if isinstance(reply, RewardFailure) else check_reward(getattr(reply, "reward", None))
-        if isinstance(reward, RewardFailure):
-            sample = DroppedSample(f"environment {reward.message}", trajectory.id, trajectory.prompt.text, text)
-            stats.drop(sample, f"reward_{reward.kind}")
+        metrics = reward if isinstance(reward, RewardFailure) else check_metrics(getattr(reply, "metrics", {}))
+        if isinstance(metrics, RewardFailure):
+            sample = DroppedSample(f"environment {metrics.message}", trajectory.id, trajectory.prompt.text, text)
+            stats.drop(sample, f"{self.drop_prefix}_{metrics.kind}")
             return "dropped"
         trajectory.calls.append(ModelCall(trajectory.context, completion, turn, reward, trajectory.images))
         trajectory.reward += reward
+        trajectory.metrics.update(metrics)
         if reply.done:
             return "ended"
         context = trajectory.context + completion.tokens
@@ -161,6 +170,11 @@ class MultiTurnWorkflow:
         trajectory.context, trajectory.images = context, trajectory.images + images
         return "continues"
 
+    def _drop_episode(self, prompt: Prompt, reason: str, kind: str, stats: RolloutStats) -> None:
+        """Count the `group_size` trajectories of an episode that could not start (its environment failed)."""
+        for j in range(self.group_size):
+            stats.drop(DroppedSample(reason, f"{prompt.id}/{j}", prompt.text, ""), f"{self.drop_prefix}_{kind}")
+
     def _sequences(self, trajectory: Trajectory) -> list[TokenSequence]:
         """One sequence per model call of the trajectory, each carrying the trajectory's reward."""
         return [
@@ -169,7 +183,8 @@ class MultiTurnWorkflow:
                 call.completion,
                 info={"reward": trajectory.reward, "env_reward": call.turn_reward, "group": trajectory.prompt.id,
                       "trajectory": trajectory.id, "turn": call.turn, "turns": len(trajectory.calls),
-                      "finish_reason": call.completion.finish_reason, "truncated": trajectory.truncated},
+                      "finish_reason": call.completion.finish_reason, "truncated": trajectory.truncated,
+                      **environment_info(trajectory.prompt.env, trajectory.metrics)},
                 name=f"{trajectory.id}/turn{call.turn}",
                 images=call.images,
             )

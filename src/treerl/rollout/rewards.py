@@ -31,6 +31,7 @@ from treerl.algo.checks import MAX_ABS_REWARD
 from treerl.errors import UserError
 
 RewardFn = Callable[..., float]
+SCORERS = {"reward": "reward function", "env": "environment"}  # a dropped sample's reason prefix -> what failed
 REWARD_ARGUMENTS = {"prompt": "", "completion": "", "answer": None}
 
 
@@ -98,6 +99,7 @@ class UserCode:
     """
 
     timeout: float | None = None  # seconds; None: wait as long as the call takes
+    timeout_option: str = "rollout.reward_timeout"  # the option that sets it, named when a call times out
     on_call: Callable[[], None] | None = None  # run before each call (an async rollout worker's heartbeat)
     abandoned: int = 0  # calls that timed out and may still be running
     _thread: _CallerThread | None = field(default=None, init=False, repr=False)
@@ -113,7 +115,7 @@ class UserCode:
         if not done.wait(self.timeout):
             self._thread = None  # still busy with fn: abandoned
             self.abandoned += 1
-            return RewardFailure("timeout", f"did not return within {self.timeout:g} s (rollout.reward_timeout)")
+            return RewardFailure("timeout", f"did not return within {self.timeout:g} s ({self.timeout_option})")
         kind, value = outcome[0]
         if kind == "raised":
             return RewardFailure("raised", f"raised {type(value).__name__}: {value}")
@@ -145,6 +147,45 @@ def call_reward(fn: Callable[[], Any], user_code: UserCode | None = None) -> flo
     if isinstance(value, RewardFailure):
         return value
     return check_reward(value)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A reward with named metrics beside it (an environment's rubric or episode info): the metrics are logged per
+    environment (env/<name>/<metric>), never trained on. A reward function may return one instead of a number."""
+
+    reward: Any
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def call_scored(fn: Callable[[], Any], user_code: UserCode | None = None) -> Scored | RewardFailure:
+    """`call_reward` for a function that may return a Scored: the reward and its metrics checked (a metric that is
+    not a finite number fails the sample like its reward would)."""
+    value = (user_code or UserCode()).call(fn)
+    return value if isinstance(value, RewardFailure) else check_scored(value)
+
+
+def check_scored(value: Any) -> Scored | RewardFailure:
+    """A number or a Scored as a Scored of a float reward and float metrics, or why it is not usable."""
+    reward, metrics = (value.reward, value.metrics) if isinstance(value, Scored) else (value, {})
+    checked = check_reward(reward)
+    if isinstance(checked, RewardFailure):
+        return checked
+    numbers = check_metrics(metrics)
+    return numbers if isinstance(numbers, RewardFailure) else Scored(checked, numbers)
+
+
+def check_metrics(metrics: Any) -> dict[str, float] | RewardFailure:
+    """Named metrics as {name: float}, or why they are not (not a mapping of names to finite numbers)."""
+    if not isinstance(metrics, dict):
+        return RewardFailure("not_a_number", f"returned metrics {str(metrics)[:200]}, not a mapping of names to numbers")
+    out = {}
+    for name, value in metrics.items():
+        checked = check_reward(value)
+        if isinstance(checked, RewardFailure):
+            return RewardFailure(checked.kind, f"metric {name!r} {checked.message}")
+        out[str(name)] = checked
+    return out
 
 
 def check_reward(value: Any) -> float | RewardFailure:

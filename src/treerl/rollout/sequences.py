@@ -39,3 +39,12 @@ def model_call_sequence(context: list[int], completion: Completion, info: dict[s
         name=name,
         images=images,
     )
+
+
+def environment_info(env: str | None, metrics: dict[str, float]) -> dict[str, Any]:
+    """The info keys that say which environment (rollout.env) a sample came from and its named metrics: `env` and
+    `env_metrics` (none for a task of treerl's own), read by `treerl.rollout.stats.environment_metrics`."""
+    if env is None:
+        return {"env_metrics": dict(metrics)} if metrics else {}
+    return {"env": env, "env_metrics": dict(metrics)}
+

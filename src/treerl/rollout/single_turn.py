@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from treerl.rollout.chat import ChatFormat
-from treerl.rollout.rewards import RewardFailure, UserCode, call_reward
+from treerl.rollout.rewards import SCORERS, RewardFailure, UserCode, call_scored
 from treerl.rollout.sampler import Sampler, SamplingParams, images_kwarg
-from treerl.rollout.sequences import model_call_sequence
+from treerl.rollout.sequences import environment_info, model_call_sequence
 from treerl.rollout.stats import DroppedSample, RolloutStats
 from treerl.rollout.tasks.base import Prompt, SingleTurnTask
 from treerl.tree import TokenSequence
@@ -30,6 +30,8 @@ class SingleTurnWorkflow:
     sampling: SamplingParams  # n = group size; the seed is set per run
     user_code: UserCode = field(default_factory=UserCode)  # runs the reward function (time limit per call)
     max_context_tokens: int | None = None  # prompt + reply budget at most (rollout.max_context_tokens); None: no limit
+    drop_prefix: str = "reward"  # what scores the samples, in the reasons of dropped ones: "reward" (a reward
+    # function: reward_raised ...) or "env" (an environment library's scorer: env_raised ...)
 
     def run(
         self, sampler: Sampler, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
@@ -49,17 +51,17 @@ class SingleTurnWorkflow:
             for j, completion in enumerate(group):
                 stats.count_reply(completion)
                 text = self.chat.reply_text(completion.tokens)
-                reward = call_reward(
+                scored = call_scored(
                     lambda: self.task.reward_fn(prompt=prompt.text, completion=text, answer=prompt.answer),
                     self.user_code,
                 )
-                if isinstance(reward, RewardFailure):
-                    sample = DroppedSample(f"reward function {reward.message}", prompt.id, prompt.text, text)
-                    stats.drop(sample, f"reward_{reward.kind}")
+                if isinstance(scored, RewardFailure):
+                    sample = DroppedSample(f"{SCORERS[self.drop_prefix]} {scored.message}", prompt.id, prompt.text, text)
+                    stats.drop(sample, f"{self.drop_prefix}_{scored.kind}")
                     continue
-                stats.keep(reward)
-                info = {"reward": reward, "group": prompt.id, "trajectory": f"{prompt.id}/{j}", "turn": 0,
-                        "finish_reason": completion.finish_reason}
+                stats.keep(scored.reward)
+                info = {"reward": scored.reward, "group": prompt.id, "trajectory": f"{prompt.id}/{j}", "turn": 0,
+                        "finish_reason": completion.finish_reason, **environment_info(prompt.env, scored.metrics)}
                 sequences.append(model_call_sequence(context, completion, info, name=f"{prompt.id}/{j}", images=image))
         stats.sequences += len(sequences)
         return sequences

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from treerl.rollout.sampler import Completion
+from treerl.tree import TokenSequence
 
 log = logging.getLogger("treerl.rollout")
 
@@ -121,3 +122,30 @@ class RolloutStats:
         }
         out.update({f"rollout/dropped_{kind}": count for kind, count in self.dropped.items()})
         return {k: float(v) for k, v in out.items()}
+
+
+def environment_metrics(sequences: list[TokenSequence]) -> dict[str, float]:
+    """Per environment (a sequence's info["env"], rollout.env) over its trajectories: env/<env>/reward_mean,
+    env/<env>/samples and the mean of each named metric, env/<env>/<metric>; a task's own named metrics without an
+    environment as metrics/<metric>. Each trajectory counts once (a multi-turn one has a sequence per model call)."""
+    rewards: dict[str, list[float]] = defaultdict(list)
+    values: dict[str, list[float]] = defaultdict(list)
+    seen = set()
+    for seq in sequences:
+        trajectory = seq.info.get("trajectory", seq.name)
+        if trajectory in seen or ("env" not in seq.info and not seq.info.get("env_metrics")):
+            continue
+        seen.add(trajectory)
+        env = seq.info.get("env")
+        prefix = f"env/{env}/" if env is not None else "metrics/"
+        if env is not None:
+            rewards[env].append(seq.info["reward"])
+        for name, value in seq.info.get("env_metrics", {}).items():
+            values[prefix + name].append(value)
+    out = {}
+    for env, each in rewards.items():
+        out[f"env/{env}/reward_mean"] = statistics.fmean(each)
+        out[f"env/{env}/samples"] = float(len(each))
+    out.update({key: statistics.fmean(each) for key, each in values.items()})
+    return out
+

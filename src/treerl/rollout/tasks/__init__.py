@@ -40,6 +40,10 @@ def build_task(config: RolloutConfig, reward_fn: RewardFn | None = None,
         )
     if config.task == "agent_tools":
         return AgentTools(seed=config.seed)
+    if config.task == "env":
+        from treerl.rollout.environments import build_environments  # the libraries' adapters, loaded when named
+
+        return build_environments(config)
     if config.task == "agent":
         return load_agent_tasks(config.data_path, seed=config.seed, shuffle=config.shuffle)  # type: ignore[arg-type]
     raise ValueError(f"rollout.task: unknown task {config.task!r}")

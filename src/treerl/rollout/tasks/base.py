@@ -23,6 +23,7 @@ class Prompt:
     id: str
     messages: list[Message]
     answer: Any = None  # reference answer given to the reward function / environment
+    env: str | None = None  # the environment it comes from (rollout.env): its samples are logged under env/<env>/
 
     @property
     def text(self) -> str:
@@ -53,6 +54,8 @@ class EnvReply:
     messages: list[Message] = field(default_factory=list)  # shown to the model next (e.g. tool results)
     reward: float = 0.0  # this turn's reward; a trajectory's reward is the sum over its turns
     done: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)  # named episode info so far (logged per environment, not
+    # trained on); a trajectory keeps each name's latest value
 
 
 class Environment(Protocol):

@@ -128,6 +128,35 @@ def summarise_mismatch(steps: list[dict[str, float]]) -> dict[str, float]:
     return summary
 
 
+ENV_METRICS = ("env/", "metrics/")  # the prefixes of `treerl.rollout.stats.environment_metrics`
+
+
+def summarise_environments(steps: list[dict[str, float]], evaluated: dict[str, dict[str, float]]
+                           ) -> dict[str, dict[str, float]]:
+    """summary.json's "environments": per environment (metrics/* under "metrics"), each of its training metrics'
+    mean over the steps that had it (samples: their sum), and its evaluation's reward_mean at start and end
+    (eval_reward_start, eval_reward_end) from `evaluated` ({"start" | "end": its environment metrics})."""
+    values: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for metrics in steps:
+        for key, value in metrics.items():
+            values[environment_key(key)].append(value)
+    summary: dict[str, dict[str, float]] = defaultdict(dict)
+    for (env, name), each in values.items():
+        summary[env][name] = sum(each) if name == "samples" else statistics.fmean(each)
+    for label, metrics in evaluated.items():
+        for key, value in metrics.items():
+            env, name = environment_key(key)
+            if name == "reward_mean":
+                summary[env][f"eval_reward_{label}"] = value
+    return dict(summary)
+
+
+def environment_key(key: str) -> tuple[str, str]:
+    """"env/<name>/<metric>" -> (name, metric); "metrics/<metric>" -> ("metrics", metric)."""
+    section, _, rest = key.partition("/")
+    return tuple(rest.split("/", 1)) if section == "env" else (section, rest)  # type: ignore[return-value]
+
+
 def tree_metrics(sequences: list[TokenSequence]) -> dict[str, float]:
     """How much the batch's prefix tree shares: flat tokens T, unique tokens U, compression T/U."""
     stats = PrefixTree.build(sequences).stats()

@@ -45,10 +45,11 @@ from treerl.engine import LossFn, SequenceView
 from treerl.errors import ServerError, TrainingStopped
 from treerl.models import is_lora
 from treerl.rollout import Rollout, RolloutBatch, RolloutStats, Sampler, tool_format_warning
+from treerl.rollout.stats import environment_metrics
 from treerl.trainer.core.build import load_policy
 from treerl.trainer.core.config import Config, measures_mismatch
 from treerl.trainer.core.learner import Learner
-from treerl.trainer.core.metrics import summarise_mismatch, tree_metrics
+from treerl.trainer.core.metrics import ENV_METRICS, summarise_environments, summarise_mismatch, tree_metrics
 from treerl.trainer.core.run import Run, on_main
 from treerl.trainer.core.servers import ServerSampler
 from treerl.trainer.core.update import update
@@ -74,6 +75,8 @@ class TrainResult:
     output_dir: str
     nonfinite_skipped: int = 0  # optimizer steps skipped for a NaN/inf loss or gradient (trainer.nonfinite=skip)
     mismatch: dict[str, float] = field(default_factory=dict)  # mismatch/* over the steps measured (summarise_mismatch)
+    environments: dict[str, dict[str, float]] = field(default_factory=dict)  # rollout.env's, per environment
+    # (summarise_environments): its training reward and metrics over the steps, its evaluation at start and end
     stopped_by: str | None = None  # "SIGINT" / "SIGTERM": stopped early, after a checkpoint
 
 
@@ -87,16 +90,19 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
         log.warning(warning)  # once a run, before its first episode
     done = run.start_step  # steps complete (the model is their result)
     try:
-        reward_start = evaluate(run, evaluation, run.start_step, "start")
+        evaluated: dict[str, dict[str, float]] = {}  # "start" / "end" -> the evaluation's per-environment metrics
+        reward_start = evaluate(run, evaluation, run.start_step, "start", evaluated)
         rewards: deque[float] = deque(maxlen=REWARD_WINDOW)
         first: list[float] = []
         dropped = 0
         failing: Counter[str] = Counter()  # reason -> samples dropped in the latest steps in a row that all failed
         mismatch: list[dict[str, float]] = []  # each measured step's mismatch/* metrics
+        environments: list[dict[str, float]] = []  # each step's env/* and metrics/* metrics
         for step in run.steps():
             metrics = train_step(step)
             reward = metrics["rollout/reward_mean"]
             mismatch.append({key: value for key, value in metrics.items() if key.startswith("mismatch/")})
+            environments.append({key: value for key, value in metrics.items() if key.startswith(ENV_METRICS)})
             dropped += int(metrics["rollout/dropped"])
             if run.failed_steps:  # this step's every sample was dropped too (a step that trains clears them)
                 failing += dropped_by_reason(metrics)
@@ -113,7 +119,8 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
                 evaluate(run, evaluation, done, None)  # after the step is complete: a failing server meets a whole one
             check_failed_steps(run, failing)
         check_some_step_trained(run, failing)
-        reward_end = float("nan") if run.stopped_by else evaluate(run, evaluation, config.trainer.steps, "end")
+        reward_end = (float("nan") if run.stopped_by
+                      else evaluate(run, evaluation, config.trainer.steps, "end", evaluated))
     except ServerError as e:
         raise stopped_by_server(run, done, e) from None
     result = TrainResult(
@@ -122,7 +129,7 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
         steps=run.steps_done, skipped_steps=run.loop_state.skipped_steps, dropped_samples=dropped,
         seconds=time.perf_counter() - started, output_dir=config.trainer.output_dir,
         nonfinite_skipped=run.loop_state.nonfinite_skipped, stopped_by=run.stopped_by,
-        mismatch=summarise_mismatch(mismatch),
+        mismatch=summarise_mismatch(mismatch), environments=summarise_environments(environments, evaluated),
     )
     run.report.summarise(asdict(result) | summary(), f"training reward: first {len(first)} steps "
                   f"{result.train_reward_first:.3f} -> last {len(rewards)} steps {result.train_reward_last:.3f}")
@@ -153,7 +160,7 @@ def learn(run: Run, batch: RolloutBatch, reference: Reference | None, step: int,
     very policy the update differentiates, so its log-probs are taken, detached, from the update's
     own forward instead of an extra no-grad pass over the batch (see `policy_loss`).
     """
-    metrics = batch.stats.metrics()
+    metrics = batch.stats.metrics() | environment_metrics(batch.sequences)
     report_dropped(run, step, batch.stats)
     if batch.sequences:
         run.failed_steps.clear()
@@ -228,6 +235,7 @@ DROP_REMEDIES = {
                      "fit in it)",
     "agent_context_limit": "raise rollout.max_context_tokens (every call of an episode must fit in it)",
     "reward_timeout": "raise rollout.reward_timeout",
+    "env_timeout": "raise rollout.env_timeout",
     "agent_timeout": "raise rollout.episode_timeout",
 }
 
@@ -240,6 +248,8 @@ def drop_remedy(kind: str) -> str:
         return "fix the reward (rollout.reward_fn, or what the agent or environment returns)"
     if kind.startswith("agent_"):
         return "fix the agent (rollout.agent)"
+    if kind.startswith("env_"):
+        return "fix the environment or its arguments (rollout.env, rollout.env_args)"
     return f"see dropped.jsonl for why ({kind})"
 
 
@@ -305,13 +315,19 @@ def evaluation_rollout(run: Run, sampler: Sampler) -> Rollout | None:
                    run.images)
 
 
-def evaluate(run: Run, evaluation: Rollout | None, step: int, label: str | None) -> float:
-    """Mean reward of the current policy on the fixed evaluation prompts (logged as eval/*; printed with a label)."""
+def evaluate(run: Run, evaluation: Rollout | None, step: int, label: str | None,
+             environments: dict[str, dict[str, float]] | None = None) -> float:
+    """Mean reward of the current policy on the fixed evaluation prompts (logged as eval/*; printed with a label, and
+    its per-environment metrics kept in `environments[label]`)."""
     if evaluation is None:
         return float("nan")
-    stats = collect(run, evaluation, EVAL_STEP).stats
-    metrics = {f"eval/{k.removeprefix('rollout/')}": v for k, v in stats.metrics().items()}
+    batch = collect(run, evaluation, EVAL_STEP)
+    stats = batch.stats
+    metrics = {f"eval/{k.removeprefix('rollout/')}": v
+               for k, v in (stats.metrics() | environment_metrics(batch.sequences)).items()}
     run.report.log(step, metrics)
+    if label is not None and environments is not None:  # per environment, for summary.json
+        environments[label] = environment_metrics(batch.sequences)
     if label is not None:
         config = run.config.rollout
         run.report.print(f"mean reward at {label}: {stats.reward_mean:.3f} (evaluation: {stats.samples} samples of "
