@@ -79,6 +79,12 @@ def check_reward_fn(fn: Any, name: str) -> None:
         ) from None
 
 
+class NamedFailure(Exception):
+    """An error of treerl's own environment code that names the reason its sample is dropped (e.g. replay_diverged)."""
+
+    reason = "raised"
+
+
 @dataclass(frozen=True)
 class RewardFailure:
     """Why a reward could not be used: `kind` is "raised", "timeout", "not_a_number", "not_finite" or "too_large"."""
@@ -118,7 +124,8 @@ class UserCode:
             return RewardFailure("timeout", f"did not return within {self.timeout:g} s ({self.timeout_option})")
         kind, value = outcome[0]
         if kind == "raised":
-            return RewardFailure("raised", f"raised {type(value).__name__}: {value}")
+            reason = value.reason if isinstance(value, NamedFailure) else "raised"
+            return RewardFailure(reason, f"raised {type(value).__name__}: {value}")
         return value
 
 

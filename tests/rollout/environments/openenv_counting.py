@@ -11,6 +11,7 @@ import itertools
 import random
 import sys
 import threading
+import time
 
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
@@ -32,9 +33,9 @@ class CountingEnv(Environment[SayAction, SayObservation, State]):
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
-    def __init__(self, drift: bool = False, locked: bool = False, fail_at: int | None = None):
+    def __init__(self, drift: bool = False, locked: bool = False, fail_at: int | None = None, slow: float = 0.0):
         super().__init__()
-        self.drift, self.fail_at = drift, fail_at
+        self.drift, self.fail_at, self.slow = drift, fail_at, slow
         self.lock = threading.Lock() if locked else None
         self.instance = next(_INSTANCES)
         self._state = State(step_count=0)
@@ -47,6 +48,7 @@ class CountingEnv(Environment[SayAction, SayObservation, State]):
 
     def step(self, action: SayAction, timeout_s=None, **kwargs) -> SayObservation:
         self._state.step_count += 1
+        time.sleep(self.slow)
         if self.fail_at is not None and self._state.step_count >= self.fail_at:
             raise RuntimeError("the counting environment broke")
         said = action.message.strip()

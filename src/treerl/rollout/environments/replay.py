@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from treerl.errors import UserError
 from treerl.rollout.chat import Message
 from treerl.rollout.config import RolloutConfig
+from treerl.rollout.rewards import NamedFailure
 from treerl.rollout.tasks.base import EnvReply
 
 REASON = "replay_diverged"
@@ -49,7 +50,7 @@ class Session(Protocol):
 Opener = Callable[[], tuple[Session, list[Message]]]  # a fresh session, reset with the seed, and its first observation
 
 
-class ReplayDiverged(RuntimeError):
+class ReplayDiverged(NamedFailure):
     """A replayed branch's environment answered differently from the recorded episode: the branch is dropped."""
 
     reason = REASON
