@@ -74,6 +74,7 @@ from treerl.engine.recurrent import (
     find_mixers,
     iter_state_grads,
 )
+from treerl.engine.routing import replayed, tree_routes, unit_rows
 from treerl.engine.selective_scan import continued_scans
 from treerl.engine.state_passing import StatePassing, side_by_side_scans
 from treerl.engine.support import attention_layers, check_all_layers_routed, model_name
@@ -204,6 +205,12 @@ class _Walk:
             self.images = ImageTable(model, tree.sequences, grad=loss_fn is not None)
             node_images, both_ways = _NodeImages(tree, self.images), vision_family(model).both_ways
         self.inputs, self.all_slots = build_unit_inputs(tree, plan, slots, device, node_images, both_ways)
+        self.routes = tree_routes(model, tree, self.head.shifted)  # MoE routing replay: each node's routing
+        if self.routes is not None:
+            if self.cp is not None:
+                raise UnsupportedModel(f"{model_name(model)}: routing replay under context parallelism is not "
+                                       "supported yet (trainer.context_parallel=1)")
+            self.outputs.stats.add_metrics(self.routes.metrics())
 
     def attention(self) -> contextlib.AbstractContextManager:
         """The model's attention routed through treerl's for the walk, or left to a model that attends in its own code
@@ -301,7 +308,9 @@ class _Walk:
                                                    attention=call if self.own_code else None)
                 call.appended = data.cache.appended  # what compressors append to their attention's keys
                 inputs.update({self.mixers.cache_kwarg: data.cache, "use_cache": True})
-            hidden = final_hidden(self.model, **inputs).flatten(0, 1)
+            rows = lambda: unit_rows(self.routes, data.segments, data.layout.rows, data.shape and data.shape[1])
+            with replayed(self.routes, rows, data.ids.device):
+                hidden = final_hidden(self.model, **inputs).flatten(0, 1)
             if data.cache is not None:
                 data.cache.finish()
                 data.cache.check_handed_on(self.mixers.layers, data.open_rows)

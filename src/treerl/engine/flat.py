@@ -45,6 +45,7 @@ from treerl.engine.head import PolicyHead
 from treerl.engine.images import ImageTable, body_positions, vision_family
 from treerl.engine.memory import flat_micro_batches
 from treerl.engine.recurrent import earliest_index_ties
+from treerl.engine.routing import TreeRoutes, replayed, sequences_rows, tree_routes
 from treerl.engine.support import check_all_layers_routed
 from treerl.tree import TokenSequence
 
@@ -62,23 +63,30 @@ class FlatEngine:
     def forward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> list[dict[str, torch.Tensor]]:
         check_batch(model, self.head, sequences, tree=self.layout == "packed")
         packed = self._packed(model, sequences)
+        routes = tree_routes(model, sequences, self.head.shifted)  # MoE routing replay: each node's routing
         results: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
         with torch.no_grad(), self._routed(model, packed):
             for batch in self.micro_batches(sequences, packed):
-                for i, out in zip(batch, self._run(model, [sequences[i] for i in batch], packed)):
+                with self._replayed(model, routes, sequences, batch):
+                    outputs = self._run(model, [sequences[i] for i in batch], packed)
+                for i, out in zip(batch, outputs):
                     results[i] = out
         return results
 
     def forward_backward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence], loss_fn: LossFn) -> StepStats:
         check_batch(model, self.head, sequences, tree=self.layout == "packed")
         packed = self._packed(model, sequences)
+        routes = tree_routes(model, sequences, self.head.shifted)  # MoE routing replay: each node's routing
         stats = StepStats(sequences=len(sequences), flat_tokens=sum(len(s) for s in sequences))
+        if routes is not None:
+            stats.add_metrics(routes.metrics())
         started = time.perf_counter()
         shift = 1 if self.head.shifted else 0
         total = torch.zeros((), dtype=torch.float64)
         with self._routed(model, packed):  # backward too: gradient checkpointing recomputes the layers
             for batch in self.micro_batches(sequences, packed):
-                outputs = self._run(model, [sequences[i] for i in batch], packed)
+                with self._replayed(model, routes, sequences, batch):
+                    outputs = self._run(model, [sequences[i] for i in batch], packed)
                 stats.model_tokens += sum(len(sequences[i]) - shift for i in batch)
                 batch_loss = sum_losses(((i, sequences[i], out) for i, out in zip(batch, outputs)), loss_fn, stats)
                 if batch_loss.requires_grad:
@@ -113,6 +121,13 @@ class FlatEngine:
         DeepSeek-sparse-attention indexer go to the earliest, as DfsEngine takes them (`earliest_index_ties`)."""
         with engine_attention(model) if packed else contextlib.nullcontext(), earliest_index_ties(model):
             yield
+
+    def _replayed(self, model: PreTrainedModel, routes: TreeRoutes | None, sequences: Sequence[TokenSequence],
+                  batch: list[int]) -> contextlib.AbstractContextManager:
+        """The call on `batch` with its routers replaying the batch's routes (treerl.engine.routing), if any."""
+        shift = 1 if self.head.shifted else 0
+        rows = lambda: sequences_rows(routes, batch, [len(sequences[i]) - shift for i in batch])
+        return replayed(routes, rows, model.get_input_embeddings().weight.device)
 
     def micro_batches(self, sequences: Sequence[TokenSequence], packed: bool = True) -> list[list[int]]:
         """One sequence per call, or (packed) sequences in order, a row growing within `max_tokens` tokens."""

@@ -39,6 +39,7 @@ from treerl.engine.base import (
     to_device,
 )
 from treerl.engine.head import PolicyHead
+from treerl.engine.routing import TreeRoutes, replayed, tree_routes
 from treerl.engine.support import check_all_layers_routed
 from treerl.tree import ROOT, PrefixTree, TokenSequence
 
@@ -56,9 +57,10 @@ class PackedEngine:
         tree = PrefixTree.build(sequences)
         results: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
         layout = OutputSlots(tree, self.head.shifted)
+        routes = tree_routes(model, tree, self.head.shifted)  # MoE routing replay: each node's routing
         with torch.no_grad(), engine_attention(model):
             for pack in self.packs(tree):
-                for s, outputs in self._run(model, tree, layout, pack):
+                for s, outputs in self._run(model, tree, layout, pack, routes):
                     results[s] = outputs
         return results
 
@@ -69,9 +71,12 @@ class PackedEngine:
         stats = StepStats(sequences=len(sequences), flat_tokens=sum(len(s) for s in sequences))
         total = torch.zeros((), dtype=torch.float64, device=model.get_input_embeddings().weight.device)
         layout = OutputSlots(tree, self.head.shifted)
+        routes = tree_routes(model, tree, self.head.shifted)  # MoE routing replay: each node's routing
+        if routes is not None:
+            stats.add_metrics(routes.metrics())
         with engine_attention(model):  # backward too: gradient checkpointing recomputes layers through treerl
             for pack in self.packs(tree):
-                views = ((s, sequences[s], outputs) for s, outputs in self._run(model, tree, layout, pack))
+                views = ((s, sequences[s], outputs) for s, outputs in self._run(model, tree, layout, pack, routes))
                 pack_loss = sum_losses(views, loss_fn, stats)
                 if pack_loss.requires_grad:
                     pack_loss.backward()
@@ -101,8 +106,8 @@ class PackedEngine:
                 size = tokens
         return packs
 
-    def _run(self, model: PreTrainedModel, tree: PrefixTree, layout: OutputSlots,
-             pack: list[int]) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    def _run(self, model: PreTrainedModel, tree: PrefixTree, layout: OutputSlots, pack: list[int],
+             routes: TreeRoutes | None = None) -> list[tuple[int, dict[str, torch.Tensor]]]:
         """One packed call over `pack` (node indices in preorder); per-sequence outputs aligned with tokens."""
         device = model.get_input_embeddings().weight.device
         shifted = self.head.shifted
@@ -117,7 +122,9 @@ class PackedEngine:
         else:
             ids, positions, rows, targets = (to_device(x, device) for x in (ids, positions, rows, targets))
             call = self._call(tree, pack, lengths, positions)
-            hidden = final_hidden(model, input_ids=ids[None], position_ids=positions[None], treerl_call=call)[0]
+            rows_of = lambda: torch.cat([routes.node_rows(i, n) for i, n in zip(pack, lengths)])
+            with replayed(routes, rows_of, device):
+                hidden = final_hidden(model, input_ids=ids[None], position_ids=positions[None], treerl_call=call)[0]
             check_all_layers_routed(model, call.layers_called)
             outputs = self.head(model, hidden[rows], targets)
         slots = to_device(slots, device)

@@ -26,6 +26,9 @@ class BatchError(UserError):
     """Bad input found before any compute; the message names the sequence and the field."""
 
 
+# Per-token field of an MoE policy's rollouts: the experts each decoder layer routed the token to, [tokens, decoder
+# layers, experts per token] (vLLM's layout; -1 where nothing was routed). treerl.engine.routing replays it.
+ROUTED_EXPERTS = "routed_experts"
 IMAGE_KEY_OFFSETS = 2**20  # most placeholder tokens one image may have (its offsets are part of its merge keys)
 
 
@@ -139,7 +142,7 @@ def validate_sequences(
                     f"{who}: field 'tokens' has id {bad} at position {pos}, outside the vocabulary [0, {vocab_size})"
                 )
         for key, value in seq.fields.items():
-            if value.dim() != 1 or value.numel() != n:
+            if value.dim() != (3 if key == ROUTED_EXPERTS else 1) or value.shape[0] != n:
                 raise BatchError(
                     f"{who}: field {key!r} has shape {tuple(value.shape)}, but the sequence has {n} tokens"
                 )
