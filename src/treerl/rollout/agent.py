@@ -50,7 +50,7 @@ from typing import Any
 
 from treerl.errors import Interrupted, UserError
 from treerl.rollout.proxy import ChatProxy, EpisodeLog, RecordedCall
-from treerl.rollout.rewards import RewardFailure, check_metrics, check_reward, import_object
+from treerl.rollout.rewards import NamedFailure, RewardFailure, check_metrics, check_reward, import_object
 from treerl.rollout.sampler import Sampler
 from treerl.rollout.sequences import environment_info, model_call_sequence
 from treerl.rollout.stats import DroppedSample, RolloutStats
@@ -278,7 +278,8 @@ class AgentWorkflow:
             reward = RewardFailure("agent_timeout", f"timed out after {self.episode_timeout} s (rollout.episode_timeout)")
         except Exception as e:  # the user's agent may raise anything; the episode is dropped and reported
             error = e.original if isinstance(e, AgentExited) else e
-            reward = RewardFailure("agent_raised", f"raised {type(error).__name__}: {error}")
+            reward = (RewardFailure(error.reason, str(error)) if isinstance(error, NamedFailure)  # an environment's
+                      else RewardFailure("agent_raised", f"raised {type(error).__name__}: {error}"))
         finally:
             log = self.proxy.recorder.close(episode_id)
         return Episode(prompt, sample, log, reward)

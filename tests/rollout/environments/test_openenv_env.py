@@ -18,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from recorded import Recording, check_recorded, reply_of
 from support import free_port
 
 from treerl.errors import UserError
@@ -43,34 +44,6 @@ def config(env, **overrides) -> RolloutConfig:
     values = {"env": env, "prompts_per_step": 2, "group_size": 2, "branch_at": [1], "branch_factor": 2,
               "max_turns": 3, "max_new_tokens": 4, "seed": 3, "env_timeout": 30}
     return RolloutConfig(**{**values, **overrides})
-
-
-def reply_of(seq) -> list[int]:
-    """The sampled part of a model call's sequence (its loss mask)."""
-    return seq.tokens[seq.fields["loss_mask"].bool()].tolist()
-
-
-class Recording:
-    """A sampler that remembers every completion it returned (tokens -> behaviour log-probs)."""
-
-    def __init__(self, sampler):
-        self.sampler, self.sampled = sampler, {}
-
-    def generate(self, prompts, params, **kwargs):
-        groups = self.sampler.generate(prompts, params, **kwargs)
-        for group in groups:
-            for completion in group:
-                self.sampled[tuple(completion.tokens)] = completion.logprobs
-        return groups
-
-
-def check_recorded(batch, recording: Recording) -> None:
-    """Every trained reply is a completion the sampler returned, with its log-probs."""
-    for seq in batch.sequences:
-        reply = tuple(reply_of(seq))
-        assert reply in recording.sampled, seq.name
-        logprobs = seq.fields["old_logprobs"][seq.fields["loss_mask"].bool()].tolist()
-        assert logprobs == pytest.approx(recording.sampled[reply], abs=0), seq.name
 
 
 def trajectories(batch) -> dict[str, list]:
