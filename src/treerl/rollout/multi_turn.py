@@ -100,13 +100,14 @@ class MultiTurnWorkflow:
         stats.prompts += len(prompts)
         live = []
         for p in prompts:
-            context, images = self.chat.prompt_with_images(p.messages, who=f"prompt {p.id}")
-            if stats.drop_over_context(p.id, p.text, len(context), self.sampling.max_new_tokens,
-                                       self.max_context_tokens, self.group_size):
-                continue
             env = self.user_code.call(lambda p=p: self.task.environment(p))  # a failure if it raised or timed out
             if isinstance(env, RewardFailure):
                 self._drop_episode(p, f"{SCORERS[self.drop_prefix]} reset {env.message}", env.kind, stats)
+                continue
+            p = with_opening(p, env)
+            context, images = self.chat.prompt_with_images(p.messages, who=f"prompt {p.id}")
+            if stats.drop_over_context(p.id, p.text, len(context), self.sampling.max_new_tokens,
+                                       self.max_context_tokens, self.group_size):
                 continue
             live.append(Trajectory(p, env, context, p.id, images=images))
         finished: list[Trajectory] = []
@@ -190,3 +191,11 @@ class MultiTurnWorkflow:
             )
             for call in trajectory.calls
         ]
+
+
+def with_opening(prompt: Prompt, env: Environment) -> Prompt:
+    """The prompt followed by what the environment says before the first reply, if it says anything: its `opening`
+    messages (a game's first observation, set when it is reset)."""
+    opening = getattr(env, "opening", None)
+    return replace(prompt, messages=[*prompt.messages, *opening]) if opening else prompt
+

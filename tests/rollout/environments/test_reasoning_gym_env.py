@@ -76,8 +76,8 @@ def test_mixed_datasets_and_a_composite_log_per_environment(tokenizer, scripted)
 
 @pytest.mark.parametrize(("env", "env_args", "message"), [
     ("reasoning_gym:leg_countin", {}, "reasoning-gym has no dataset 'leg_countin'; did you mean leg_counting"),
-    ("reasoning_gym:leg_counting", {"max_legs": 3}, "'max_legs' is not an option of reasoning-gym's leg_counting "
-                                                    "(its options: min_animals, max_animals"),
+    ("reasoning_gym:leg_counting", {"max_legs": 3}, ("'max_legs' is not an option of reasoning-gym's leg_counting "
+                                                     "(its options: min_animals, max_animals")),
     ("reasoning_gym:leg_counting", {"min_animals": 5, "max_animals": 2}, "reasoning-gym refused env_args"),
     ("reasoning_gym:composite", {"datasets": [{"name": "leg_counting", "config": {"x": 1}}]},
      "'x' is not an option of reasoning-gym's leg_counting"),
@@ -85,7 +85,7 @@ def test_mixed_datasets_and_a_composite_log_per_environment(tokenizer, scripted)
 ])
 def test_a_bad_name_or_argument_is_refused_before_sampling(tokenizer, scripted, env, env_args, message):
     sampler = scripted(lambda prompt, j: "")
-    with pytest.raises(UserError, match=".*") as error:
+    with pytest.raises(UserError) as error:
         rollout(tokenizer, sampler, env, env_args)
     assert message in str(error.value) and "\n" not in str(error.value)
     assert sampler.calls == []

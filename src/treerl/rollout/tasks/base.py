@@ -29,7 +29,7 @@ class Prompt:
     def text(self) -> str:
         """The prompt as a reward function sees it: its last user message (the text of it, where it shows images)."""
         users = [m["content"] for m in self.messages if m["role"] == "user"]
-        content = users[-1] if users else self.messages[-1]["content"]
+        content = users[-1] if users else self.messages[-1]["content"] if self.messages else ""
         if isinstance(content, list):
             return "".join(part.get("text", "") for part in content if isinstance(part, dict))
         return content
@@ -59,7 +59,10 @@ class EnvReply:
 
 
 class Environment(Protocol):
-    """One episode's state. Deep-copied where the episode branches, so `step` may mutate it."""
+    """One episode's state. Deep-copied where the episode branches, so `step` may mutate it.
+
+    It may also have `opening`: messages shown after the prompt's before the first reply (what an environment says
+    when it is reset, e.g. a game's first observation)."""
 
     def step(self, reply: str) -> EnvReply:
         """React to the model's reply (its text, without the final stop token)."""

@@ -1,0 +1,188 @@
+"""TextArena's single-player games as multi-turn episodes: the game's observations in, the model's moves out.
+
+Step 1 (docs/architecture.md): episodes from `rollout.env=textarena:<id>`.
+
+    rollout.env=textarena:GuessTheNumber-v0 rollout.env_args={max_number: 10}
+
+Each episode is `ta.make(id, **env_args)` reset with `reset(num_players=1, seed=s)` (s drawn from rollout.seed, the
+step and the episode, so an episode replays exactly). The game's messages to the player are the user messages: its
+prompt opens the conversation (after rollout.system_prompt, if set), and after each reply the messages it sent
+since (hints, boards, invalid-move notices), each "[GAME] text" on its own line; the player's own move, which the
+game echoes back, is not repeated. The reply goes to `step` through the id's own action wrappers (most add the
+[brackets] a move needs when the reply has none). The game ends the episode: at `done`, `close()` gives the reward
+(rewards[0], the trajectory's return) and its info (turn_count, invalid_move: logged per environment). An episode
+that reaches rollout.max_turns first (default: the game's own max_turns) is truncated with reward 0.
+
+Branching: an episode forks by deep copy (the library's wrappers define __deepcopy__). The games draw from Python's
+global `random` (reset seeds it), so each episode keeps its own generator state and every reset and step runs with
+it: a copy continues exactly as the original would, whatever other episodes drew in between. An unknown id lists
+TextArena's single-player games; env_args the game's constructor does not take are refused, and a game that cannot
+start here (one that needs nltk data or an LLM judge) is refused in one line, all before any sampling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from treerl.errors import UserError
+from treerl.rollout.chat import Message
+from treerl.rollout.environments.extras import import_library
+from treerl.rollout.tasks.base import EnvReply, Prompt, rng_for
+
+if TYPE_CHECKING:
+    from treerl.rollout.config import RolloutConfig
+
+MAX_NEW_TOKENS = 64  # one move's reply budget unless rollout.max_new_tokens says otherwise
+DEFAULT_MAX_TURNS = 10  # replies per episode when neither rollout.max_turns nor the game sets a limit
+VARIANTS = ("-raw", "-train")  # each game id's versions without TextArena's wrappers and with its training ones
+SINGLE_PLAYER = "SinglePlayerState"  # how a single-player game's source starts its state
+RANDOM_OWNER: list[object | None] = [None]  # the call whose game's generator state is in Python's global `random`
+
+
+@dataclass
+class TextArenaGame:
+    """One episode: the game (with its wrappers), its own random state, what it said at reset."""
+
+    game: Any  # what ta.make returned
+    seed: int
+    random_state: Any = None  # Python's `random` state as this game left it
+    opening: list[Message] = field(default_factory=list)  # the game's prompt, shown before the first reply
+
+    def __post_init__(self) -> None:
+        with self.own_random():
+            self.game.reset(num_players=1, seed=self.seed)
+        self.opening = [{"role": "user", "content": self.observation()}]
+
+    @contextlib.contextmanager
+    def own_random(self) -> Iterator[None]:
+        """Run the game's code with its own state of Python's global `random`, and keep what it leaves.
+
+        Environment calls run one at a time (`treerl.rollout.rewards.UserCode`), so no lock is needed, and none is
+        taken: a call abandoned after rollout.env_timeout may still be running when the next one starts, and would
+        hold a lock for as long as it hangs. The latest call owns the generator; one that finds, at its end, that a
+        later call took it over leaves the global state to that one (its own episode was dropped)."""
+        token = object()
+        RANDOM_OWNER[0] = token
+        outside = random.getstate()
+        if self.random_state is not None:
+            random.setstate(self.random_state)
+        try:
+            yield
+        finally:
+            if RANDOM_OWNER[0] is token:
+                self.random_state = random.getstate()
+                random.setstate(outside)
+                RANDOM_OWNER[0] = None
+
+    def observation(self) -> str:
+        """What the game told the player since the last call, as text (its own echo of the player's move left out)."""
+        _, messages = unwrapped(self.game).get_observation()
+        lines = []
+        for sender, text, kind in messages:
+            if kind.name == "PLAYER_ACTION":
+                continue  # the model's own reply, already in the conversation
+            lines.append(text if kind.name == "PROMPT" else f"[{'GAME' if sender < 0 else 'Player'}] {text}")
+        return "\n".join(lines)
+
+    def step(self, reply: str) -> EnvReply:
+        """Play the reply as the move; at the end, the game's reward and info from close()."""
+        with self.own_random():
+            done, _ = self.game.step(reply)
+            if not done:
+                return EnvReply([{"role": "user", "content": self.observation()}])
+            rewards, info = self.game.close()
+        player = (info or {}).get(0, {})
+        metrics = {k: float(v) for k, v in player.items() if isinstance(v, (int, float))}  # turn_count, invalid_move
+        return EnvReply([], reward=(rewards or {}).get(0), done=True, metrics=metrics)
+
+
+@dataclass
+class TextArenaTask:
+    """Episodes of one TextArena game id."""
+
+    make: Any  # () -> a fresh game, as ta.make(id, **env_args)
+    max_turns: int
+    system_prompt: str | None = None
+    seed: int = 0
+    name: str = "textarena"
+    max_new_tokens: int = MAX_NEW_TOKENS
+
+    def prompts(self, step: int, count: int) -> list[Prompt]:
+        """The `count` episodes of step `step`: each a game seed (its messages come from the game at reset)."""
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [Prompt(f"s{step}/p{i}", list(system), answer=rng_for(self.name, self.seed, step, i).getrandbits(31))
+                for i in range(count)]
+
+    def environment(self, prompt: Prompt) -> TextArenaGame:
+        """A fresh game, reset with the episode's seed."""
+        return TextArenaGame(self.make(), prompt.answer)
+
+
+def unwrapped(game: Any) -> Any:
+    """The game under TextArena's wrappers (its observations as they come, not an observation wrapper's text)."""
+    while hasattr(game, "env") and game.__class__.__name__.endswith("Wrapper"):
+        game = game.env
+    return game
+
+
+def build(target: str, env_args: dict[str, Any], config: RolloutConfig) -> TextArenaTask:
+    """The task of `textarena:<target>`: the id and env_args checked, and one game started, before any sampling."""
+    spec = f"textarena:{target}"
+    ta = import_library("textarena", "textarena", spec)
+    registry = ta.envs.registration.ENV_REGISTRY
+    if target not in registry or not single_player(registry[target].entry_point):
+        single = sorted(i for i, s in registry.items() if single_player(s.entry_point) and not i.endswith(VARIANTS))
+        what = f"{target!r} is not a single-player game" if target in registry else f"has no game {target!r}"
+        raise UserError(f"rollout.env={spec!r}: TextArena {what}; its single-player games (each also as "
+                        f"{' and '.join(VARIANTS)}): {', '.join(single)}")
+
+    def make() -> Any:
+        return ta.make(target, **env_args)
+
+    try:
+        check_args(registry[target], env_args, spec)
+        game = TextArenaGame(make(), config.seed)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 (a game that needs nltk data, an LLM judge, a network ...)
+        message = " ".join(str(e).replace("*", "").split())[:300] or type(e).__name__
+        raise UserError(f"rollout.env={spec!r}: the game does not start here ({type(e).__name__}: {message})") from None
+    base = unwrapped(game.game)
+    max_turns = config.max_turns or getattr(base, "max_turns", None) or DEFAULT_MAX_TURNS
+    return TextArenaTask(make, max_turns=max_turns, system_prompt=config.system_prompt, seed=config.seed, name=spec)
+
+
+def single_player(entry_point: Any) -> bool:
+    """Whether a registry entry's game is single-player: its module builds a SinglePlayerState (read from its source
+    file, without importing every game: some do not import on this Python)."""
+    if not isinstance(entry_point, str):  # a class registered by a user
+        source = inspect.getsourcefile(entry_point)
+        return source is not None and SINGLE_PLAYER in Path(source).read_text()
+    module = entry_point.split(":")[0]
+    top = importlib.util.find_spec(module.split(".")[0])
+    if top is None or not top.submodule_search_locations:
+        return False
+    path = Path(next(iter(top.submodule_search_locations))).joinpath(*module.split(".")[1:]).with_suffix(".py")
+    return path.is_file() and SINGLE_PLAYER in path.read_text()
+
+
+def check_args(entry: Any, env_args: dict[str, Any], spec: str) -> None:
+    """env_args the game's constructor does not take: one line naming those it does."""
+    point = entry.entry_point
+    if isinstance(point, str):
+        module, name = point.split(":")
+        point = getattr(importlib.import_module(module), name)
+    parameters = inspect.signature(point.__init__).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        return
+    options = [name for name in parameters if name != "self"]
+    if unknown := sorted(set(env_args) - set(options)):
+        raise UserError(f"rollout.env_args: {unknown[0]!r} is not an option of {spec} (its options: "
+                        f"{', '.join(options)}; its defaults for this id: {entry.kwargs})")
