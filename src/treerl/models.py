@@ -28,6 +28,7 @@ from transformers import (
     Qwen2Config,
     Qwen3_5TextConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -36,7 +37,7 @@ from treerl.errors import ModelPathError, UserError
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # the parameter dtypes a model may be built or loaded in
 ARCHITECTURES = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig,
                  "qwen3_5_text": Qwen3_5TextConfig, "bamba": BambaConfig, "lfm2": Lfm2Config,
-                 "qwen2_5_vl": Qwen2_5_VLConfig}
+                 "qwen2_5_vl": Qwen2_5_VLConfig, "qwen3_moe": Qwen3MoeConfig}
 # Hybrids: Gated DeltaNet beside gated attention (Qwen3.5), Mamba2 beside attention (Bamba), short convolutions
 # beside attention (LFM2); their recurrent layers' state travels through the tree (treerl.engine.recurrent).
 _QWEN35_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -55,6 +56,10 @@ SHAPES: dict[str, tuple[str, dict]] = {
     "tiny-bamba": ("bamba", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16,
                                  mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16)),
+    # MoE: 4 experts, 2 a token (trainer.routing_replay replays the sampler's choice: docs/mismatch.md)
+    "tiny-qwen3-moe": ("qwen3_moe", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         num_experts=4, num_experts_per_tok=2)),
     "tiny-lfm2": ("lfm2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, layer_types=["conv", "full_attention"],
                                block_auto_adjust_ff_dim=False)),

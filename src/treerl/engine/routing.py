@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import PreTrainedModel
 
 from treerl.attention import UnsupportedModel
-from treerl.engine.base import final_hidden, gradient_checkpointing
+from treerl.engine.base import Engine, LossFn, StepStats, final_hidden, gradient_checkpointing
 from treerl.engine.support import decoder_module, model_name
 from treerl.tree import BatchError, PrefixTree, TokenSequence
 from treerl.tree.sequence import ROUTED_EXPERTS
@@ -245,6 +245,11 @@ class RouteRecord:
     def __init__(self, tap: _Tap):
         self.tap = tap
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """A token's routes: (decoder layers, experts per token)."""
+        return self.tap.routers.layers, self.tap.routers.top_k
+
     def take(self, rows: int) -> torch.Tensor:
         """The last call's routes `[rows, decoder layers, top_k]` on the host (-1 on layers that do not route)."""
         routers = self.tap.routers
@@ -401,3 +406,19 @@ def unit_rows(routes: TreeRoutes, segments: dict, rows: int, width: int | None) 
             filled = int((row >= 0).sum())
             row[filled:] = row[filled - 1]
     return out
+
+
+@dataclass
+class RoutingReplayEngine:
+    """`engine` with every call replaying the batch's recorded routes (trainer.routing_replay): the update, and the
+    no-grad passes that fill old, proximal and reference log-probs, route as the sampler did."""
+
+    engine: Engine
+
+    def forward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> list[dict[str, torch.Tensor]]:
+        with routing_replay(model):
+            return self.engine.forward(model, sequences)
+
+    def forward_backward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence], loss_fn: LossFn) -> StepStats:
+        with routing_replay(model):
+            return self.engine.forward_backward(model, sequences, loss_fn)

@@ -63,7 +63,7 @@ def build_sampler(config: RolloutConfig, model: PreTrainedModel | None = None,
         return client
     if model is None:
         raise ValueError("rollout: no rollout.server_url, so the embedded sampler needs the model")
-    return EmbeddedSampler(model, autocast=autocast)
+    return EmbeddedSampler(model, autocast=autocast, return_routed_experts=config.return_routed_experts)
 
 
 def server_client(config: RolloutConfig) -> CompletionsClient:

@@ -37,6 +37,7 @@ class RolloutConfig:
     top_k: int = 0  # sample among the k most likely tokens only (0: all; truncated as top_p)
     min_p: float = 0.0  # sample among tokens at least min_p x the most likely one's probability (0: all; truncated as top_p)
     stop_tokens: list[str] = field(default_factory=list)  # extra tokens that end a reply (besides the eos token)
+    return_routed_experts: bool = False  # an MoE policy: record the experts each layer routed every token to, with each sample (for trainer.routing_replay; the embedded sampler)
 
     # Multi-turn episodes.
     max_turns: int | None = None  # model calls per trajectory at most; None: the task's default

@@ -15,6 +15,7 @@ from the same function (importance ratio 1 on-policy, up to kernel rounding).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from treerl.engine.base import final_hidden
 from treerl.engine.head import logit_transform
 from treerl.engine.images import ImageTable, body_positions, check_images, vision_family
 from treerl.engine.recurrent import cache_kwarg
+from treerl.engine.routing import RouteRecord, recording_routes
 from treerl.engine.support import decoder_module
 from treerl.errors import TrainingStopped
 from treerl.rollout.sampler import Completion, SamplingParams, check_prompts, truncate_logits
@@ -44,6 +46,7 @@ class EmbeddedSampler:
     version: int = 0  # policy version of the current weights; the trainer sets it after each update
     max_rows: int = 256  # sampled rows decoded at once (prompts x n); more prompts are split into chunks
     autocast: torch.dtype | None = None  # compute under torch.autocast to this dtype (bf16-mixed); None: as stored
+    return_routed_experts: bool = False  # an MoE model: each completion's routing (Completion.routed_experts)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  cancelled: Callable[[], bool] | None = None,
@@ -122,9 +125,18 @@ class EmbeddedSampler:
         cancelled: Callable[[], bool] | None = None, images: list[tuple[ImageSpan, ...]] | None = None,
     ) -> list[list[Completion]]:
         """Prefill the distinct prompts, repeat their cache n-fold, decode until every row stops."""
+        model = self.model
+        with recording_routes(model) if self.return_routed_experts else contextlib.nullcontext() as record:
+            return self._decode(prompts, params, generator, cancelled, images, record)
+
+    def _decode(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
+                cancelled: Callable[[], bool] | None, images: list[tuple[ImageSpan, ...]] | None,
+                record: RouteRecord | None) -> list[list[Completion]]:
+        """`_generate`'s prefill and decoding steps; with `record`, the experts each call routed every row to."""
         model, n = self.model, params.n
         device = generator.device
         logits, cache, mask, next_position = self._prefill(prompts, device, images)
+        routes = _RowRoutes(record, prompts, n) if record is not None else None
         # n rows per prompt; reorder_cache serves every layer kind (recurrent layers have no batch_repeat_interleave)
         cache.reorder_cache(torch.arange(len(prompts), device=device).repeat_interleave(n))
         logits = logits.repeat_interleave(n, dim=0)
@@ -155,14 +167,39 @@ class EmbeddedSampler:
             mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
             out = model(input_ids=token[:, None], attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache},
                         position_ids=body_positions(next_position, token[:, None].shape))
+            if routes is not None:
+                routes.step(active)
             logits = out.logits[:, -1]
             next_position = next_position + 1
 
         completions = [
-            Completion(tokens[r], logprobs[r], finish[r], [self.version] * len(tokens[r]))  # type: ignore[arg-type]
+            Completion(tokens[r], logprobs[r], finish[r], [self.version] * len(tokens[r]),  # type: ignore[arg-type]
+                       routed_experts=routes.of(r) if routes is not None else None)
             for r in range(len(prompts) * n)
         ]
         return [completions[p * n : (p + 1) * n] for p in range(len(prompts))]
+
+
+class _RowRoutes:
+    """Each sampled row's routing, call by call: its prompt's rows of the prefill (left padding dropped), then one
+    row a decoding step; the last sampled token, which no call runs, gets -1."""
+
+    def __init__(self, record: RouteRecord, prompts: list[list[int]], n: int):
+        self.record, self.n = record, n
+        width = max(len(p) for p in prompts)
+        prefill = record.take(len(prompts) * width).view(len(prompts), width, *record.shape)
+        self.prompt = [prefill[p, width - len(prompt) :] for p, prompt in enumerate(prompts)]
+        self.steps: list[list[torch.Tensor]] = [[] for _ in range(len(prompts) * n)]
+
+    def step(self, active: torch.Tensor) -> None:
+        """A decoding call on the `active` rows, one token each."""
+        for row, routes in zip(active.tolist(), self.record.take(len(active))):
+            self.steps[row].append(routes)
+
+    def of(self, row: int) -> torch.Tensor:
+        """Row `row`'s routes, [prompt + generated tokens, decoder layers, top_k]."""
+        prompt = self.prompt[row // self.n]
+        return torch.cat([prompt, *(s[None] for s in self.steps[row]), prompt.new_full((1, *prompt.shape[1:]), -1)])
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,6 +70,9 @@ class Completion:
     finish_reason: FinishReason  # "stop": emitted a stop token; "length": reached max_new_tokens; "cut": the agent
     # proxy kept only its first tool call (parallel_tool_calls=false), so it ends without a stop token
     versions: list[int] = field(default_factory=list)  # policy version that produced each token
+    # an MoE policy's routing (rollout.return_routed_experts): [prompt + generated tokens, decoder layers, top_k], the
+    # experts each layer routed each token to (-1: none, as on the last token, which no sampler runs); None: not asked
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.tokens) or len(self.versions) != len(self.tokens):

@@ -140,7 +140,8 @@ def embedded_rollout(config: Config, weights: SharedWeights | None,
     model, tokenizer = load_policy(config.model, torch.device("cpu"))
     model.register_forward_pre_hook(beat)
     embedded = EmbeddedSampler(model, version=weights.pull(model, have=-1),
-                               autocast=autocast_dtype(config.trainer.precision))
+                               autocast=autocast_dtype(config.trainer.precision),
+                               return_routed_experts=config.rollout.return_routed_experts)
 
     def refresh() -> None:
         embedded.version = weights.pull(model, embedded.version)

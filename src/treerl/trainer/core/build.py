@@ -21,6 +21,7 @@ from treerl.attention.context_parallel import ContextParallel
 from treerl.distributed import DistributedModel
 from treerl.engine import AutocastEngine, DfsEngine, Engine, FlatEngine, PackedEngine, PolicyHead, ValueHead
 from treerl.engine.images import tower_parameters
+from treerl.engine.routing import RoutingReplayEngine, find_routers
 from treerl.engine.support import check_no_dropout
 from treerl.gguf_checkpoint import PACKAGED_MODELS, local_checkpoint
 from treerl.models import add_lora, build_model, check_model_dir, policy_config, shows_images
@@ -34,10 +35,11 @@ from treerl.trainer.core.precision import autocast_dtype
 
 
 def build_train_engine(config: EngineConfig, temperature: float = 1.0, head: PolicyHead | ValueHead | None = None,
-                       precision: str = "fp32", context_parallel: ContextParallel | None = None) -> Engine:
+                       precision: str = "fp32", context_parallel: ContextParallel | None = None,
+                       routing_replay: bool = False) -> Engine:
     """The engine `engine.name` names; its log-probs are those of softmax(logits / temperature) (or `head`'s outputs).
     Under trainer.precision=bf16-mixed every call of it runs under autocast; DfsEngine's calls split over
-    `context_parallel`'s ranks."""
+    `context_parallel`'s ranks; with `routing_replay` an MoE policy's routers replay the sampler's experts."""
     head = head or PolicyHead(temperature=temperature, chunk_rows=config.head_chunk_rows)
     engine: Engine
     if config.name == "dfs":
@@ -50,7 +52,8 @@ def build_train_engine(config: EngineConfig, temperature: float = 1.0, head: Pol
     else:
         engine = FlatEngine(head=head, max_tokens=config.max_tokens)
     compute = autocast_dtype(precision)
-    return AutocastEngine(engine, compute) if compute is not None else engine
+    engine = AutocastEngine(engine, compute) if compute is not None else engine
+    return RoutingReplayEngine(engine) if routing_replay else engine
 
 
 def load_policy(config: ModelConfig, device: torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -129,7 +132,10 @@ def build_policy_learner(config: Config, model: PreTrainedModel, strategy: str, 
                          guard: NonfiniteGuard, temperature: float) -> Learner:
     """The policy's learner; its measured engine times refit the balancer's cost model."""
     engine = build_train_engine(config.engine, temperature, precision=config.trainer.precision,
-                                context_parallel=balancer.mesh.context if balancer.mesh is not None else None)
+                                context_parallel=balancer.mesh.context if balancer.mesh is not None else None,
+                                routing_replay=config.trainer.routing_replay)
+    if config.trainer.routing_replay:
+        find_routers(model)  # an MoE model whose routers choose by one top-k: refused in one line otherwise
     return build_learner("policy", model, strategy, config.trainer, engine, balancer, guard, records_costs=True)
 
 

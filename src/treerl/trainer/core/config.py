@@ -126,6 +126,7 @@ class TrainerConfig:
     minibatches: int = 1  # optimizer steps per pass; a minibatch holds whole groups (a prompt's samples stay together)
     micro_batch_tokens: int | None = None  # unique tokens per engine call on a rank; null: one call per rank
     recompute_logprobs: bool = False  # recompute old_logprobs with the training engine instead of the rollout's
+    routing_replay: bool = False  # an MoE policy's routers use the experts the sampler routed each token to (rollout.return_routed_experts) instead of their own top-k, in every engine: rollout routing replay, R3 (docs/mismatch.md#routing-replay-moe)
     mismatch_metrics: bool | None = None  # log mismatch/* each step: the sampler's log-probs against the trainer's at the same weights (docs/mismatch.md); null: with rollout.server_url or an algo.rollout_correction preset
 
     # Asynchronous RL (mode=async; docs/training.md#asynchronous-rl-trainermodeasync).
@@ -238,6 +239,7 @@ def check_choices(config: Config) -> None:
                           "and serve the result with `treerl export`")
     check_truncated_sampling(config)
     check_rollout_correction(config)
+    check_routing_replay(config)
     if config.trainer.context_parallel < 1:
         raise ConfigError(f"trainer.context_parallel={config.trainer.context_parallel} must be >= 1")
     if config.trainer.context_parallel_min_tokens < 0:
@@ -300,6 +302,24 @@ def check_rollout_correction(config: Config) -> None:
         raise ConfigError(f"algo.rollout_correction={preset} corrects the sampler's log-probs, which "
                           "trainer.recompute_logprobs=true replaces with the trainer's (every ratio would be 1): set "
                           "one of the two")
+
+
+def check_routing_replay(config: Config) -> None:
+    """trainer.routing_replay replays the experts the sampler recorded (rollout.return_routed_experts), which only the
+    embedded sampler records so far, in layers that are not recomputed nor split over ranks."""
+    if config.rollout.return_routed_experts and config.rollout.server_url:
+        raise ConfigError("rollout.return_routed_experts=true with rollout.server_url: treerl does not read a server's "
+                          "routed experts yet; sample in process (no rollout.server_url)")
+    if not config.trainer.routing_replay:
+        return
+    why = {"rollout.return_routed_experts=false": not config.rollout.return_routed_experts,
+           "model.gradient_checkpointing=true": config.model.gradient_checkpointing,
+           f"trainer.context_parallel={config.trainer.context_parallel}": config.trainer.context_parallel > 1}
+    for setting, wrong in why.items():
+        if wrong:
+            raise ConfigError(f"trainer.routing_replay=true replays the experts the sampler recorded for each token "
+                              f"(rollout.return_routed_experts=true), with every layer run once on one rank: {setting} "
+                              "does not go with it")
 
 
 def measures_mismatch(config: Config) -> bool:

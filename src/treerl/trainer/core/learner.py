@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from treerl.distributed import Assignment, DistributedModel, tree_features
 from treerl.engine import Engine, LossFn
 from treerl.engine.autocast import AutocastEngine
+from treerl.engine.routing import RoutingReplayEngine
 from treerl.errors import TrainingStopped
 from treerl.trainer.core.balancer import Balancer
 from treerl.trainer.core.checkpoint import Trainable
@@ -59,7 +60,7 @@ class NonfiniteGuard:
 
 def without_context_parallel(engine: Engine) -> Engine:
     """`engine` (a DfsEngine, or one under autocast) with its calls no longer split over context-parallel ranks."""
-    if isinstance(engine, AutocastEngine):
+    if isinstance(engine, (AutocastEngine, RoutingReplayEngine)):
         return dataclasses.replace(engine, engine=without_context_parallel(engine.engine))
     return dataclasses.replace(engine, context_parallel=None)
 

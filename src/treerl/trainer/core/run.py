@@ -34,6 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from treerl.distributed import DistEnv, Mesh, build_mesh, init_distributed
 from treerl.engine import AutocastEngine, DfsEngine, FlatEngine
 from treerl.engine.base import check_model
+from treerl.engine.routing import RoutingReplayEngine
 from treerl.models import base_fingerprint, check_device, is_lora
 from treerl.rollout.images import ImageProcessor
 from treerl.trainer.core.balancer import Balancer
@@ -229,7 +230,9 @@ class Run:
         up to `longest` tokens; `setting` (the config key that bounds them) must also fit the model's positions."""
         for learner in self.learners():
             engine = learner.engine
-            inner = engine.engine if isinstance(engine, AutocastEngine) else engine
+            inner = engine
+            while isinstance(inner, (AutocastEngine, RoutingReplayEngine)):  # the engine they wrap
+                inner = inner.engine
             with learner.dp.gathered():  # FSDP2: the routing probe runs the model, on full parameters
                 check_model(learner.model, inner.head, not isinstance(inner, FlatEngine), longest,
                             carries_state=isinstance(inner, DfsEngine))
