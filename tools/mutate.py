@@ -741,6 +741,21 @@ MUTATIONS = [
              ("tests/rollout/test_vllm.py::test_image_prompts_sample_on_vllm_with_the_trainers_logprobs",),
              "vLLM expands every placeholder token of an image again: the server samples from a prompt with the "
              "image's tokens many times over"),
+    # ------------------------------------------------------------------ ecosystem environments (issue 46, part B)
+    Mutation("replay-answers-unchecked", "src/treerl/rollout/environments/replay.py",
+             "                if not same_answer(answer, turn.answer):",
+             "                if False:",
+             ("tests/rollout/environments/test_openenv_env.py::"
+              "test_an_instance_that_cannot_be_copied_is_replayed_and_a_diverging_replay_is_dropped",),
+             "a branch replayed into an environment that answers differently trains on what its episode never saw"),
+    Mutation("trl-reward-unchecked", "src/treerl/rollout/environments/trl_env.py",
+             "        if not isinstance(checked, float):", "        if False:",
+             ("tests/rollout/environments/test_trl_env.py::test_failures_drop_the_episode_with_their_reason",),
+             "a TRL environment's NaN get_reward() reaches the advantages instead of dropping its episode"),
+    Mutation("math-verify-stuck-worker-kept", "src/treerl/rollout/math_reward.py",
+             "        if not line:\n            self.stop()", "        if not line:\n            pass",
+             ("tests/rollout/test_math_reward.py::test_a_worker_that_does_not_answer_in_time_is_killed_and_replaced",),
+             "a math-verify worker stuck in a check is kept: every later reward waits on it"),
 ]
 
 
