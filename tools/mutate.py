@@ -745,8 +745,8 @@ MUTATIONS = [
     Mutation("replay-answers-unchecked", "src/treerl/rollout/environments/replay.py",
              "                if not same_answer(answer, turn.answer):",
              "                if False:",
-             ("tests/rollout/environments/test_openenv_env.py::"
-              "test_an_instance_that_cannot_be_copied_is_replayed_and_a_diverging_replay_is_dropped",),
+             (("tests/rollout/environments/test_openenv_env.py::"
+               "test_an_instance_that_cannot_be_copied_is_replayed_and_a_diverging_replay_is_dropped"),),
              "a branch replayed into an environment that answers differently trains on what its episode never saw"),
     Mutation("trl-reward-unchecked", "src/treerl/rollout/environments/trl_env.py",
              "        if not isinstance(checked, float):", "        if False:",
