@@ -28,14 +28,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from treerl.errors import UserError
 from treerl.rollout.config import RolloutConfig
 from treerl.rollout.rewards import NamedFailure, check_reward, import_object
-from treerl.rollout.tasks.base import Prompt, rng_for
-from treerl.rollout.tasks.dataset import load_agent_tasks
+from treerl.rollout.tasks.base import Prompt
+from treerl.rollout.tasks.dataset import DatasetTask, load_agent_tasks
 
 OWN_KEYS = ("rows", "system_prompt")  # treerl's; the other env_args go to the class's constructor
 MAX_TURNS = 4
@@ -58,32 +58,15 @@ class TrlEnvironmentTask:
     cls: type
     kwargs: dict[str, Any]
     tools: list[dict[str, Any]]  # the public methods' JSON schemas
-    rows: list[dict[str, Any]]
+    rows: DatasetTask  # the rows, in a seeded order epoch after epoch; each prompt's answer is its row
     system_prompt: str | None = None
     timeout: float | None = 60.0  # rollout.env_timeout, per reset, tool and get_reward call
-    seed: int = 0
-    shuffle: bool = True
     max_turns: int = MAX_TURNS
     max_new_tokens: int = MAX_NEW_TOKENS
-    _orders: dict[int, list[int]] = field(default_factory=dict, repr=False)
 
     def prompts(self, step: int, count: int) -> list[Prompt]:
-        """Rows step*count ... of the seeded endless stream of rows; each prompt's answer is its row."""
-        out = []
-        for i in range(count):
-            epoch, position = divmod(step * count + i, len(self.rows))
-            row = self.rows[self._order(epoch)[position]]
-            shown = row.get("prompt") if isinstance(row.get("prompt"), str) else json.dumps(row, default=str)[:500]
-            out.append(Prompt(f"s{step}/p{i}", [{"role": "user", "content": shown}], answer=row))
-        return out
-
-    def _order(self, epoch: int) -> list[int]:
-        if epoch not in self._orders:
-            order = list(range(len(self.rows)))
-            if self.shuffle:
-                rng_for(self.name, self.seed, epoch).shuffle(order)
-            self._orders = {epoch: order}
-        return self._orders[epoch]
+        """Rows step*count ... of the seeded endless stream of rows (a DatasetTask's order); each answer is its row."""
+        return self.rows.prompts(step, count)
 
     async def agent(self, client: Any, row: dict[str, Any]) -> float:
         """One episode as TRL plays it: reset(**row), tool calls until a reply has none, then get_reward()."""
@@ -187,8 +170,11 @@ def build(target: str, env_args: dict[str, Any], config: RolloutConfig) -> TrlEn
         raise UserError(f"rollout.env={spec!r}: env_args {sorted(env_args)} do not fit {cls.__name__}"
                         f"{inspect.signature(cls)} ({e}); treerl's own keys: {', '.join(OWN_KEYS)}") from None
     rows = task_rows(own.get("rows"), config, spec)
-    return TrlEnvironmentTask(spec, cls, env_args, tool_schemas(cls, spec), rows, own.get("system_prompt"),
-                              config.env_timeout, config.seed, config.shuffle)
+    shown = [([{"role": "user", "content": row["prompt"] if isinstance(row.get("prompt"), str)
+                else json.dumps(row, default=str)[:500]}], row) for row in rows]  # shown in reports only
+    return TrlEnvironmentTask(spec, cls, env_args, tool_schemas(cls, spec),
+                              DatasetTask(shown, None, seed=config.seed, shuffle=config.shuffle, name=spec),  # type: ignore[arg-type]
+                              own.get("system_prompt"), config.env_timeout)
 
 
 def task_rows(rows: Any, config: RolloutConfig, spec: str) -> list[dict[str, Any]]:
