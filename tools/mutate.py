@@ -524,6 +524,16 @@ MUTATIONS = [
              "        if tensor.tensor_type not in readable:", "        if False:",
              (("tests/test_gguf_checkpoint.py::test_a_bad_file_is_refused_in_one_line_naming_it_before_conversion"),),
              "a GGUF file holding a tensor type gguf cannot dequantize reaches the conversion"),
+    # ------------------------------------------------------------------ the embedding's gradient by rows (issue 45)
+    Mutation("embedding-rows-padding-trained", "src/treerl/engine/embedding_rows.py",
+             "        if self.module.padding_idx is not None:", "        if False:",
+             (("tests/engine/test_embedding_rows.py::test_gradient_by_rows_is_autograds"),),
+             "DfsEngine trains the padding token's embedding row, which torch leaves at a zero gradient"),
+    Mutation("embedding-rows-kept-graph-flushed-early", "src/treerl/engine/embedding_rows.py",
+             "            if leaf.grad is None:\n                waiting.append((ids, leaf))\n            else:\n",
+             "            if leaf.grad is not None:\n",
+             (("tests/engine/test_embedding_rows.py"),),
+             "the embedding gradient of a unit whose graph is kept while its descendants run is lost"),
     Mutation("server-checked-after-the-model", "src/treerl/trainer/rl/sync.py",
              "    client = connect_servers(config)  # before the model is built: an unreachable server is an error "
              "at once\n    run = Run.start(config, temperature=config.rollout.temperature)\n",

@@ -55,6 +55,7 @@ from treerl.engine.base import (
     run_length,
     runs_in_rows,
 )
+from treerl.engine.embedding_rows import EmbeddingRows
 from treerl.engine.head import PolicyHead
 from treerl.engine.images import ImageTable, body_positions, vision_family
 from treerl.engine.memory import (
@@ -116,7 +117,7 @@ class DfsEngine:
         started = time.perf_counter()
         tree = self._tree(model, sequences)
         walk = _Walk(self, model, tree, self.plan(model, tree), loss_fn=loss_fn)
-        with walk.attention(), cache_under_checkpointing(model), walk.continued_scans():
+        with walk.attention(), cache_under_checkpointing(model), walk.continued_scans(), walk.embedding_rows.active():
             walk.run()
         if walk.images is not None:
             walk.images.backward()  # what every unit sent to the image rows, through the vision tower once
@@ -205,6 +206,7 @@ class _Walk:
             self.images = ImageTable(model, tree.sequences, grad=loss_fn is not None)
             node_images, both_ways = _NodeImages(tree, self.images), vision_family(model).both_ways
         self.inputs, self.all_slots = build_unit_inputs(tree, plan, slots, device, node_images, both_ways)
+        self.embedding_rows = EmbeddingRows(model)  # the input embedding's gradient by rows, not a dense table a call
         self.routes = tree_routes(model, tree, self.head.shifted)  # MoE routing replay: each node's routing
         if self.routes is not None:
             if self.cp is not None:
@@ -384,6 +386,7 @@ class _Walk:
             with self.passing.replaying(data.cache, data.shard) if self.passing is not None \
                     else contextlib.nullcontext():  # gradient checkpointing's replays pass states as the forward did
                 torch.autograd.backward(tensors, grads)
+            self.embedding_rows.flush()
         if self.passing is not None:
             self.passing.wait()
         if self.states is not None and (self.passing is None or self.cp.rank == 0):
