@@ -94,10 +94,9 @@ def _probe(model: PreTrainedModel) -> Routers | str:
     class Watch(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func in _TOPK and stack:
+            if func in _TOPK and stack:  # outside every MoE block too: a router treerl would not replay
                 block = next((m for m in reversed(stack) if m in block_set), None)
-                if block is not None:
-                    calls.append((block, stack[-1], _topk_k(args, kwargs), tuple(args[0].shape)))
+                calls.append((block, stack[-1], _topk_k(args, kwargs), tuple(args[0].shape)))
             return func(*args, **kwargs)
 
     hooks = []
@@ -148,7 +147,13 @@ def _routers_from(blocks: list[torch.nn.Module], calls: list, layer_of: dict, la
         return "has no MoE layers that ran on a text-only probe: trainer.routing_replay is for MoE models"
     if len(widths) != 1 or len(ks) != 1:
         return f"its MoE layers differ in experts {sorted(widths)} or experts per token {sorted(ks)}"
-    return Routers(modules, layers, widths.pop(), ks.pop())
+    width, k = widths.pop(), ks.pop()
+    unreplayed = [caller for _, caller, kk, shape in calls if caller not in modules and kk == k
+                  and shape == (PROBE_TOKENS, width)]
+    if unreplayed:
+        return (f"{type(unreplayed[0]).__name__} also picks {k} of {width} with a top-k, outside the MoE blocks "
+                "whose routing is replayed (a second router in a layer), so part of the routing would not be replayed")
+    return Routers(modules, layers, width, k)
 
 
 def _topk_k(args: tuple, kwargs: dict) -> int:
