@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from treerl.rollout.math_reward import MathVerify, math_verify
@@ -43,7 +46,8 @@ def test_it_is_a_reward_function_that_runs_in_a_worker_thread():
 def test_a_worker_that_does_not_answer_in_time_is_killed_and_replaced(verifier, monkeypatch):
     assert verifier(prompt="", completion="3", answer="3") == 1.0
     stuck = verifier._worker
-    monkeypatch.setattr(MathVerify, "limit", property(lambda self: 0.0))  # no time at all: the check is "stuck"
+    os.kill(stuck.pid, signal.SIGSTOP)  # stuck where no signal of its own reaches it (as in C code)
+    monkeypatch.setattr(MathVerify, "limit", property(lambda self: 0.3))
     with pytest.raises(TimeoutError, match="its worker was killed"):
         verifier(prompt="", completion="3", answer="3")
     assert stuck.poll() is not None and verifier._worker is None
