@@ -205,8 +205,11 @@ def test_routes_that_do_not_fit_are_refused_naming_the_sequence(case):
 
 
 def test_models_without_plain_routers_are_refused_in_one_line():
-    """A dense model, and a router that does not pick experts by one top-k (Phi-MoE's sparse mixer)."""
+    """A dense model, a router that does not pick experts by one top-k (Phi-MoE's sparse mixer), and a second router
+    in a layer (JetMoE's attention experts beside its MLP's)."""
     with pytest.raises(UnsupportedModel, match="no MoE layers"), routing_replay(tiny_model("tiny-qwen3", 64)):
         pass
     with pytest.raises(UnsupportedModel, match="without a top-k"), routing_replay(build_tiny("phimoe")):
+        pass
+    with pytest.raises(UnsupportedModel, match="JetMoeTopKGating also picks 2 of 4"), routing_replay(build_tiny("jetmoe")):
         pass
