@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import exact_norms, tiny_model
+from test_exactness import random_batches
 from zoo import build_tiny
 
 from treerl.attention import UnsupportedModel
@@ -113,25 +114,12 @@ def test_own_routes_replay_the_models_own_forward(model_type):
     assert relative_error(moved, own) > 1e-4
 
 
-@st.composite
-def routed_batches(draw):
-    """Random trees whose sequences carry their own random routes (they disagree on shared prefixes)."""
-    lists: list[list[int]] = []
-    for _ in range(draw(st.integers(1, 5))):
-        prefix: list[int] = []
-        if lists and draw(st.booleans()):
-            base = draw(st.sampled_from(lists))
-            prefix = base[: draw(st.integers(0, len(base)))]
-        tail = draw(st.lists(st.integers(3, 6), min_size=0 if prefix else 1, max_size=8))
-        lists.append(prefix + tail)
-    return lists
-
-
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(lists=routed_batches(), engine=st.sampled_from(list(TREE_ENGINES)), seed=st.integers(0, 2**16))
+@given(lists=random_batches(), engine=st.sampled_from(list(TREE_ENGINES)), seed=st.integers(0, 2**16))
 def test_tree_engines_replay_like_the_flat_reference(lists, engine, seed):
     """A tree engine with replayed routes equals the flat reference with the same routes (float64, log-probs and
-    gradients), and both replay the first sequence's routing on a shared node."""
+    gradients), and both replay the first sequence's routing on a shared node (each sequence brings its own random
+    routes, so they disagree on every shared token)."""
     model = moe()
     sequences = [with_data(t, random_routes(model, len(t), seed + i), seed + i) for i, t in enumerate(lists)]
     reference = replayed_run(ORACLE, model, sequences)
