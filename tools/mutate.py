@@ -784,6 +784,41 @@ MUTATIONS = [
              "        if not line:\n            self.stop()", "        if not line:\n            pass",
              ("tests/rollout/test_math_reward.py::test_a_worker_that_does_not_answer_in_time_is_killed_and_replaced",),
              "a math-verify worker stuck in a check is kept: every later reward waits on it"),
+    # ------------------------------------------------------------------ ecosystem environments (issue 46, part A)
+    Mutation("textarena-copy-without-its-random", "src/treerl/rollout/environments/textarena_env.py",
+             "        if self.random_state is not None:\n            random.setstate(self.random_state)",
+             "        if False:\n            random.setstate(self.random_state)",
+             ("tests/rollout/environments/test_textarena_env.py::"
+              "test_a_copied_game_continues_as_the_original_whatever_else_drew_from_random",),
+             "a branched TextArena game spawns other tiles than the episode it copies: its branches train on games "
+             "that never followed from their shared turns"),
+    Mutation("env-reset-outside-user-code", "src/treerl/rollout/multi_turn.py",
+             "            env = self.user_code.call(lambda p=p: self.task.environment(p))",
+             "            env = self.task.environment(p)",
+             ("tests/rollout/environments/test_textarena_env.py::test_a_game_that_fails_to_reset_drops_its_episodes",),
+             "an environment whose reset raises or hangs stops the run instead of dropping its episodes"),
+    Mutation("env-metrics-unchecked", "src/treerl/rollout/rewards.py",
+             "    numbers = check_metrics(metrics)", "    numbers = dict(metrics)",
+             ("tests/rollout/environments/test_env_spec.py::test_a_metric_that_is_not_a_number_drops_the_sample",),
+             "an environment's NaN metric is logged as the environment's mean, silently"),
+    Mutation("mixture-scores-with-the-first-environment", "src/treerl/rollout/environments/mixture.py",
+             "        task, own = self.member(answer)\n        return task.reward_fn(",
+             "        task, own = next(iter(self.members.values())).task, answer.answer\n        return task.reward_fn(",
+             ("tests/rollout/environments/test_env_spec.py::"
+              "test_a_mixture_draws_by_weight_keeps_each_stream_and_routes_the_reward",
+              "tests/rollout/environments/test_reasoning_gym_env.py::"
+              "test_mixed_datasets_and_a_composite_log_per_environment"),
+             "mixed environments: every reply is scored by the first environment's scorer"),
+    Mutation("reasoning-gym-args-unchecked", "src/treerl/rollout/environments/reasoning_gym_env.py",
+             "    if unknown := sorted(set(args) - set(keys)):", "    if unknown := []:",
+             ("tests/rollout/environments/test_reasoning_gym_env.py::"
+              "test_a_bad_name_or_argument_is_refused_before_sampling",),
+             "a misspelt reasoning-gym option is refused with a TypeError's words, not the options the dataset has"),
+    Mutation("env-metrics-per-call", "src/treerl/rollout/stats.py",
+             "        if trajectory in seen or (", "        if False or (",
+             ("tests/trainer/test_env_train.py::test_a_textarena_game_trains",),
+             "a multi-turn environment's reward is averaged over model calls, not trajectories: long episodes weigh "
+             "more"),
 ]
 
 

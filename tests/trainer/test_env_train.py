@@ -49,4 +49,5 @@ def test_a_textarena_game_trains(tiny_config, tmp_path):
     [step] = [r for r in rows(tmp_path / "run") if "train/loss" in r]
     assert step["rollout/kept"] == 2 * 4 * 2 and step["rollout/dropped"] == 0  # 2 episodes x 4 x branch_factor 2
     assert step["batch/compression"] > 1  # each episode's turns share its prefix
-    assert "env/textarena:GuessTheNumber-v0/reward_mean" in step
+    assert step["env/textarena:GuessTheNumber-v0/samples"] == step["rollout/kept"]  # trajectories, not model calls
+    assert step["env/textarena:GuessTheNumber-v0/reward_mean"] == pytest.approx(step["rollout/reward_mean"])
