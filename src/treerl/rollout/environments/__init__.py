@@ -11,7 +11,8 @@ The contract every adapter keeps (parts A and B of issue 46 build on it):
   a mapping {env, weight, env_args, name}, or a list of these, mixed by weight. `rollout.env_args` (a mapping) goes to
   every environment's constructor (an entry's own env_args win key by key); `rollout.env_timeout` (seconds) bounds
   each reset, step and score call. Setting `rollout.env` makes the task `env` (`rollout.task` must be left at its
-  default or set to `env`). The syntax is checked at the config check (`parse_env_specs`, a ValueError naming the
+  default or set to `env`); `rollout.system_prompt` is the system message where the library has none of its own.
+  The syntax is checked at the config check (`parse_env_specs`, a ValueError naming the
   key); the target and env_args when the rollout is built, before any sampling.
 - Adapters: module `<library>_env.py` beside this file (LIBRARIES in `spec.py`: reasoning_gym_env, textarena_env,
   openenv_env, trl_env, verifiers_env), each with
@@ -20,8 +21,9 @@ The contract every adapter keeps (parts A and B of issue 46 build on it):
 
   returning a task of a kind treerl trains (`treerl.rollout.tasks.base`): single-turn (`prompts(step, count)`,
   `reward_fn(prompt=, completion=, answer=)`, `max_new_tokens`), multi-turn (`prompts`, `environment(prompt)` ->
-  an `Environment` whose `step(reply)` returns an `EnvReply`; deep-copied where an episode branches, or branched by
-  `replay.py`'s wrapper; `max_turns`, `max_new_tokens`), or an agent driven through the recording proxy (`prompts`,
+  an `Environment` whose `step(reply)` returns an `EnvReply`, and whose optional `opening` messages (what it says at
+  reset) follow the prompt's; deep-copied where an episode branches, or branched by `replay.py`'s wrapper;
+  `max_turns`, `max_new_tokens`), or an agent driven through the recording proxy (`prompts`,
   `agent`: an `async def episode(client, task)` or its "module:function"; `max_turns`, `max_new_tokens`). An unknown
   target or a bad env_args key is a UserError of one line naming what exists. Import the library with
   `extras.import_library(module, extra, spec)`: a missing one is one line naming the pip extra.
