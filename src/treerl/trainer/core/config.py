@@ -309,7 +309,8 @@ def check_routing_replay(config: Config) -> None:
     embedded sampler records so far, in layers that are not recomputed nor split over ranks."""
     if config.rollout.return_routed_experts and config.rollout.server_url:
         raise ConfigError("rollout.return_routed_experts=true with rollout.server_url: treerl does not read a server's "
-                          "routed experts yet; sample in process (no rollout.server_url)")
+                          "routed experts yet (vLLM 0.32 returns them on its GPU model runner only); sample in process "
+                          "(no rollout.server_url)")
     if not config.trainer.routing_replay:
         return
     why = {"rollout.return_routed_experts=false": not config.rollout.return_routed_experts,
