@@ -412,8 +412,19 @@ TWO_CALLS = '<tool_call>{"name": "lookup", "arguments": {"id": 1}}</tool_call>\n
 def test_parallel_tool_calls_false_returns_and_records_only_the_first_call(serve, scripted, tokenizer, chat):
     """The model writes two calls: both come back by default; with parallel_tool_calls=false only the first (by
     either API), and the recorded completion is cut after it, so the next call's context holds exactly the call the
-    agent ran."""
-    proxy = serve(scripted(lambda p, j: TWO_CALLS if p.endswith("ids?<eos><assistant>") else "done"))
+    agent ran, its routing (an MoE sampler's, rollout.return_routed_experts) cut with it."""
+    sampler = scripted(lambda p, j: TWO_CALLS if p.endswith("ids?<eos><assistant>") else "done")
+    generate = sampler.generate
+
+    def with_routes(prompts, params):  # each token of prompt and reply "routed" to its own index
+        groups = generate(prompts, params)
+        for prompt, group in zip(prompts, groups):
+            for completion in group:
+                completion.routed_experts = torch.arange(len(prompt) + len(completion.tokens))[:, None, None]
+        return groups
+
+    sampler.generate = with_routes
+    proxy = serve(sampler)
 
     async def agent(client):
         messages = [{"role": "user", "content": "ids?"}]
@@ -435,6 +446,7 @@ def test_parallel_tool_calls_false_returns_and_records_only_the_first_call(serve
     cut = calls[1].completion
     assert tokenizer.decode(cut.tokens) == TWO_CALLS.split("\n")[0] and cut.finish_reason == "cut"
     assert len(cut.logprobs) == len(cut.versions) == len(cut.tokens)
+    assert torch.equal(cut.routed_experts.flatten(), torch.arange(len(calls[1].prompt) + len(cut.tokens)))
     after = calls[2]
     assert after.parent == 1 and '"id": 2' not in tokenizer.decode(after.prompt)
     assert after.prompt == calls[1].prompt + cut.tokens + chat.continuation(messages[2:], False, [LOOKUP])

@@ -38,3 +38,11 @@ def test_settings_routing_replay_cannot_serve_are_refused(tiny_config, overrides
 def test_routing_replay_on_a_dense_model_is_one_line(tiny_config):
     with pytest.raises(UnsupportedModel, match="no MoE layers"):
         train(tiny_config("rollout.return_routed_experts=true", "trainer.routing_replay=true"))
+
+
+def test_an_agent_run_replays_the_routing_of_every_model_call(tiny_config, tmp_path):
+    """Agent episodes (the proxy, replies cut after their first tool call): every call's sequence carries its routing,
+    and calls that re-read a context share its nodes."""
+    train(tiny_config("trainer.steps=1", *REPLAY, config="agent_tools"))
+    [row] = [row for row in metrics_rows(tmp_path / "run") if "train/loss" in row]
+    assert row["train/routing/routed_tokens"] > row["batch/trained_tokens"] > 0

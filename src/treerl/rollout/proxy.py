@@ -511,7 +511,9 @@ class ChatProxy:
             return len(self.chat.tokenizer.decode(completion.tokens[:k], skip_special_tokens=False))
 
         k = bisect.bisect_left(range(len(completion.tokens) + 1), end, key=length)
-        return Completion(completion.tokens[:k], completion.logprobs[:k], "cut", completion.versions[:k])
+        routes = completion.routed_experts  # prompt and reply: the reply's rows after the cut go
+        return Completion(completion.tokens[:k], completion.logprobs[:k], "cut", completion.versions[:k],
+                          routed_experts=None if routes is None else routes[: len(routes) - len(completion.tokens) + k])
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """Token ids as the tokenizer's token strings (OpenAI's `logprobs` shape)."""
