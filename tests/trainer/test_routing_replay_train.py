@@ -4,10 +4,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from test_rl import metrics_rows
 
 from treerl.attention import UnsupportedModel
+from treerl.engine.routing import recording_routes
+from treerl.models import build_model
+from treerl.rollout import EmbeddedSampler, SamplingParams
 from treerl.trainer import ConfigError, train
+from treerl.trainer.asynchronous.interruptible import InterruptibleSampler
 
 REPLAY = ["model.shape=tiny-qwen3-moe", "rollout.return_routed_experts=true", "trainer.routing_replay=true"]
 
@@ -46,3 +51,17 @@ def test_an_agent_run_replays_the_routing_of_every_model_call(tiny_config, tmp_p
     train(tiny_config("trainer.steps=1", *REPLAY, config="agent_tools"))
     [row] = [row for row in metrics_rows(tmp_path / "run") if "train/loss" in row]
     assert row["train/routing/routed_tokens"] > row["batch/trained_tokens"] > 0
+
+
+def test_a_reply_resumed_in_segments_keeps_one_routing_a_token():
+    """trainer.on_update=interrupt: a reply decoded in 2-token segments (prefilled again at each) carries one routing
+    a token, the model's own (its weights did not change here), -1 on its last."""
+    model = build_model(shape="tiny-qwen3-moe", vocab_size=64, seed=0)
+    sampler = InterruptibleSampler(EmbeddedSampler(model, return_routed_experts=True), lambda: None, segment_tokens=2)
+    [group] = sampler.generate([[5, 6, 7]], SamplingParams(n=2, max_new_tokens=7, seed=0))
+    for completion in group:
+        tokens = torch.tensor([5, 6, 7, *completion.tokens])
+        with torch.no_grad(), recording_routes(model) as record:
+            model(input_ids=tokens[None], use_cache=False)
+            own = record.take(len(tokens))
+        assert torch.equal(completion.routed_experts[:-1], own[:-1]) and bool((completion.routed_experts[-1] < 0).all())

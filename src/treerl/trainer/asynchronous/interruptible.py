@@ -8,13 +8,16 @@ segment (and each sampler call, so every turn of an episode), loads the newest p
 The unfinished replies then go on under those weights: each is prefilled again (prompt + its tokens
 so far, so the KV cache is recomputed with the new weights, as AReaL does) and decoded further.
 A resumed reply holds tokens of several policy versions; every token keeps the version and the
-behaviour log-prob of the weights that sampled it.
+behaviour log-prob of the weights that sampled it (and, for routing replay, the routing of the forward that sampled
+the token after it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+
+import torch
 
 from treerl.rollout import Completion, EmbeddedSampler, SamplingParams
 from treerl.rollout.tasks.base import rng_for
@@ -56,8 +59,16 @@ class InterruptibleSampler:
             )
             for (i, p, c), [extra] in zip(unfinished, more):
                 replies[i] = (p, Completion(c.tokens + extra.tokens, c.logprobs + extra.logprobs, extra.finish_reason,
-                                            c.versions + extra.versions))
+                                            c.versions + extra.versions, resumed_routes(c, extra)))
         grouped: list[list[Completion]] = [[] for _ in prompts]
         for p, completion in replies:
             grouped[p].append(completion)
         return grouped
+
+
+def resumed_routes(before: Completion, extra: Completion) -> torch.Tensor | None:
+    """The routing of a resumed reply (rollout.return_routed_experts): each token's from the call whose forward
+    sampled the next token, so the earlier segment's up to its last token, then the resumed call's from it on."""
+    if before.routed_experts is None or extra.routed_experts is None:
+        return None
+    return torch.cat([before.routed_experts[:-1], extra.routed_experts[len(before.routed_experts) - 1 :]])
