@@ -114,7 +114,7 @@ def test_own_routes_replay_the_models_own_forward(model_type):
     assert relative_error(moved, own) > 1e-4
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lists=random_batches(), engine=st.sampled_from(list(TREE_ENGINES)), seed=st.integers(0, 2**16))
 def test_tree_engines_replay_like_the_flat_reference(lists, engine, seed):
     """A tree engine with replayed routes equals the flat reference with the same routes (float64, log-probs and
