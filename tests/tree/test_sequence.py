@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from treerl.errors import DataError
 from treerl.tree import BatchError, TokenSequence, validate_sequences
+from treerl.tree.io import read_jsonl, write_jsonl
 
 
 def _ok(n: int = 4, **kw) -> TokenSequence:
@@ -35,3 +37,17 @@ def test_empty_batch_and_good_batch():
     with pytest.raises(BatchError, match="no sequences"):
         validate_sequences([])
     validate_sequences([_ok(1), _ok(16, name="x")], vocab_size=64, max_positions=16)
+
+
+def test_routed_experts_round_trip_through_jsonl_and_bad_ones_are_named(tmp_path):
+    """The routing field ([tokens, decoder layers, top_k], treerl.engine.routing) is written and read back as it was;
+    one with a token that is not a list of lists of integers is refused naming the line and the token."""
+    routes = torch.tensor([[[0, 1], [-1, -1]], [[2, 3], [1, 0]], [[-1, -1], [-1, -1]]], dtype=torch.int16)
+    path = tmp_path / "batch.jsonl"
+    write_jsonl([TokenSequence(torch.tensor([4, 5, 6]), fields={"routed_experts": routes}, name="s")], path)
+    [back] = read_jsonl(path)
+    assert torch.equal(back.fields["routed_experts"], routes.long())
+    validate_sequences([back])
+    path.write_text('{"tokens": [4, 5], "routed_experts": [[[0, 1]], [0, 1]]}\n')
+    with pytest.raises(DataError, match=r"batch.jsonl:1: field 'routed_experts' holds \[0, 1\] at position 1"):
+        read_jsonl(path)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from treerl.errors import DataError
-from treerl.tree.sequence import TokenSequence
+from treerl.tree.sequence import ROUTED_EXPERTS, TokenSequence
 
 MAX_LINE_BYTES = 16 * 2**20  # a longer line is refused before it is read whole (a 100 MB line is a broken file)
 MAX_TOKEN_ID = 2**63 - 1  # token ids are stored as int64
@@ -79,6 +79,13 @@ def check_fields(fields: dict[str, list[Any]], info: dict[str, Any], where: str)
     """A list is a per-token field and holds one number a token; a field the losses read per token must be a list
     (as a single value it would be taken for a per-sequence one, and silently not be the field)."""
     for key, values in fields.items():
+        if key == ROUTED_EXPERTS:  # a token's experts: [decoder layers][top_k] integers (treerl.engine.routing)
+            bad = next((i for i, v in enumerate(values) if not (isinstance(v, list) and all(
+                isinstance(layer, list) and all(type(e) is int for e in layer) for layer in v))), None)
+            if bad is not None:
+                raise DataError(f"{where}: field {key!r} holds {json.dumps(values[bad])[:100]} at position {bad}; it "
+                                "holds a token's experts as one list of integers a decoder layer")
+            continue
         bad = next((i for i, v in enumerate(values) if not _is_number(v)), None)
         if bad is not None:
             raise DataError(f"{where}: field {key!r} holds {json.dumps(values[bad])} at position {bad}; a per-token "
