@@ -127,6 +127,19 @@ def test_tree_engines_replay_like_the_flat_reference(lists, engine, seed):
     assert_close(replayed_run(ORACLE, model, first_routes(sequences)), reference)
 
 
+def test_a_hybrids_row_units_replay_like_the_flat_reference():
+    """LFM2-MoE (short convolutions beside attention): DfsEngine runs rows from the parent's state, padded at the end,
+    and each row's routes follow its tokens."""
+    model = moe("lfm2_moe")
+    rng = random.Random(2)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(6)]
+    lists = [prompt + [rng.randrange(3, VOCAB) for _ in range(k)] for k in (4, 2, 5)] + [prompt[:3]]
+    sequences = [with_data(t, random_routes(model, len(t), i), i) for i, t in enumerate(lists)]
+    reference = replayed_run(ORACLE, model, sequences)
+    for engine in (DfsEngine(), DfsEngine(chunk_tokens=3, recompute="always")):
+        assert_close(replayed_run(engine, model, sequences), reference)
+
+
 def test_other_routes_change_every_engine():
     """The engines read the routes they are given: moving one sequence's experts changes its outputs."""
     model = moe()
