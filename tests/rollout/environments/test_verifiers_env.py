@@ -1,0 +1,126 @@
+"""verifiers 0.4 environments (verifiers.v1) through treerl's recording proxy, against the real package in its own
+venv (tools/verifiers-venv.sh, built when missing: never skipped): tasksets written here (vf_spelling: single-turn
+with a rubric of weighted rewards and a metric; vf_counting: multi-turn, an Env answering each reply), each episode
+played by verifiers' own loop (its `null` chat program, its interception server) and scored by verifiers."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from recorded import Recording, check_recorded, reply_of
+from refusals import refused_before_sampling
+from vf_scoring import brief, correct, counted
+
+from treerl.rollout import Rollout, RolloutConfig
+from treerl.rollout.embedded import EmbeddedSampler
+from treerl.rollout.stats import environment_metrics
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+FAILING = {"river": "RAISE", "stone": "NAN", "cloud": "SLEEP"}  # vf_spelling's rubric fails on these replies
+
+
+@pytest.fixture(scope="module")
+def python():
+    """The verifiers venv's python, built by the project's script (CI starts it in the background)."""
+    done = subprocess.run([str(ROOT / "tools" / "verifiers-venv.sh")], check=False, capture_output=True, text=True,
+                          timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(autouse=True)
+def importable(monkeypatch):
+    """The tasksets of this folder are environment ids to the worker (it imports from PYTHONPATH)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+
+
+def collect(tokenizer, sampler, env: str, python: str, **overrides):
+    values = {"env": env, "env_args": {"python": python}, "prompts_per_step": 1, "group_size": 2, "seed": 1,
+              "max_new_tokens": 12, "env_timeout": 10}
+    env_args = {**values["env_args"], **overrides.pop("env_args", {})}
+    rollout = Rollout(RolloutConfig(**{**values, **overrides, "env_args": env_args}), tokenizer, sampler)
+    try:
+        return rollout.collect(0)
+    finally:
+        rollout.task.members[env].task.close()
+        rollout.close()
+
+
+def text_of(tokenizer, seq) -> str:
+    """The reply as the proxy returned it (its stop token left out), stripped as verifiers reads it."""
+    return tokenizer.decode(reply_of(seq), skip_special_tokens=True).strip()
+
+
+def test_a_rubric_scores_what_was_sampled_and_its_failures_drop_their_episodes(tokenizer, scripted, python):
+    def speller(prompt: str, j: int) -> str:
+        word = re.findall(r"Write the word (\w+)", prompt)[-1]
+        return FAILING.get(word, word if word == "apple" else f"surely it is {word}")
+
+    recording = Recording(scripted(speller))
+    batch = collect(tokenizer, recording, "verifiers:vf_spelling", python, prompts_per_step=5, env_timeout=2,
+                    max_new_tokens=40)
+    check_recorded(batch, recording)
+    for seq in batch.sequences:  # apple and grass, two episodes each
+        reply = text_of(tokenizer, seq)
+        answer = re.findall(r"Write the word (\w+)", tokenizer.decode(seq.tokens))[-1]
+        assert seq.info["reward"] == correct(reply, answer) + 0.5 * brief(reply), seq.name  # verifiers' weights
+        assert seq.info["env_metrics"] == {"reward/correct": correct(reply, answer),
+                                           "reward/brief": 0.5 * brief(reply), "length": len(reply)}, seq.name
+    assert sorted(seq.info["reward"] for seq in batch.sequences) == [1.0, 1.0, 1.5, 1.5]
+    assert dict(batch.stats.dropped) == {"env_raised": 2, "env_not_finite": 2, "env_timeout": 2}
+    reasons = " ".join(d.reason for d in batch.stats.dropped_samples)
+    assert "the rubric broke" in reasons and "scoring_timeout" in reasons and "Write the word river." in str(
+        batch.stats.dropped_samples)
+    logged = environment_metrics(batch.sequences)
+    assert logged["env/verifiers:vf_spelling/reward/correct"] == 1.0
+    assert logged["env/verifiers:vf_spelling/samples"] == 4.0
+
+
+def test_a_multi_turn_environment_continues_token_for_token_with_the_real_sampler(tokenizer, policy, python):
+    recording = Recording(EmbeddedSampler(policy))
+    batch = collect(tokenizer, recording, "verifiers:vf_counting", python, env_args={"rounds": 2})
+    assert not batch.stats.dropped, batch.stats.dropped_samples
+    check_recorded(batch, recording)
+    episodes = defaultdict(list)
+    for seq in batch.sequences:
+        episodes[seq.info["trajectory"]].append(seq)
+    assert len(episodes) == 2
+    for name, calls in episodes.items():
+        first, second = sorted(calls, key=lambda s: s.info["turn"])
+        assert second.tokens[: len(first.tokens)].tolist() == first.tokens.tolist(), name  # one family in the tree
+        assert "Now say 2." in tokenizer.decode(second.tokens[len(first.tokens):]), name  # the env's next turn
+        replies = [text_of(tokenizer, first), text_of(tokenizer, second)]
+        assert first.info["reward"] == counted(replies), name
+        assert first.info["env_metrics"] == {"reward/counted": counted(replies), "rounds": 2.0}, name
+
+
+def test_a_bad_setup_is_refused_in_one_line_before_sampling(tokenizer, scripted, python, tmp_path):
+    sampler = scripted(lambda prompt, j: "apple")
+    for env, env_args, message in [
+        ("verifiers:no_such_taskset", {}, "no verifiers taskset 'no_such_taskset': verifiers ships harbor, nemo_gym"),
+        ("verifiers:vf_spelling", {"colour": 1}, "env_args key 'colour' is neither the taskset's (count, id"),
+        ("verifiers:vf_spelling", {"python": str(tmp_path / "python")}, "no verifiers here: run tools/verifiers-venv"),
+    ]:
+        config = RolloutConfig(env=env, env_args={"python": python, **env_args})
+        refused_before_sampling(lambda config=config: Rollout(config, tokenizer, sampler), sampler, message)
+
+
+def test_a_worker_that_dies_drops_its_episodes_and_the_run_goes_on(tokenizer, scripted, python):
+    sampler = scripted(lambda prompt, j: "apple")
+    rollout = Rollout(RolloutConfig(env="verifiers:vf_spelling", env_args={"python": python}, prompts_per_step=2,
+                                    group_size=1, max_new_tokens=8), tokenizer, sampler)
+    worker = rollout.task.members["verifiers:vf_spelling"].task.worker
+    worker.process.kill()
+    worker.process.wait()
+    try:
+        batch = rollout.collect(0)
+    finally:
+        rollout.close()
+    assert dict(batch.stats.dropped) == {"env_raised": 2} and not batch.sequences
+    assert all("the verifiers worker exited" in d.reason for d in batch.stats.dropped_samples)

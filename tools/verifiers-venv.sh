@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Build, once, a virtual environment holding verifiers 0.4.0, apart from treerl's own environment, and print the
+# path of its python. verifiers 0.4 pins openai<3 and mcp==2.0.0 (treerl's agents extra allows openai 3, the
+# openenv distribution pins mcp<2), so it runs in a venv of its own beside the trainer, as prime-rl runs it:
+# `rollout.env=verifiers:ID` starts src/treerl/rollout/environments/verifiers_worker.py with this venv's python
+# (docs/environments.md, "verifiers"), and tests/rollout/environments/test_verifiers_env.py runs against it.
+#
+#   tools/verifiers-venv.sh            # ~/.cache/treerl/verifiers-0.4.0 (or $TREERL_VERIFIERS_VENV)
+#   tools/verifiers-venv.sh DIR        # that directory
+#
+# Besides verifiers, the venv gets uv from PyPI (verifiers installs its harness programs with `uv sync --script`;
+# without uv on the PATH it would download uv's installer from astral.sh), and the `null` chat program's own
+# environment is prepared once here, so an episode installs nothing.
+# A finished venv holds the file .treerl-complete with this script's REVISION; one without it is built again.
+# Two calls at once (CI starts one in the background, a test may call it meanwhile) take turns on a lock file.
+set -euo pipefail
+
+VERIFIERS_VERSION=0.4.0
+UV_VERSION=0.13.9
+REVISION=1
+venv="${1:-${TREERL_VERIFIERS_VENV:-$HOME/.cache/treerl/verifiers-$VERIFIERS_VERSION}}"
+
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock 9
+if [ "$(cat "$venv/.treerl-complete" 2>/dev/null)" = "$REVISION" ]; then
+    echo "$venv/bin/python"
+    exit 0
+fi
+rm -rf "$venv"
+python3 -m venv "$venv"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "verifiers==$VERIFIERS_VERSION" "uv==$UV_VERSION"
+
+# The null harness's chat program (a PEP 723 script): its environment, built now by verifiers' own code.
+PATH="$venv/bin:$PATH" UV_PYTHON_DOWNLOADS=never "$venv/bin/python" - <<'PY'
+import asyncio
+
+from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+from verifiers.v1.runtimes.subprocess import SubprocessConfig, SubprocessRuntime
+
+
+async def prepare() -> None:
+    runtime = SubprocessRuntime(SubprocessConfig())
+    await runtime.start()
+    try:
+        await runtime.prepare_uv_script(CHAT_PROGRAM_SOURCE)
+    finally:
+        await runtime.teardown()
+
+
+asyncio.run(prepare())
+PY
+echo "$REVISION" >"$venv/.treerl-complete"
+echo "$venv/bin/python"
