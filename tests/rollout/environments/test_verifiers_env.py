@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from recorded import Recording, check_recorded, reply_of
 from refusals import refused_before_sampling
-from vf_scoring import brief, correct, counted
+from vf_scoring import brief, correct, counted, spelled
 
 from treerl.rollout import Rollout, RolloutConfig
 from treerl.rollout.embedded import EmbeddedSampler
@@ -100,6 +100,45 @@ def test_a_multi_turn_environment_continues_token_for_token_with_the_real_sample
         assert first.info["env_metrics"] == {"reward/counted": counted(replies), "rounds": 2.0}, name
 
 
+def test_a_tool_environment_serves_its_toolset_and_a_lost_worker_drops_its_episodes(tokenizer, scripted, python):
+    def caller(prompt: str, j: int) -> str:
+        """Calls the speller tool, then echoes its answer for cat and not for dog."""
+        word = re.findall(r"Spell (\w+)", prompt)[-1]
+        if "<tool>" not in prompt:
+            return f'<tool_call>{{"name": "speller_spell", "arguments": {{"word": "{word}"}}}}</tool_call>'
+        return f"It is {spelled(word)}" if word == "cat" else "done"
+
+    recording = Recording(scripted(caller))
+    config = RolloutConfig(env="verifiers:vf_speller", env_args={"python": python}, prompts_per_step=2, group_size=1,
+                           max_new_tokens=80, env_timeout=10)
+    rollout = Rollout(config, tokenizer, recording)
+    try:
+        batch = rollout.collect(0)
+        worker = rollout.task.members["verifiers:vf_speller"].task.worker
+        worker.process.kill()  # the environment's process goes away: its episodes are dropped, the run goes on
+        worker.process.wait()
+        lost = rollout.collect(1)
+    finally:
+        rollout.close()
+    assert dict(lost.stats.dropped) == {"env_raised": 2} and not lost.sequences
+    assert all("the verifiers worker exited" in d.reason for d in lost.stats.dropped_samples)
+    assert not batch.stats.dropped, batch.stats.dropped_samples
+    check_recorded(batch, recording)
+    episodes = defaultdict(list)
+    for seq in batch.sequences:
+        episodes[seq.info["trajectory"]].append(seq)
+    assert len(episodes) == 2
+    for name, calls in episodes.items():
+        first, second = sorted(calls, key=lambda s: s.info["turn"])
+        word = re.findall(r"Spell (\w+)", tokenizer.decode(first.tokens))[-1]
+        assert '"name": "speller_spell"' in tokenizer.decode(first.tokens), name  # the toolset's schema, rendered
+        assert second.tokens[: len(first.tokens)].tolist() == first.tokens.tolist(), name
+        assert f"<tool>{spelled(word)}<eos>" in tokenizer.decode(second.tokens[len(first.tokens):]), name
+        reward = 1.0 if spelled(word) in text_of(tokenizer, second) else 0.0
+        assert first.info["reward"] == reward == (word == "cat"), name
+        assert first.info["env_metrics"] == {"reward/spelled": reward, "tool_calls": 1.0}, name
+
+
 def test_a_bad_setup_is_refused_in_one_line_before_sampling(tokenizer, scripted, python, tmp_path):
     sampler = scripted(lambda prompt, j: "apple")
     for env, env_args, message in [
@@ -109,18 +148,3 @@ def test_a_bad_setup_is_refused_in_one_line_before_sampling(tokenizer, scripted,
     ]:
         config = RolloutConfig(env=env, env_args={"python": python, **env_args})
         refused_before_sampling(lambda config=config: Rollout(config, tokenizer, sampler), sampler, message)
-
-
-def test_a_worker_that_dies_drops_its_episodes_and_the_run_goes_on(tokenizer, scripted, python):
-    sampler = scripted(lambda prompt, j: "apple")
-    rollout = Rollout(RolloutConfig(env="verifiers:vf_spelling", env_args={"python": python}, prompts_per_step=2,
-                                    group_size=1, max_new_tokens=8), tokenizer, sampler)
-    worker = rollout.task.members["verifiers:vf_spelling"].task.worker
-    worker.process.kill()
-    worker.process.wait()
-    try:
-        batch = rollout.collect(0)
-    finally:
-        rollout.close()
-    assert dict(batch.stats.dropped) == {"env_raised": 2} and not batch.sequences
-    assert all("the verifiers worker exited" in d.reason for d in batch.stats.dropped_samples)

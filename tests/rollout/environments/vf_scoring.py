@@ -20,3 +20,8 @@ def counted(replies: list[str]) -> float:
     """The share of replies that say the number asked for (1, 2, 3, ...), in order."""
     said = [re.findall(r"\d+", reply)[:1] for reply in replies]
     return sum(1.0 for k, numbers in enumerate(said, 1) if numbers == [str(k)]) / max(len(replies), 1)
+
+
+def spelled(word: str) -> str:
+    """The speller tool's answer: the word's letters joined by dashes."""
+    return "-".join(word)
