@@ -780,6 +780,33 @@ MUTATIONS = [
              "        if not isinstance(checked, float):", "        if False:",
              ("tests/rollout/environments/test_trl_env.py::test_failures_drop_the_episode_with_their_reason",),
              "a TRL environment's NaN get_reward() reaches the advantages instead of dropping its episode"),
+    Mutation("verifiers-deadline-scored", "src/treerl/rollout/environments/verifiers_worker.py",
+             "    if episode.is_timeout or timed_out:", "    if False:",
+             (("tests/rollout/environments/test_verifiers_env.py::"
+               "test_a_rubric_scores_what_was_sampled_and_its_failures_drop_their_episodes"),),
+             "a verifiers episode whose scoring outlasted rollout.env_timeout is trained with the reward verifiers "
+             "scored as far as it got (its unscored rewards as 0)"),
+    Mutation("verifiers-failed-episode-scored", "src/treerl/rollout/environments/verifiers_worker.py",
+             "    if not episode.ok:", "    if False:",
+             (("tests/rollout/environments/test_verifiers_env.py::"
+               "test_a_rubric_scores_what_was_sampled_and_its_failures_drop_their_episodes"),),
+             "a verifiers episode whose rubric raised is trained with the rewards that did not raise"),
+    Mutation("verifiers-reward-unchecked", "src/treerl/rollout/environments/verifiers_env.py",
+             "        if not isinstance(reward, float):", "        if False:",
+             (("tests/rollout/environments/test_verifiers_env.py::"
+               "test_a_rubric_scores_what_was_sampled_and_its_failures_drop_their_episodes"),),
+             "a verifiers rubric's NaN reaches the advantages instead of dropping its episode"),
+    Mutation("verifiers-named-rewards-lost", "src/treerl/rollout/environments/verifiers_env.py",
+             'check_metrics({**{f"reward/{k}": v for k, v in result["rewards"].items()}, **result["metrics"]})',
+             'check_metrics(result["metrics"])',
+             (("tests/rollout/environments/test_verifiers_env.py::"
+               "test_a_rubric_scores_what_was_sampled_and_its_failures_drop_their_episodes"),),
+             "a verifiers rubric's named rewards are not logged per environment, only its metrics"),
+    Mutation("verifiers-lost-worker-waits", "src/treerl/rollout/environments/verifiers_env.py",
+             "        for future in pending.values():", "        for future in []:",
+             (("tests/rollout/environments/test_verifiers_env.py::"
+               "test_a_tool_environment_serves_its_toolset_and_a_lost_worker_drops_its_episodes"),),
+             "the episodes of a verifiers worker that died wait for rollout.episode_timeout instead of ending"),
     Mutation("math-verify-stuck-worker-kept", "src/treerl/rollout/math_reward.py",
              "        if not line:\n            self.stop()", "        if not line:\n            pass",
              ("tests/rollout/test_math_reward.py::test_a_worker_that_does_not_answer_in_time_is_killed_and_replaced",),

@@ -10,14 +10,16 @@
 #
 # Besides verifiers, the venv gets uv from PyPI (verifiers installs its harness programs with `uv sync --script`;
 # without uv on the PATH it would download uv's installer from astral.sh), and the `null` chat program's own
-# environment is prepared once here, so an episode installs nothing.
+# environment is prepared once here and locked (`uv lock --script`: verifiers' `uv sync --script`, run once per
+# worker process, then resolves from the lock, offline), so an episode downloads nothing. The script and its lock
+# live in verifiers' cache (~/.cache/verifiers): without them a worker prepares the program again, from PyPI.
 # A finished venv holds the file .treerl-complete with this script's REVISION; one without it is built again.
 # Two calls at once (CI starts one in the background, a test may call it meanwhile) take turns on a lock file.
 set -euo pipefail
 
 VERIFIERS_VERSION=0.4.0
 UV_VERSION=0.13.9
-REVISION=1
+REVISION=2  # 2: the chat program's lock file (an episode's uv sync then needs no index)
 venv="${1:-${TREERL_VERIFIERS_VENV:-$HOME/.cache/treerl/verifiers-$VERIFIERS_VERSION}}"
 
 mkdir -p "$(dirname "$venv")"
@@ -43,7 +45,10 @@ async def prepare() -> None:
     runtime = SubprocessRuntime(SubprocessConfig())
     await runtime.start()
     try:
-        await runtime.prepare_uv_script(CHAT_PROGRAM_SOURCE)
+        script = (await runtime.prepare_uv_script(CHAT_PROGRAM_SOURCE))[-1]
+        locked = await runtime.run(["uv", "lock", "--script", script, "-q", "--no-config"], {})
+        if locked.exit_code:
+            raise RuntimeError(f"uv lock --script {script}: {locked.stderr}")
     finally:
         await runtime.teardown()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import threading
 from collections import defaultdict
 from pathlib import Path
 
@@ -110,18 +111,19 @@ def test_a_tool_environment_serves_its_toolset_and_a_lost_worker_drops_its_episo
 
     recording = Recording(scripted(caller))
     config = RolloutConfig(env="verifiers:vf_speller", env_args={"python": python}, prompts_per_step=2, group_size=1,
-                           max_new_tokens=80, env_timeout=10)
+                           max_new_tokens=80, env_timeout=10, episode_timeout=60)
     rollout = Rollout(config, tokenizer, recording)
     try:
         batch = rollout.collect(0)
         worker = rollout.task.members["verifiers:vf_speller"].task.worker
-        worker.process.kill()  # the environment's process goes away: its episodes are dropped, the run goes on
-        worker.process.wait()
+        threading.Timer(1.0, worker.process.kill).start()  # dies while its episodes start their tool servers
         lost = rollout.collect(1)
+        after = rollout.collect(2)  # the run goes on: later episodes are dropped at once
     finally:
         rollout.close()
-    assert dict(lost.stats.dropped) == {"env_raised": 2} and not lost.sequences
-    assert all("the verifiers worker exited" in d.reason for d in lost.stats.dropped_samples)
+    for dropped in (lost, after):
+        assert dict(dropped.stats.dropped) == {"env_raised": 2} and not dropped.sequences
+        assert all("the verifiers worker exited" in d.reason for d in dropped.stats.dropped_samples)
     assert not batch.stats.dropped, batch.stats.dropped_samples
     check_recorded(batch, recording)
     episodes = defaultdict(list)
