@@ -58,6 +58,21 @@ def text_of(tokenizer, seq) -> str:
     return tokenizer.decode(reply_of(seq), skip_special_tokens=True).strip()
 
 
+def two_calls(batch, recording, episodes: int) -> dict:
+    """Each episode's two model calls (first, second), checked: nothing dropped, the trained replies are what was
+    sampled, and the second call extends the first token for token (one family in the tree)."""
+    assert not batch.stats.dropped, batch.stats.dropped_samples
+    check_recorded(batch, recording)
+    calls = defaultdict(list)
+    for seq in batch.sequences:
+        calls[seq.info["trajectory"]].append(seq)
+    assert len(calls) == episodes
+    out = {name: tuple(sorted(each, key=lambda s: s.info["turn"])) for name, each in calls.items()}
+    for name, (first, second) in out.items():
+        assert second.tokens[: len(first.tokens)].tolist() == first.tokens.tolist(), name
+    return out
+
+
 def test_a_rubric_scores_what_was_sampled_and_its_failures_drop_their_episodes(tokenizer, scripted, python):
     def speller(prompt: str, j: int) -> str:
         word = re.findall(r"Write the word (\w+)", prompt)[-1]
@@ -86,15 +101,7 @@ def test_a_rubric_scores_what_was_sampled_and_its_failures_drop_their_episodes(t
 def test_a_multi_turn_environment_continues_token_for_token_with_the_real_sampler(tokenizer, policy, python):
     recording = Recording(EmbeddedSampler(policy))
     batch = collect(tokenizer, recording, "verifiers:vf_counting", python, env_args={"rounds": 2})
-    assert not batch.stats.dropped, batch.stats.dropped_samples
-    check_recorded(batch, recording)
-    episodes = defaultdict(list)
-    for seq in batch.sequences:
-        episodes[seq.info["trajectory"]].append(seq)
-    assert len(episodes) == 2
-    for name, calls in episodes.items():
-        first, second = sorted(calls, key=lambda s: s.info["turn"])
-        assert second.tokens[: len(first.tokens)].tolist() == first.tokens.tolist(), name  # one family in the tree
+    for name, (first, second) in two_calls(batch, recording, episodes=2).items():
         assert "Now say 2." in tokenizer.decode(second.tokens[len(first.tokens):]), name  # the env's next turn
         replies = [text_of(tokenizer, first), text_of(tokenizer, second)]
         assert first.info["reward"] == counted(replies), name
@@ -124,17 +131,9 @@ def test_a_tool_environment_serves_its_toolset_and_a_lost_worker_drops_its_episo
     for dropped in (lost, after):
         assert dict(dropped.stats.dropped) == {"env_raised": 2} and not dropped.sequences
         assert all("the verifiers worker exited" in d.reason for d in dropped.stats.dropped_samples)
-    assert not batch.stats.dropped, batch.stats.dropped_samples
-    check_recorded(batch, recording)
-    episodes = defaultdict(list)
-    for seq in batch.sequences:
-        episodes[seq.info["trajectory"]].append(seq)
-    assert len(episodes) == 2
-    for name, calls in episodes.items():
-        first, second = sorted(calls, key=lambda s: s.info["turn"])
+    for name, (first, second) in two_calls(batch, recording, episodes=2).items():
         word = re.findall(r"Spell (\w+)", tokenizer.decode(first.tokens))[-1]
         assert '"name": "speller_spell"' in tokenizer.decode(first.tokens), name  # the toolset's schema, rendered
-        assert second.tokens[: len(first.tokens)].tolist() == first.tokens.tolist(), name
         assert f"<tool>{spelled(word)}<eos>" in tokenizer.decode(second.tokens[len(first.tokens):]), name
         reward = 1.0 if spelled(word) in text_of(tokenizer, second) else 0.0
         assert first.info["reward"] == reward == (word == "cat"), name
