@@ -573,6 +573,17 @@ BENCH = [  # each before a model is built or a process started
     Case("bench --weight-push, no server there", lambda tmp, a: bench(
         "--weight-push", f"http://127.0.0.1:{closed_port()}", "--model-path", str(a.model))(tmp, a),
          r"^error: --weight-push='http://127.0.0.1:\d+': cannot reach the inference server"),
+    Case("bench --mismatch without the served model", bench("--mismatch", "http://127.0.0.1:8000"),
+         r"--mismatch needs --model-path, the directory of the model the server serves"),
+    Case("bench --mismatch, a trainer dtype the trainer has not", lambda tmp, a: bench(
+        "--mismatch", "http://127.0.0.1:8000", "--model-path", str(a.model), "--dtype", "float16")(tmp, a),
+         r"--mismatch --dtype=float16: the trainer recomputes in one of float32, float64, bfloat16"),
+    Case("bench --mismatch, no server there", lambda tmp, a: bench(
+        "--mismatch", f"http://127.0.0.1:{closed_port()}", "--model-path", str(a.model))(tmp, a),
+         r"^error: --mismatch='http://127.0.0.1:\d+': cannot reach the inference server"),
+    Case("bench --mismatch, a temperature of 0", lambda tmp, a: bench(
+        "--mismatch", "http://127.0.0.1:8000", "--model-path", str(a.model), "--temperature", "0")(tmp, a),
+         r"--temperature=0.0 must be > 0"),
 ]
 
 

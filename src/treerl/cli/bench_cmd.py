@@ -1,7 +1,7 @@
 """`treerl bench`: engines side by side on the same trees; `--profile`: where each engine's time goes;
 `--balance`: data-parallel assignment; `--async`: synchronous vs asynchronous RL training;
 `--precision`: one training step per precision; `--weight-push URL`: what pushing weights to an inference server
-costs; `--cp 1,2,4`: one long trajectory under context parallelism, and when CP pays on a GPU cluster.
+costs; `--mismatch URL`: how far a server's log-probs are from the trainer's at the same weights; `--cp 1,2,4`: one long trajectory under context parallelism, and when CP pays on a GPU cluster.
 
 Beside the steps (docs/architecture.md): the benchmark's command line.
 """
@@ -76,15 +76,19 @@ def bench(
                                    "gradient checkpointing, flat vs dfs, on G samples of one prompt (--shape)"),
     variants: str = typer.Option(",".join(PRECISION_VARIANTS), help="--precision: comma-separated variants"),
     prompt_tokens: int = typer.Option(1024, help="--precision: tokens of the shared prompt"),
-    response_tokens: int = typer.Option(32, help="--precision: tokens of each sample"),
-    samples: int = typer.Option(8, help="--precision: samples G of the prompt"),
+    response_tokens: int = typer.Option(32, help="--precision, --mismatch: tokens of each sample (at most)"),
+    samples: int = typer.Option(8, help="--precision: samples G of the prompt; --mismatch: samples of each prompt"),
     lora_rank: int = typer.Option(16, help="--precision: rank of the LoRA variant"),
     weight_push: str | None = typer.Option(None, "--weight-push", help="URL of a running inference server: the time "
                                            "of one weight push (write + load) through /dev/shm and disk instead"),
     model_path: str | None = typer.Option(None, help="a checkpoint to measure instead of --shape: a local directory, a "
-                                          "GGUF file or a packaged model (smollm2-135m-instruct); --weight-push: the "
-                                          "model the server serves"),
-    server_model: str = typer.Option("policy", help="--weight-push: the server's model name"),
+                                          "GGUF file or a packaged model (smollm2-135m-instruct); --weight-push, "
+                                          "--mismatch: the model the server serves"),
+    mismatch: str | None = typer.Option(None, "--mismatch", help="URL of a running inference server: its log-probs "
+                                        "against the trainer's recomputation (--dtype) at the same weights instead"),
+    prompts: int = typer.Option(8, help="--mismatch: chat prompts sampled"),
+    temperature: float = typer.Option(1.0, help="--mismatch: sampling temperature"),
+    server_model: str = typer.Option("policy", help="--weight-push, --mismatch: the server's model name"),
     cp: str | None = typer.Option(None, "--cp", help="context parallelism: comma-separated rank counts (e.g. 1,2,4): "
                                   "one long trajectory (--cp-tokens) over that many gloo processes, and the GPU model"),
     cp_tokens: int = typer.Option(32768, help="--cp: tokens of the trajectory"),
@@ -95,9 +99,10 @@ def bench(
 ) -> None:
     """Measure what prefix sharing buys: time, memory and speedup over flat, against the FLOP ideal."""
     check_options(shape, vocab_size, device, dtype, workloads, engines, variants, weight_push, model_path, {
-        "--scale": scale, "--repeats": repeats, "--balance-scale": balance_scale, "--prompt-tokens": prompt_tokens,
+        "--prompts": prompts, "--temperature": temperature, "--scale": scale, "--repeats": repeats, "--balance-scale": balance_scale, "--prompt-tokens": prompt_tokens,
         "--response-tokens": response_tokens, "--samples": samples, "--lora-rank": lora_rank, "--cp-tokens": cp_tokens,
         **({"--threads": threads} if threads is not None else {})})
+    check_mismatch(mismatch, model_path, dtype)
     if model_path is not None:
         model_path = local_checkpoint(model_path, key="--model-path")
     config = BenchConfig(
@@ -112,6 +117,8 @@ def bench(
                      out)
     elif weight_push:
         run_weight_push(weight_push, model_path, server_model, repeats, out)
+    elif mismatch:
+        run_mismatch(mismatch, model_path, server_model, dtype, prompts, samples, response_tokens, temperature, out)
     elif compare_async:
         run_async_compare(train_config, override, integers("--seeds", seeds), target, threads or 1, out)
     elif profile:
@@ -141,14 +148,30 @@ def check_options(shape: str, vocab_size: int, device: str, dtype: str, workload
     check_among("--engines", engines.split(","), ENGINES)
     check_among("--variants", variants.split(","), PRECISION_VARIANTS)
     if weight_push is not None:
-        try:
-            check_server_url(weight_push, "--weight-push")
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        if not model_path:
-            raise UserError("--weight-push needs --model-path, the directory of the model the server serves")
+        check_server_option("--weight-push", weight_push, model_path)
     if model_path not in PACKAGED_MODELS:
         check_existing("--model-path", model_path)
+
+
+def check_server_option(option: str, url: str, model_path: str | None) -> None:
+    """A server URL option: a URL, and --model-path naming what the server serves."""
+    try:
+        check_server_url(url, option)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not model_path:
+        raise UserError(f"{option} needs --model-path, the directory of the model the server serves")
+
+
+def check_mismatch(mismatch: str | None, model_path: str | None, dtype: str) -> None:
+    """--mismatch: a server URL, its model, and a trainer dtype the trainer has (bfloat16: bf16-mixed)."""
+    from treerl.bench.mismatch import TRAINER_PRECISION
+
+    if mismatch is None:
+        return
+    check_server_option("--mismatch", mismatch, model_path)
+    if dtype not in TRAINER_PRECISION:
+        raise UserError(f"--mismatch --dtype={dtype}: the trainer recomputes in one of {', '.join(TRAINER_PRECISION)}")
 
 
 def run_engine_bench(config: BenchConfig, out: Path, scaling: bool = True) -> None:
@@ -190,12 +213,25 @@ def run_weight_push(url: str, model_path: str, server_model: str, repeats: int, 
     from treerl.bench.weight_push import measure_weight_push, weight_push_markdown
 
     rows = measure_weight_push(url, model_path, server_model, repeats, out / "pushed")
+    write_rows(out, "weight_push", rows, weight_push_markdown(rows))
+
+
+def write_rows(out: Path, name: str, rows: list[dict], table: str) -> None:
+    """A server measurement's rows to out/NAME.json, its table to out/NAME.md and the console."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "weight_push.json").write_text(json.dumps(rows, indent=1))
-    table = weight_push_markdown(rows)
-    (out / "weight_push.md").write_text(table + "\n")
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"{name}.md").write_text(table + "\n")
     print(table)
-    Console().print(f"written to {out}/weight_push.{{json,md}}")
+    Console().print(f"written to {out}/{name}.{{json,md}}")
+
+
+def run_mismatch(url: str, model_path: str, server_model: str, dtype: str, prompts: int, samples: int,
+                 response_tokens: int, temperature: float, out: Path) -> None:
+    """`--mismatch`: the server's log-probs against the trainer's, printed and written to out/mismatch.{json,md}."""
+    from treerl.bench.mismatch import measure_mismatch, mismatch_markdown
+
+    rows = [measure_mismatch(url, model_path, server_model, dtype, prompts, samples, response_tokens, temperature)]
+    write_rows(out, "mismatch", rows, mismatch_markdown(rows))
 
 
 def run_async_compare(train_config: str, override: list[str], seeds: list[int], target: float | None, threads: int,
