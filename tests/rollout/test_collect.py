@@ -158,5 +158,10 @@ def test_an_agent_task_whose_template_has_no_tool_call_format_is_warned_about():
     assert tool_format_warning(agent, tokenizer(BUILTIN_CHAT_TEMPLATE)) is None
     assert tool_format_warning(RolloutConfig(task="agent_tools", tool_parser="hermes"), unknown) is None
     assert tool_format_warning(RolloutConfig(task="arithmetic"), tokenizer(PLAIN_CHAT_TEMPLATE)) is None
+    # an environment whose episodes call tools through the proxy (a TRL class, verifiers) is an agent task too
+    for env in ("trl:my_pkg.envs:Vault", ["reasoning_gym:leg_counting", "verifiers:my_tools"]):
+        assert "every request offering tools is refused" in tool_format_warning(
+            RolloutConfig(env=env), tokenizer(PLAIN_CHAT_TEMPLATE))
+    assert tool_format_warning(RolloutConfig(env="textarena:GuessTheNumber-v0"), tokenizer(PLAIN_CHAT_TEMPLATE)) is None
 
 

@@ -30,6 +30,7 @@ from treerl.rollout.chat import ChatFormat, template_shows_tools
 from treerl.rollout.client import API_KEY_ENV, CompletionsClient
 from treerl.rollout.config import AGENT_TASKS, RolloutConfig
 from treerl.rollout.embedded import EmbeddedSampler
+from treerl.rollout.environments.spec import PROXIED, parse_env_specs
 from treerl.rollout.images import ImageProcessor
 from treerl.rollout.multi_turn import MultiTurnWorkflow
 from treerl.rollout.proxy import ChatProxy
@@ -76,7 +77,8 @@ def tool_format_warning(config: RolloutConfig, tokenizer: PreTrainedTokenizerBas
     """What an agent run says at its start when its chat template writes no tools (every request offering tools is
     refused), or when rollout.tool_parser=auto finds no tool-call format in it (its agents' tool calls would come back
     as plain text); None when all is well."""
-    if config.task not in AGENT_TASKS:
+    proxied = config.env is not None and any(spec.library in PROXIED for spec in parse_env_specs(config.env, config.env_args))
+    if config.task not in AGENT_TASKS and not proxied:
         return None
     if not template_shows_tools(tokenizer):
         return ("the policy's chat template writes no tools into the prompt: every request offering tools is refused "

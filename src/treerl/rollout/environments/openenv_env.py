@@ -7,7 +7,7 @@ An OpenEnv environment is a class with `reset(seed=, episode_id=) -> Observation
 `EnvClient` (a websocket session per episode: reset / step / state). treerl plays it as a multi-turn task:
 
 - the prompt is the observation `reset(seed=...)` returns (the seed drawn from rollout.seed, the step and the prompt's
-  index), shown as a user message after env_args.system_prompt (if given);
+  index), shown as a user message after rollout.system_prompt (if set);
 - each reply becomes the action: the action class's one required text field (`message` in OpenEnv's echo template)
   set to the reply's text (env_args.action_field names another; in process, env_args.action_class "module:Class"
   names the class when `step`'s annotation does not);
@@ -43,7 +43,7 @@ from treerl.rollout.environments.replay import Opener, ReplayedEnvironment, clos
 from treerl.rollout.rewards import RewardFailure, UserCode, import_object
 from treerl.rollout.tasks.base import EnvReply, Prompt, rng_for
 
-OWN_KEYS = ("action_field", "observation_field", "system_prompt", "action_class")  # treerl's; the rest: constructor
+OWN_KEYS = ("action_field", "observation_field", "action_class")  # treerl's; the rest: constructor
 SHOWN_EXCLUDES = {"done", "reward", "metadata"}  # what an OpenEnv server never puts in the observation it sends
 MAX_TURNS = 8
 MAX_NEW_TOKENS = 64
@@ -180,7 +180,7 @@ def build(target: str, env_args: dict[str, Any], config: RolloutConfig) -> OpenE
     open_session = (served_opener(target, own, env_args, spec, config) if served
                     else in_process_opener(target, own, env_args, spec))
     user_code = UserCode(config.env_timeout, "rollout.env_timeout")
-    return OpenEnvTask(spec, open_session, own.get("system_prompt"), user_code, seed=config.seed)
+    return OpenEnvTask(spec, open_session, config.system_prompt, user_code, seed=config.seed)
 
 
 def in_process_opener(target: str, own: dict[str, Any], kwargs: dict[str, Any], spec: str) -> Any:

@@ -27,6 +27,7 @@ LIBRARIES = {
     "trl": ("trl_env", "trl"),
     "verifiers": ("verifiers_env", "verifiers"),
 }
+PROXIED = ("trl", "verifiers")  # libraries whose episodes call the model through the recording proxy, tools offered
 ALIASES = {"reasoning-gym": "reasoning_gym"}  # the PyPI spelling works too
 ITEM_KEYS = ("env", "weight", "env_args", "name")
 SERVED = re.compile(r"^([\w-]+)\+(https?://\S+)$")  # openenv+http://host:port: a running server

@@ -10,7 +10,7 @@ plays it the way TRL's trainer does, with the model behind treerl's recording pr
 - one instance per episode (env_args go to its constructor); `reset(**row)` with the task's row: a JSONL row of
   rollout.data_path, an item of env_args.rows, or {} when neither is given (the environment owns its data);
 - the prompt is the row's `prompt` (text or chat messages; none: an empty user message) with reset's text appended
-  to its last user message, and env_args.system_prompt before it if given;
+  to its last user message, and rollout.system_prompt before it if set;
 - each model call offers the tools; the calls it makes are parsed in the model's tool-call format (rollout.
   tool_parser) and run, their results shown as tool messages (a tool that raises, an unknown tool or arguments
   that are not JSON answer {"error": ...}, as in TRL); a reply without a tool call ends the episode, as does
@@ -37,7 +37,7 @@ from treerl.rollout.rewards import NamedFailure, check_reward, import_object
 from treerl.rollout.tasks.base import Prompt
 from treerl.rollout.tasks.dataset import DatasetTask, load_agent_tasks
 
-OWN_KEYS = ("rows", "system_prompt")  # treerl's; the other env_args go to the class's constructor
+OWN_KEYS = ("rows",)  # treerl's; the other env_args go to the class's constructor
 MAX_TURNS = 4
 MAX_NEW_TOKENS = 128
 
@@ -174,7 +174,7 @@ def build(target: str, env_args: dict[str, Any], config: RolloutConfig) -> TrlEn
                 else json.dumps(row, default=str)[:500]}], row) for row in rows]  # shown in reports only
     return TrlEnvironmentTask(spec, cls, env_args, tool_schemas(cls, spec),
                               DatasetTask(shown, None, seed=config.seed, shuffle=config.shuffle, name=spec),  # type: ignore[arg-type]
-                              own.get("system_prompt"), config.env_timeout)
+                              config.system_prompt, config.env_timeout)
 
 
 def task_rows(rows: Any, config: RolloutConfig, spec: str) -> list[dict[str, Any]]:
