@@ -110,13 +110,13 @@ def _number(value: float) -> str:
 
 def mismatch_markdown(rows: list[dict[str, Any]]) -> str:
     """The table docs/benchmarks.md shows: one row per model measured."""
-    header = ("| model | parameters | server | trainer | tokens | mean abs d | max abs d | KL k1 | KL k3 | "
+    header = ("| model | parameters | server | trainer | T | tokens | mean abs d | max abs d | KL k1 | KL k3 | "
               "ratio p01 | ratio p99 | ratio min | ratio max | outside [1/2, 2] | seq geo ratio min / max |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = [_number(r[k]) for k in ("abs_logprob_diff_mean", "abs_logprob_diff_max", "kl_k1", "kl_k3",
                                          "ratio_p01", "ratio_p99", "ratio_min", "ratio_max", "ratio_outside_half_two")]
-        lines.append(f"| {r['model']} | {r['parameters_m']:.1f} M | {r['server']} | {r['trainer']} | "
+        lines.append(f"| {r['model']} | {r['parameters_m']:.1f} M | {r['server']} | {r['trainer']} | {r['temperature']:g} | "
                      f"{r['tokens']:.0f} | {' | '.join(cells)} | "
                      f"{r['seq_geo_ratio_min']:.4f} / {r['seq_geo_ratio_max']:.4f} |")
     return "\n".join(lines)

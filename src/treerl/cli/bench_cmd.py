@@ -217,7 +217,7 @@ def run_weight_push(url: str, model_path: str, server_model: str, repeats: int, 
 
 
 def write_rows(out: Path, name: str, rows: list[dict], table: str) -> None:
-    """A server measurement's rows to out/NAME.json, its table to out/NAME.md and the console."""
+    """A server measurement's rows and table, as out/<name>.json and .md, and on the console."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
     (out / f"{name}.md").write_text(table + "\n")
