@@ -14,7 +14,7 @@ from treerl.bench.engines import ENGINES, BenchConfig, contract_bytes, make_work
 from treerl.bench.flops import flop_rates, image_flops, state_flops, tree_flops, vision_rates
 from treerl.bench.peak import peak_memory
 from treerl.bench.profile import bucket, profile_markdown
-from treerl.bench.report import markdown
+from treerl.bench.report import markdown, write
 from treerl.cli.main import app
 from treerl.engine import DfsEngine
 from treerl.models import model_config
@@ -153,6 +153,12 @@ def test_tiny_run_and_files(tmp_path):
     peaks = {engine: row["peak_bytes"] for engine, row in grpo.items()}
     assert peaks["flat-packed"] >= grpo["flat"]["flat_tokens"] * config.vocab_size * 4, peaks
     assert peaks["dfs"] <= peaks["flat-packed"], peaks
+    # CPU time beside wall time on a CPU run (a shared machine changes it least); files without a flat engine to
+    # compare with (one-path against the default, say): no speedup, and the table and plot still written
+    assert all(0 < row["cpu_seconds"] for row in rows) and "| CPU time (s) |" in markdown(rows)
+    dfs_only = [dict(r, speedup=None, of_ideal=None) for r in rows if r["engine"] == "dfs"]
+    paths = write(dfs_only, [], {}, tmp_path)
+    assert "| grpo |" in paths["md"].read_text() and paths["png"].stat().st_size > 1000
 
 
 @pytest.mark.slow  # ~23 s on 2 cores

@@ -136,11 +136,14 @@ def timed_step(engine: Engine, model, batch: list[TokenSequence], device: torch.
 
 
 def _interleaved_times(engines: dict[str, Engine], model, batch: list[TokenSequence], device: torch.device,
-                       config: BenchConfig, tick: Callable[[str], None]) -> dict[str, list[float]]:
-    """Each engine's step times, in rounds that run every engine once (in a rotating order) after a warm-up.
+                       config: BenchConfig, tick: Callable[[str], None]
+                       ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each engine's step times, wall and the process's CPU time, in rounds that run every engine once (in a rotating
+    order) after a warm-up.
 
     Interleaving spreads a slow spell of the machine over every engine instead of one: the medians
-    of engines measured side by side stay comparable even when single steps vary by 10-20 %.
+    of engines measured side by side stay comparable even when single steps vary by 10-20 %. CPU time is what a
+    shared machine changes least: on one thread, the time this process computed, not the time it waited for a core.
     """
     names = list(engines)
     for name in names:
@@ -148,12 +151,15 @@ def _interleaved_times(engines: dict[str, Engine], model, batch: list[TokenSeque
             timed_step(engines[name], model, batch, device)
             tick(name)
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(config.repeats):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
+            started = time.process_time()
             times[name].append(timed_step(engines[name], model, batch, device))
+            cpu[name].append(time.process_time() - started)
             tick(name)
-    return times
+    return times, cpu
 
 
 def run_bench(config: BenchConfig) -> list[dict]:
@@ -182,7 +188,7 @@ def run_bench(config: BenchConfig) -> list[dict]:
                 rows.append(dict(base, engine=name, refused=refused[name], seconds=None, times=[], peak_bytes=None))
                 progress.advance(task, config.warmup + config.repeats + int(config.memory))
             engines = {name: ENGINES[name]() for name in config.engines if name not in refused}
-            times = _interleaved_times(engines, model, batch, device, config, lambda name: progress.update(
+            times, cpu = _interleaved_times(engines, model, batch, device, config, lambda name: progress.update(
                 task, description=f"{workload}: {name}", advance=1))
             for name, engine in engines.items():
                 peak = None
@@ -192,6 +198,7 @@ def run_bench(config: BenchConfig) -> list[dict]:
                     model.zero_grad(set_to_none=True)
                     progress.advance(task)
                 rows.append(dict(base, engine=name, seconds=statistics.median(times[name]), times=times[name],
+                                 cpu_seconds=statistics.median(cpu[name]) if device.type == "cpu" else None,
                                  peak_bytes=peak))
     # flat's micro-batch: packed rows, or one sequence per call for a model flat cannot pack (a hybrid)
     micro_batch = "flat-sequences" if "flat-packed" in text_refused else "flat-packed"

@@ -21,10 +21,11 @@ def _mib(n: int | None) -> str:
 def markdown(rows: list[dict]) -> str:
     """One line per (workload, engine): sizes, ideal, time, speedup over flat and over dta, share of ideal, peak
     memory beside the memory contract's figure (flagged where above it)."""
+    cpu = any(r.get("cpu_seconds") is not None for r in rows)  # a CPU run: the process's CPU time beside wall time
     lines = [
-        "| workload | T | U | T/U | FLOP-ideal | engine | time (s) | speedup vs flat | of ideal | vs dta | peak MiB "
-        "| contract MiB |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| workload | T | U | T/U | FLOP-ideal | engine | time (s) | " + ("CPU time (s) | " if cpu else "")
+        + "speedup vs flat | of ideal | vs dta | peak MiB | contract MiB |",
+        "|---|---:|---:|---:|---:|---|---:|" + ("---:|" if cpu else "") + "---:|---:|---:|---:|---:|",
     ]
     notes = []
     for r in rows:
@@ -34,13 +35,15 @@ def markdown(rows: list[dict]) -> str:
                          f"per distinct image ({flat / tree:.1f}x fewer; in the FLOP-ideal)")
         if r.get("refused"):
             lines.append(f"| {r['workload']} | {r['flat_tokens']:,} | {r['unique_tokens']:,} | {r['compression']:.2f} | "
-                         f"{r['ideal']:.2f}x | {r['engine']} | refused | - | - | - | - | - |")
+                         f"{r['ideal']:.2f}x | {r['engine']} | refused | " + ("- | " if cpu else "")
+                         + "- | - | - | - | - |")
             notes.append(f"- {r['engine']} refused: {r['refused']}")
             continue
         contract = _mib(r.get("contract_bytes")) + (" **over**" if r.get("over_contract") else "")
         lines.append(
             f"| {r['workload']} | {r['flat_tokens']:,} | {r['unique_tokens']:,} | {r['compression']:.2f} | "
-            f"{r['ideal']:.2f}x | {r['engine']} | {r['seconds']:.3f} | {_times(r['speedup'])} | "
+            f"{r['ideal']:.2f}x | {r['engine']} | {r['seconds']:.3f} | "
+            + (f"{r['cpu_seconds']:.3f} | " if cpu else "") + f"{_times(r['speedup'])} | "
             f"{_share(r['of_ideal'])} | {_times(r.get('vs_dta'))} | {_mib(r['peak_bytes'])} | {contract} |"
         )
     return "\n".join(lines + ([""] + list(dict.fromkeys(notes)) if notes else []))
@@ -77,7 +80,8 @@ def plot(rows: list[dict], path: Path) -> None:
         if engine == "flat" or not points:
             continue
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=engine)
-    for ideal, speedup, workload in sorted({(r["ideal"], r["speedup"], r["workload"]) for r in rows if r["engine"] == "dfs"}):
+    for ideal, speedup, workload in sorted({(r["ideal"], r["speedup"], r["workload"]) for r in rows
+                                            if r["engine"] == "dfs" and r["speedup"]}):  # no flat engine: no speedup
         ax.annotate(workload, (ideal, speedup), textcoords="offset points", xytext=(4, -10), fontsize=7)
     ax.set_xscale("log")
     ax.set_yscale("log")
