@@ -28,6 +28,7 @@ from PIL import Image
 from transformers import AutoModelForCausalLM
 from vllm_server import ROOT, documented_server, walkthrough
 
+from treerl.bench.mismatch import measure_mismatch
 from treerl.engine import DfsEngine
 from treerl.errors import ServerError
 from treerl.models import build_model
@@ -182,6 +183,16 @@ def test_seeded_samples_are_independent_across_prompts_and_reproducible(server):
         assert same < 0.3, f"sample {j} of two prompts agree on {same:.0%} of their tokens: one random stream"
     other = client.generate(prompts(), replace(params, seed=124))
     assert [[c.tokens for c in g] for g in other] != [[c.tokens for c in g] for g in first]
+
+
+def test_the_mismatch_bench_reads_the_servers_dtype_and_sees_only_rounding_at_one_precision(server, model_dir):
+    """`treerl bench --mismatch` against the float32 server: its dtype read from /server_info; a float32 trainer differs
+    by rounding (k3 ~1e-13), a bf16-mixed one (the reverse of a bfloat16 server) by a real gap (~3e-6). The bfloat16
+    server's figures are in docs/benchmarks.md."""
+    rows = {dtype: measure_mismatch(server.url, str(model_dir), "policy", dtype, prompts=3, samples=2,
+                                    max_new_tokens=12, temperature=1.0) for dtype in ("float32", "bfloat16")}
+    assert rows["float32"]["server"] == "vllm 0.32.0 float32" and rows["float32"]["tokens"] > 0
+    assert rows["float32"]["kl_k3"] < 1e-10 and rows["bfloat16"]["kl_k3"] > 1e-8, rows
 
 
 # ---------------------------------------------------------------------------------------------- weight sync
