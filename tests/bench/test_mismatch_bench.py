@@ -3,7 +3,9 @@ measures them (treerl.algo.mismatch); the real vLLM server's figures are in docs
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from treerl.bench.mismatch import measure_sampler, mismatch_markdown, sampled_se
 from treerl.cli.main import app
 from treerl.models import build_model
 from treerl.rollout import Completion, EmbeddedSampler, SamplingParams, builtin_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +75,22 @@ def test_the_bench_measures_a_bfloat16_server_against_a_float32_trainer(model_di
     assert "treerl" in row["server"] and row["trainer"] == "float32 (fp32)" and row["sequences"] == 6
     assert 0 < row["tokens"] <= 6 * 8 and row["kl_k3"] > 1e-8
     assert (tmp_path / "mismatch.md").read_text().strip() == mismatch_markdown([row]) and "| policy |" in result.output
+
+
+def test_the_plot_draws_runs_side_by_side(tmp_path):
+    """tools/mismatch_plot.py (docs/img/smollm2-bf16-server-mismatch.png): each run's reward and mismatch from its
+    metrics.jsonl, into one PNG; the reward's running mean is the mean of the last WINDOW steps."""
+    spec = importlib.util.spec_from_file_location("mismatch_plot", ROOT / "tools" / "mismatch_plot.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    assert plot.running_mean([1.0, 3.0, 2.0], window=2) == [1.0, 2.0, 2.5]
+    runs = {}
+    for name in ("a", "b"):
+        rows = [{"step": 0, "eval/reward_mean": 0.1}] + [
+            {"step": s, "rollout/reward_mean": 0.1 * s, "mismatch/kl_k3": 1e-3, "mismatch/ratio_p01": 0.9,
+             "mismatch/ratio_p50": 1.0, "mismatch/ratio_p99": 1.1} for s in range(4)]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs[name] = tmp_path / name
+    out = plot.plot_runs(runs, tmp_path / "side.png", title="two runs")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
