@@ -85,7 +85,8 @@ def bench(
                                           "GGUF file or a packaged model (smollm2-135m-instruct); --weight-push, "
                                           "--mismatch: the model the server serves"),
     mismatch: str | None = typer.Option(None, "--mismatch", help="URL of a running inference server: its log-probs "
-                                        "against the trainer's recomputation (--dtype) at the same weights instead"),
+                                        "against the trainer's recomputation (--dtype) at the same weights instead "
+                                        "(--model-path is pushed to it first, as version 0)"),
     prompts: int = typer.Option(8, help="--mismatch: chat prompts sampled"),
     temperature: float = typer.Option(1.0, help="--mismatch: sampling temperature"),
     server_model: str = typer.Option("policy", help="--weight-push, --mismatch: the server's model name"),
