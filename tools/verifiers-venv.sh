@@ -22,15 +22,8 @@ UV_VERSION=0.13.9
 REVISION=2  # 2: the chat program's lock file (an episode's uv sync then needs no index)
 venv="${1:-${TREERL_VERIFIERS_VENV:-$HOME/.cache/treerl/verifiers-$VERIFIERS_VERSION}}"
 
-mkdir -p "$(dirname "$venv")"
-exec 9>"$venv.lock"
-flock 9
-if [ "$(cat "$venv/.treerl-complete" 2>/dev/null)" = "$REVISION" ]; then
-    echo "$venv/bin/python"
-    exit 0
-fi
-rm -rf "$venv"
-python3 -m venv "$venv"
+source "$(dirname "$0")/venv-once.sh"
+venv_once "$venv" "$REVISION"  # prints the python and exits if built already
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "verifiers==$VERIFIERS_VERSION" "uv==$UV_VERSION"
 
 # The null harness's chat program (a PEP 723 script): its environment, built now by verifiers' own code.
@@ -55,5 +48,4 @@ async def prepare() -> None:
 
 asyncio.run(prepare())
 PY
-echo "$REVISION" >"$venv/.treerl-complete"
-echo "$venv/bin/python"
+venv_done

