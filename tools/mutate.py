@@ -552,6 +552,10 @@ MUTATIONS = [
              "            if leaf.grad is not None:\n",
              (("tests/engine/test_embedding_rows.py"),),
              "the embedding gradient of a unit whose graph is kept while its descendants run is lost"),
+    Mutation("embedding-rows-leaf-handed-over", "src/treerl/engine/embedding_rows.py",
+             "        return leaf.clone()", "        return leaf",
+             (("tests/engine/test_embedding_rows.py::test_kept_graphs_wait_for_their_backward"),),
+             "a model that edits its looked-up embeddings in place (CTRL, GIT) fails in DfsEngine's backward walk"),
     Mutation("server-checked-after-the-model", "src/treerl/trainer/rl/sync.py",
              "    client = connect_servers(config)  # before the model is built: an unreachable server is an error "
              "at once\n    run = Run.start(config, temperature=config.rollout.temperature)\n",

@@ -63,7 +63,7 @@ class EmbeddingRows:
             return None
         leaf = output.detach().requires_grad_()
         self.pending.append((args[0], leaf))
-        return leaf
+        return leaf.clone()  # the model may edit what it looked up in place (CTRL scales it, GIT adds positions)
 
     def flush(self) -> None:
         """Add the gradient of every lookup a backward reached to the table's `.grad`, at its rows only.

@@ -266,7 +266,7 @@ def check_choices(config: Config) -> None:
                           "model.path is not set: set model.path to the directory holding it (or to the file itself)")
     if config.critic.path not in (None, *PACKAGED_MODELS) and not Path(config.critic.path).exists():
         raise ConfigError(f"critic.path={config.critic.path!r} does not exist (treerl only loads local checkpoints)")
-    for key in ("reward_timeout", "env_timeout"):
+    for key in ("reward_timeout", "env_timeout") if config.rollout.env is not None else ("reward_timeout",):
         timeout = getattr(config.rollout, key)
         if config.trainer.mode == "async" and timeout is not None and not timeout < config.trainer.worker_timeout:
             raise ConfigError(f"rollout.{key}={timeout} must be < trainer.worker_timeout={config.trainer.worker_timeout}"
