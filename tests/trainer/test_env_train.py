@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from treerl.errors import TrainingStopped
 from treerl.trainer import train
 
 LEGS = "reasoning_gym:leg_counting"
@@ -44,10 +45,25 @@ def test_a_run_logs_each_environments_reward_and_metrics(tiny_config, tmp_path, 
 
 
 def test_a_textarena_game_trains(tiny_config, tmp_path):
-    train(tiny_config("rollout.env=textarena:GuessTheNumber-v0", "rollout.env_args={max_number: 4}",
-                      "rollout.max_turns=2", "rollout.max_new_tokens=4", "trainer.steps=1"))
+    train(tiny_config("rollout.env=textarena:GuessTheNumber-v0", "rollout.env_args={max_number: 4, max_turns: 1}",
+                      "rollout.max_new_tokens=4", "trainer.steps=1"))
     [step] = [r for r in rows(tmp_path / "run") if "train/loss" in r]
     assert step["rollout/kept"] == 2 * 4 * 2 and step["rollout/dropped"] == 0  # 2 episodes x 4 x branch_factor 2
     assert step["batch/compression"] > 1  # each episode's turns share its prefix
     assert step["env/textarena:GuessTheNumber-v0/samples"] == step["rollout/kept"]  # trajectories, not model calls
     assert step["env/textarena:GuessTheNumber-v0/reward_mean"] == pytest.approx(step["rollout/reward_mean"])
+
+
+def test_episodes_cut_by_treerls_bound_are_dropped_and_written_down(tiny_config, tmp_path):
+    """rollout.max_turns=1 cuts every game before it ends (a random reply is an invalid move, forgiven once): each
+    episode is dropped (env_truncated) into dropped.jsonl, the run that trained no step stops with exit code 3 and
+    writes no checkpoint of the weights it started from."""
+    with pytest.raises(TrainingStopped, match="no step of this run trained.*env_truncated"):
+        train(tiny_config("rollout.env=textarena:GuessTheNumber-v0", "rollout.env_args={max_number: 4, max_turns: 1}",
+                          "rollout.max_turns=1", "rollout.max_new_tokens=4", "trainer.steps=1",
+                          "trainer.max_failed_steps=0"))
+    dropped = [json.loads(line) for line in (tmp_path / "run" / "dropped.jsonl").read_text().splitlines()]
+    assert dropped and all(row["reason"].startswith("environment episode cut at rollout.max_turns=1 replies before "
+                                                    "it ended (the game's own limit: max_turns=1") for row in dropped)
+    assert all("Guess The Number" in row["prompt"] for row in dropped)
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())

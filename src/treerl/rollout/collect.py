@@ -132,6 +132,7 @@ class Rollout:
                 self.task, self.chat, sampling, group_size=config.group_size, branch_at=tuple(config.branch_at),
                 branch_factor=config.branch_factor, max_turns=config.max_turns or self.task.max_turns,
                 max_context_tokens=config.max_context_tokens, user_code=self.user_code, drop_prefix=drop_prefix,
+                library=config.task == "env",
             )
         else:
             self.workflow = SingleTurnWorkflow(self.task, self.chat, sampling, self.user_code,

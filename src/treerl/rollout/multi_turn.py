@@ -20,7 +20,8 @@ turn rewards along the path); the environment's reward of the turn is in `env_re
 (a `turn_reward` would make the estimators train on per-turn rewards, `treerl.algo.turn_rewards`). Other info: `group`
 (the episode), `trajectory` (the path), `turn`, `turns` (calls in the trajectory),
 `finish_reason` of the reply, `truncated` (the trajectory hit max_turns or max_context_tokens
-before the environment was done). An episode whose first prompt + max_new_tokens already exceeds
+before the environment was done; a library's environment, rollout.env, is never trained so: such a trajectory is
+dropped as env_truncated, its reason naming the environment's own limit). An episode whose first prompt + max_new_tokens already exceeds
 max_context_tokens is not played: its group_size trajectories are dropped (context_limit). An
 environment that raises, or returns a NaN/inf reward, drops that trajectory (counted and reported);
 its sibling branches go on. So does a step that takes longer than the workflow's `user_code` timeout
@@ -92,6 +93,8 @@ class MultiTurnWorkflow:
     max_context_tokens: int = 4096
     user_code: UserCode = field(default_factory=UserCode)  # runs the environment's steps (time limit per call)
     drop_prefix: str = "reward"  # the reasons of dropped trajectories: reward_raised ... ("env" for rollout.env's)
+    library: bool = False  # rollout.env's environments: a trajectory cut by max_turns or max_context_tokens before
+    # the environment ended it is dropped (env_truncated), never trained as if its reward so far were the episode's
 
     def run(
         self, sampler: Sampler, prompts: list[Prompt], stats: RolloutStats, seed: int | None = None
@@ -130,6 +133,9 @@ class MultiTurnWorkflow:
                         finished.append(child)
             live = next_live
         for trajectory in live:  # max_turns reached before the environment was done
+            if self.library:
+                self._drop_cut(trajectory, f"rollout.max_turns={self.max_turns} replies", stats)
+                continue
             trajectory.truncated = True
             finished.append(trajectory)
         sequences = []
@@ -165,11 +171,24 @@ class MultiTurnWorkflow:
             return "dropped"
         context += continuation
         if len(context) + self.sampling.max_new_tokens > self.max_context_tokens:
-            trajectory.truncated = True
             stats.context_limit += 1
+            if self.library:
+                self._drop_cut(trajectory, f"rollout.max_context_tokens={self.max_context_tokens} (its context with "
+                               "the next reply's budget)", stats)
+                return "dropped"
+            trajectory.truncated = True
             return "ended"
         trajectory.context, trajectory.images = context, trajectory.images + images
         return "continues"
+
+    def _drop_cut(self, trajectory: Trajectory, bound: str, stats: RolloutStats) -> None:
+        """Count a library environment's trajectory that treerl's own bound cut before the environment ended it: it
+        has no reward of the environment's to train on (env_truncated), and the reason names the environment's own
+        limit where it has one (`limit`)."""
+        limit = getattr(trajectory.env, "limit", None)
+        reason = f"environment episode cut at {bound} before it ended" + (f" ({limit})" if limit else "")
+        reply = self.chat.reply_text(trajectory.calls[-1].completion.tokens) if trajectory.calls else ""
+        stats.drop(DroppedSample(reason, trajectory.id, trajectory.prompt.text, reply), f"{self.drop_prefix}_truncated")
 
     def _drop_episode(self, prompt: Prompt, reason: str, kind: str, stats: RolloutStats) -> None:
         """Count the `group_size` trajectories of an episode that could not start (its environment failed)."""

@@ -1,4 +1,5 @@
-"""An environment library that is not installed: one line naming the pip extra that installs it.
+"""An environment library that is not installed: one line naming the pip extra that installs it; and what an
+adapter says once at the start of a run (a bound of treerl's own that may cut episodes, branching turned off).
 
 Step 1 (docs/architecture.md): the optional libraries environments come from.
 """
@@ -6,9 +7,20 @@ Step 1 (docs/architecture.md): the optional libraries environments come from.
 from __future__ import annotations
 
 import importlib
+import logging
 from types import ModuleType
 
 from treerl.errors import UserError
+
+log = logging.getLogger("treerl.rollout")
+SAID: set[str] = set()  # the lines said in this process (a run builds its rollout more than once: training, evaluation)
+
+
+def say_once(line: str) -> None:
+    """Warn `line` in the run's log, once per process."""
+    if line not in SAID:
+        SAID.add(line)
+        log.warning(line)
 
 
 def import_library(module: str, extra: str, spec: str) -> ModuleType:

@@ -10,8 +10,15 @@ prompt opens the conversation (after rollout.system_prompt, if set), and after e
 since (hints, boards, invalid-move notices), each "[GAME] text" on its own line; the player's own move, which the
 game echoes back, is not repeated. The reply goes to `step` through the id's own action wrappers (most add the
 [brackets] a move needs when the reply has none). The game ends the episode: at `done`, `close()` gives the reward
-(rewards[0], the trajectory's return) and its info (turn_count, invalid_move: logged per environment). An episode
-that reaches rollout.max_turns first (default: the game's own max_turns) is truncated with reward 0.
+(rewards[0], the trajectory's return) and its info (turn_count, invalid_move: logged per environment).
+
+The game's own turn limit lives in its state after reset (`state.max_turns`; Bandit and FrozenLake have it nowhere
+else). TextArena checks it before it counts the turn, and an invalid move it forgives (`state.error_allowance` in a
+row) is no turn, so the game's end arrives at reply max_turns + 1 or later: GuessTheNumber with max_turns=2 scores
+the third valid guess. treerl's own bound, rollout.max_turns, defaults to the most replies the game can take
+((max_turns + 1) x (error_allowance + 1); 100 for a game that sets no limit) and only guards against a game that
+never ends: an episode it cuts is dropped (env_truncated, its reason naming the game's limit), never scored 0, and a
+bound below the game's is said once at the start.
 
 Branching: an episode forks by deep copy (the library's wrappers define __deepcopy__). The games draw from Python's
 global `random` (reset seeds it), so each episode keeps its own generator state and every reset and step runs with
@@ -33,17 +40,43 @@ from typing import TYPE_CHECKING, Any
 
 from treerl.errors import UserError
 from treerl.rollout.chat import Message
-from treerl.rollout.environments.extras import import_library
+from treerl.rollout.environments.extras import import_library, say_once
 from treerl.rollout.tasks.base import EnvReply, Prompt, rng_for
 
 if TYPE_CHECKING:
     from treerl.rollout.config import RolloutConfig
 
 MAX_NEW_TOKENS = 64  # one move's reply budget unless rollout.max_new_tokens says otherwise
-DEFAULT_MAX_TURNS = 10  # replies per episode when neither rollout.max_turns nor the game sets a limit
+DEFAULT_MAX_TURNS = 100  # treerl's bound on an episode's replies when neither rollout.max_turns nor the game sets one
 VARIANTS = ("-raw", "-train")  # each game id's versions without TextArena's wrappers and with its training ones
 SINGLE_PLAYER = "SinglePlayerState"  # how a single-player game's source starts its state
 RANDOM_OWNER: list[object | None] = [None]  # the call whose game's generator state is in Python's global `random`
+
+
+@dataclass(frozen=True)
+class GameLimit:
+    """A game's own turn limit, as its state holds it after reset."""
+
+    turns: int | None  # state.max_turns: the valid moves it allows (None: it sets no limit)
+    forgiven: int  # state.error_allowance: invalid moves in a row it forgives (they count as no turn)
+
+    @classmethod
+    def of(cls, game: Any) -> GameLimit:
+        """The limit of a reset game (through its wrappers)."""
+        state = unwrapped(game).state
+        return cls(getattr(state, "max_turns", None), getattr(state, "error_allowance", None) or 0)
+
+    @property
+    def replies(self) -> int | None:
+        """The most replies an episode can take before the game ends it: the limit is checked before the turn is
+        counted (the end comes at valid move turns + 1), and each valid move may follow `forgiven` invalid ones."""
+        return None if self.turns is None else (self.turns + 1) * (self.forgiven + 1)
+
+    def __str__(self) -> str:
+        if self.turns is None:
+            return "the game sets no turn limit of its own"
+        return (f"the game's own limit: max_turns={self.turns} in its state, checked before the turn counts, "
+                f"{self.forgiven} invalid move(s) in a row forgiven: at most {self.replies} replies")
 
 
 @dataclass
@@ -90,6 +123,11 @@ class TextArenaGame:
                 continue  # the model's own reply, already in the conversation
             lines.append(text if kind.name == "PROMPT" else f"[{'GAME' if sender < 0 else 'Player'}] {text}")
         return "\n".join(lines)
+
+    @property
+    def limit(self) -> str:
+        """The game's own turn limit, for the reason of an episode treerl's bound cut."""
+        return str(GameLimit.of(self.game))
 
     def step(self, reply: str) -> EnvReply:
         """Play the reply as the move; at the end, the game's reward and info from close()."""
@@ -154,9 +192,19 @@ def build(target: str, env_args: dict[str, Any], config: RolloutConfig) -> TextA
     except Exception as e:  # noqa: BLE001 (a game that needs nltk data, an LLM judge, a network ...)
         message = " ".join(str(e).replace("*", "").split())[:300] or type(e).__name__
         raise UserError(f"rollout.env={spec!r}: the game does not start here ({type(e).__name__}: {message})") from None
-    base = unwrapped(game.game)
-    max_turns = config.max_turns or getattr(base, "max_turns", None) or DEFAULT_MAX_TURNS
-    return TextArenaTask(make, max_turns=max_turns, system_prompt=config.system_prompt, seed=config.seed, name=spec)
+    return TextArenaTask(make, max_turns=reply_bound(GameLimit.of(game.game), config.max_turns, spec),
+                         system_prompt=config.system_prompt, seed=config.seed, name=spec)
+
+
+def reply_bound(limit: GameLimit, max_turns: int | None, spec: str) -> int:
+    """treerl's bound on an episode's replies: rollout.max_turns, else the most the game's own limit allows (said once
+    at the start where it may cut an episode the game would still score)."""
+    bound = max_turns or limit.replies or DEFAULT_MAX_TURNS
+    if limit.replies is None or bound < limit.replies:
+        why = f"rollout.max_turns={max_turns}" if max_turns else "treerl's default; rollout.max_turns sets it"
+        say_once(f"rollout.env={spec!r}: an episode still running after {bound} replies ({why}) is cut and dropped, "
+                 f"not scored (rollout/dropped_env_truncated); {limit}")
+    return bound
 
 
 def single_player(entry_point: Any) -> bool:

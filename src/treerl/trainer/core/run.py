@@ -285,7 +285,8 @@ class Run:
         self.report.open()
 
     def end_step(self, step: int, metrics: dict[str, float], postfix: dict[str, float] | None = None) -> None:
-        """After a step: advance the LR schedules, log (rank 0), checkpoint when due."""
+        """After a step: advance the LR schedules, log (rank 0), checkpoint when due (not while no step of this run
+        has trained: its weights are the ones it started from, and a run that trains none stops with exit code 3)."""
         self.claim_output()
         with warnings.catch_warnings():  # a skipped step (no samples) advances the schedule without an optimizer step
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
@@ -293,7 +294,8 @@ class Run:
                 learner.scheduler.step()
         self.report.step(step, metrics, postfix)
         trainer, done = self.config.trainer, step + 1
-        if (trainer.save_every and done % trainer.save_every == 0) or (done == trainer.steps and trainer.save_final):
+        due = (trainer.save_every and done % trainer.save_every == 0) or (done == trainer.steps and trainer.save_final)
+        if due and len(self.failed_steps) < done - self.start_step:
             self.save(done)
 
     def save(self, steps_done: int) -> Path:
