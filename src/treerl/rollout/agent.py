@@ -42,7 +42,6 @@ import asyncio
 import copy
 import inspect
 import itertools
-import json
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -219,9 +218,10 @@ class AgentWorkflow:
             count_calls(episode.log, stats)
             outcome = self._outcome(episode, per_turn=episode.prompt.id in per_turn)
             if isinstance(outcome, RewardFailure):
-                task = json.dumps(episode.prompt.answer, default=str)[:500]
                 name = f"{episode.prompt.id}/{episode.sample}"
-                stats.drop(DroppedSample(f"agent episode {outcome.message}", name, task, ""), outcome.kind)
+                last = self.proxy.chat.reply_text(episode.log.calls[-1].completion.tokens) if episode.log.calls else ""
+                stats.drop(DroppedSample(f"agent episode {outcome.message}", name, episode.prompt.text, last),
+                           outcome.kind)
                 continue
             stats.keep(outcome[0])
             sequences.extend(self._sequences(episode, *outcome))
