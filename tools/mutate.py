@@ -845,6 +845,30 @@ MUTATIONS = [
              ("tests/trainer/test_env_train.py::test_a_textarena_game_trains",),
              "a multi-turn environment's reward is averaged over model calls, not trajectories: long episodes weigh "
              "more"),
+    # ------------------------------------------------------------------ held-out evaluation (issue 55)
+    Mutation("held-out-items-trained-on", "src/treerl/rollout/tasks/heldout.py",
+             "            if not self.holds_out or self.held(key) == held_out:",
+             "            if not self.holds_out or self.held(key) or held_out is False:",
+             ("tests/rollout/test_held_out.py::test_a_generated_tasks_evaluation_items_are_never_trained_on",),
+             "training draws the sums, secrets and pictures evaluation asks: the evaluation reward measures recall"),
+    Mutation("held-out-rows-trained-on", "src/treerl/rollout/tasks/dataset.py",
+             "        return cls([data[i] for i in train], reward_fn,", "        return cls(list(data), reward_fn,",
+             ("tests/rollout/test_held_out.py::test_rows_split_by_their_prompt_duplicates_on_one_side",),
+             "a dataset's held-out rows are trained on too"),
+    Mutation("held-out-rows-split-by-line", "src/treerl/rollout/tasks/heldout.py",
+             "    distinct = list(dict.fromkeys(keys))", "    distinct = keys = [str(k) for k in range(len(keys))]",
+             ("tests/rollout/test_held_out.py::test_rows_split_by_their_prompt_duplicates_on_one_side",),
+             "a prompt written on two lines of the data can be trained on and evaluated on"),
+    Mutation("held-out-seeds-in-training-range", "src/treerl/rollout/tasks/heldout.py",
+             "        offset = HELD_OUT_SEED if self.fraction > 0 else 0", "        offset = 0",
+             ("tests/rollout/environments/test_held_out_envs.py::"
+              "test_textarena_and_openenv_evaluate_on_seeds_training_never_uses",),
+             "TextArena's and OpenEnv's evaluation episodes use seeds training's stream can draw"),
+    Mutation("reasoning-gym-held-out-questions-unchecked", "src/treerl/rollout/environments/reasoning_gym_env.py",
+             "                if candidates[index][\"question\"] in trained:", "                if False:",
+             ("tests/rollout/environments/test_held_out_envs.py::"
+              "test_reasoning_gym_evaluates_on_questions_no_training_item_asks",),
+             "a reasoning-gym evaluation item asking a question a training item asks (a small item space) is kept"),
 ]
 
 

@@ -28,7 +28,11 @@ def test_train_smoke(tmp_path):
         assert key in rows[1], key
     assert (out / "checkpoints" / "step_000002" / "model.safetensors").exists()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
-    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["held_out"] == {
+        "held_out": True, "how": "2 of the 25 sums, never trained on (rollout.eval_fraction=0.1)", "items": 2, "of": 25,
+        "prompts": 4}
+    assert "evaluation asks 2 of the 25 sums, never trained on" in result.output
 
 
 # 30 steps of the demo on 8 prompts a step, with a higher learning rate and no warm-up; evaluated on 16 prompts.

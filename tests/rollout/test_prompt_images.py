@@ -204,7 +204,7 @@ def test_a_datasets_image_column_shows_each_rows_images_at_its_markers(tmp_path)
             {"prompt": "no image here"}]
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    task = DatasetTask.load(path, _zero, shuffle=False)
+    task = DatasetTask.load(path, _zero, shuffle=False, eval_fraction=0)
     shown = [p.messages[-1]["content"] for p in task.prompts(0, 4)]
     assert [[part["type"] for part in c] for c in shown[:3]] == [["image", "text"], ["text", "image", "text", "image",
                                                                                     "text"], ["image", "text"]]

@@ -64,7 +64,8 @@ def test_jsonl_rows_with_string_or_chat_prompts(tmp_path):
     path = tmp_path / "data.jsonl"
     rows = [{"q": "2+2?", "a": "4"}, {"q": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    task = DatasetTask.load(path, _zero, prompt_key="q", answer_key="a", system_prompt="be brief", shuffle=False)
+    task = DatasetTask.load(path, _zero, prompt_key="q", answer_key="a", system_prompt="be brief", shuffle=False,
+                            eval_fraction=0)
     first, second = task.prompts(0, 2)
     assert first.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
     assert first.answer == "4" and first.text == "2+2?"
@@ -88,10 +89,10 @@ def test_datasets_directory_and_parquet(tmp_path):
 def test_every_row_once_per_epoch_and_stateless_order(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"prompt": str(i), "answer": i}) + "\n" for i in range(10)))
-    task = DatasetTask.load(path, _zero, seed=3)
+    task = DatasetTask.load(path, _zero, seed=3, eval_fraction=0)
     epoch = [p.answer for step in range(5) for p in task.prompts(step, 2)]
     assert sorted(epoch) == list(range(10)) and epoch != list(range(10))
-    fresh = DatasetTask.load(path, _zero, seed=3)
+    fresh = DatasetTask.load(path, _zero, seed=3, eval_fraction=0)
     assert [p.answer for p in fresh.prompts(7, 2)] == [p.answer for p in task.prompts(7, 2)]
     assert len({p.id for p in task.prompts(4, 3)}) == 3  # ids unique within a step, across an epoch boundary
 

@@ -39,7 +39,7 @@ from treerl.rollout.sampler import Sampler, SamplingParams
 from treerl.rollout.single_turn import SingleTurnWorkflow
 from treerl.rollout.stats import RolloutStats
 from treerl.rollout.tasks import AgentTask, SingleTurnTask, build_task
-from treerl.rollout.tasks.base import rng_for
+from treerl.rollout.tasks.base import Prompt, rng_for
 from treerl.rollout.tool_parsers import detect_tool_parser, no_parser_hint
 from treerl.tree import TokenSequence
 
@@ -92,9 +92,11 @@ class Rollout:
     """Makes the training sequences of each step from the configured task."""
 
     def __init__(self, config: RolloutConfig, tokenizer: PreTrainedTokenizerBase, sampler: Sampler,
-                 images: ImageProcessor | None = None):
-        """`images`: the policy's image processor (`image_processor(model.config)`), for prompts that show images."""
+                 images: ImageProcessor | None = None, held_out: bool = False):
+        """`images`: the policy's image processor (`image_processor(model.config)`), for prompts that show images;
+        `held_out`: every step samples the task's held-out evaluation prompts (`held_out_prompts`), not a step's."""
         config.check()
+        self.held_out = held_out
         if config.task == "shapes" and images is None:
             raise UserError("rollout.task = 'shapes' shows images: it needs a vision-language model whose images "
                             "treerl feeds, e.g. model.shape=tiny-qwen2.5-vl")
@@ -146,11 +148,16 @@ class Rollout:
             self.workflow.heartbeat = beat
 
     def collect(self, step: int) -> RolloutBatch:
-        """The training sequences of step `step` and their counters."""
+        """The training sequences of step `step` (held out: the evaluation set, sampled with the step's seed) and
+        their counters."""
+        count = self.config.prompts_per_step
+        prompts = self.task.held_out_prompts(count) if self.held_out else self.task.prompts(step, count)
+        return self.sample(prompts, rng_for("sampling", self.config.seed, step).getrandbits(62))
+
+    def sample(self, prompts: list[Prompt], seed: int) -> RolloutBatch:
+        """The sequences of `prompts`, sampled with `seed`, and their counters."""
         stats = RolloutStats()
         started = time.perf_counter()
-        prompts = self.task.prompts(step, self.config.prompts_per_step)
-        seed = rng_for("sampling", self.config.seed, step).getrandbits(62)
         sequences = self.workflow.run(self.sampler, prompts, stats, seed=seed)
         stats.seconds = time.perf_counter() - started
         return RolloutBatch(sequences, stats)

@@ -11,6 +11,7 @@ from typing import Any
 
 from treerl.rollout.client import SERVER_TYPES
 from treerl.rollout.environments.spec import parse_env_specs
+from treerl.rollout.tasks.heldout import check_fraction
 from treerl.rollout.tasks.shapes import MAX_SHAPES
 from treerl.rollout.tool_parsers import PARSER_NAMES
 from treerl.tree.io import MAX_LINE_BYTES
@@ -29,6 +30,8 @@ class RolloutConfig:
     prompts_per_step: int = 16  # prompts (single-turn) or episodes (multi-turn) per training step
     group_size: int = 8  # samples per prompt; for multi-turn tasks the replies sampled at turn 0
     seed: int = 0  # seeds the prompt order and the sampling (same seed + step + weights -> same rollout)
+    eval_fraction: float = 0.1  # share of the task's items held out of training for evaluation (a generated task's items, a dataset's distinct prompts); 0: evaluation asks training's items. Environments that generate items from a seed evaluate on seeds training never uses (docs/training.md#held-out-evaluation)
+    eval_data_path: str | None = None  # dataset and agent tasks: evaluation's rows from this file instead (every row of data_path is then trained on; its rows that data_path also has are left out of evaluation)
 
     # How to sample.
     max_new_tokens: int | None = None  # reply budget in tokens; None: the task's default
@@ -109,6 +112,10 @@ class RolloutConfig:
             raise ValueError(f"rollout.branch_at: turns must be >= 1 (turn 0 samples group_size): {self.branch_at}")
         if self.task == "dataset" and (not self.data_path or not self.reward_fn):
             raise ValueError("rollout.task = 'dataset' needs rollout.data_path and rollout.reward_fn (module:function)")
+        check_fraction(self.eval_fraction)
+        if self.eval_data_path is not None and self.task not in ("dataset", "agent"):
+            raise ValueError(f"rollout.eval_data_path is for rollout.task=dataset or agent (rows of your own), not "
+                             f"{self.task}: its held-out items are chosen by rollout.eval_fraction")
         if self.task == "agent" and (not self.data_path or not self.agent):
             raise ValueError("rollout.task = 'agent' needs rollout.agent (my_agent.py:episode) and rollout.data_path "
                              "(a JSONL of tasks)")

@@ -13,6 +13,7 @@ is a mixture of one: its samples carry its name all the same.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,6 +21,7 @@ from treerl.errors import UserError
 from treerl.rollout.agent import agent_of
 from treerl.rollout.environments.spec import EnvSpec
 from treerl.rollout.tasks.base import Environment, Prompt, rng_for
+from treerl.rollout.tasks.heldout import HeldOut
 
 
 @dataclass(frozen=True)
@@ -58,10 +60,28 @@ class Mixture:
 
     def prompts(self, step: int, count: int) -> list[Prompt]:
         """The `count` prompts of step `step`, each from an environment drawn by weight (the same for the same step)."""
-        names = list(self.members)
-        picks = rng_for("env_mixture", self.seed, step).choices(names, weights=self.weights, k=count)
+        picks = self.picks(rng_for("env_mixture", self.seed, step), count)
         own = {name: iter(self.members[name].task.prompts(step, count)) for name in set(picks)}
         return [self.tagged(name, next(own[name])) for name in picks]
+
+    def held_out_prompts(self, count: int) -> list[Prompt]:
+        """The evaluation set: `count` prompts, each from an environment drawn by weight, of its held-out items."""
+        picks = self.picks(rng_for("env_mixture", self.seed, "held_out"), count)
+        own = {name: iter(self.members[name].task.held_out_prompts(picks.count(name))) for name in set(picks)}
+        return [self.tagged(name, next(own[name])) for name in picks]
+
+    def picks(self, rng: random.Random, count: int) -> list[str]:
+        """Which environment each of `count` prompts comes from, drawn by weight."""
+        return rng.choices(list(self.members), weights=self.weights, k=count)
+
+    @property
+    def held_out(self) -> HeldOut:
+        """Every environment's held-out items (held out only if every one holds some out)."""
+        parts = {name: member.task.held_out for name, member in self.members.items()}
+        if len(parts) == 1:
+            return next(iter(parts.values()))
+        return HeldOut(all(part.held_out for part in parts.values()),
+                       "; ".join(f"{name}: {part.how}" for name, part in parts.items()))
 
     @staticmethod
     def tagged(name: str, prompt: Prompt) -> Prompt:

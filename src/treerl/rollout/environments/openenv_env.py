@@ -42,6 +42,7 @@ from treerl.rollout.environments.extras import import_library
 from treerl.rollout.environments.replay import Opener, ReplayedEnvironment, close_quietly
 from treerl.rollout.rewards import RewardFailure, UserCode, import_object
 from treerl.rollout.tasks.base import EnvReply, Prompt, rng_for
+from treerl.rollout.tasks.heldout import EVAL_FRACTION, HeldOut, SeedSplit
 
 OWN_KEYS = ("action_field", "observation_field", "action_class")  # treerl's; the rest: constructor
 SHOWN_EXCLUDES = {"done", "reward", "metadata"}  # what an OpenEnv server never puts in the observation it sends
@@ -142,21 +143,35 @@ class OpenEnvTask:
     seed: int = 0
     max_turns: int = MAX_TURNS
     max_new_tokens: int = MAX_NEW_TOKENS
+    eval_fraction: float = EVAL_FRACTION  # rollout.eval_fraction: > 0 evaluates on seeds training never uses
 
     def prompts(self, step: int, count: int) -> list[Prompt]:
         """One episode per prompt, reset with its own seed; a reset that fails gives a prompt whose episode drops."""
-        out = []
-        for i in range(count):
-            seed = rng_for(self.name, self.seed, step, i).randrange(2**31)
-            opened = self.user_code.call(lambda seed=seed: self.open_session(seed))
-            if isinstance(opened, RewardFailure):
-                first, start = [{"role": "user", "content": ""}], Start(seed, f"reset {opened.message}")
-            else:
-                close_quietly(opened[0])
-                first, start = opened[1], Start(seed)
-            system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-            out.append(Prompt(f"s{step}/p{i}", system + first, answer=start))
-        return out
+        return [self.opened(f"s{step}/p{i}", rng_for(self.name, self.seed, step, i).randrange(2**31))
+                for i in range(count)]
+
+    def held_out_prompts(self, count: int) -> list[Prompt]:
+        """The evaluation set: `count` episodes reset with seeds training never uses (`SeedSplit`)."""
+        return [self.opened(f"eval/p{i}", self.seeds.held_out_seed(i)) for i in range(count)]
+
+    @property
+    def seeds(self) -> SeedSplit:
+        return SeedSplit(self.name, self.seed, self.eval_fraction)
+
+    @property
+    def held_out(self) -> HeldOut:
+        return self.seeds.held_out
+
+    def opened(self, prompt_id: str, seed: int) -> Prompt:
+        """The prompt of the episode reset with `seed`: its first observation (a failed reset drops the episode)."""
+        opened = self.user_code.call(lambda: self.open_session(seed))
+        if isinstance(opened, RewardFailure):
+            first, start = [{"role": "user", "content": ""}], Start(seed, f"reset {opened.message}")
+        else:
+            close_quietly(opened[0])
+            first, start = opened[1], Start(seed)
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return Prompt(prompt_id, system + first, answer=start)
 
     def environment(self, prompt: Prompt) -> ReplayedEnvironment:
         """The episode's environment: a session opened at its first step, checked to show the prompt's observation."""
@@ -180,7 +195,8 @@ def build(target: str, env_args: dict[str, Any], config: RolloutConfig) -> OpenE
     open_session = (served_opener(target, own, env_args, spec, config) if served
                     else in_process_opener(target, own, env_args, spec))
     user_code = UserCode(config.env_timeout, "rollout.env_timeout")
-    return OpenEnvTask(spec, open_session, config.system_prompt, user_code, seed=config.seed)
+    return OpenEnvTask(spec, open_session, config.system_prompt, user_code, seed=config.seed,
+                       eval_fraction=config.eval_fraction)
 
 
 def in_process_opener(target: str, own: dict[str, Any], kwargs: dict[str, Any], spec: str) -> Any:

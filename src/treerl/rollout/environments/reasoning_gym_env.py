@@ -19,17 +19,19 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from treerl.errors import UserError
 from treerl.rollout.environments.extras import import_library
 from treerl.rollout.rewards import Scored
 from treerl.rollout.tasks.base import Prompt
+from treerl.rollout.tasks.heldout import HeldOut
 
 if TYPE_CHECKING:
     from treerl.rollout.config import RolloutConfig
 
+HELD_OUT_CANDIDATES = 4  # items drawn per evaluation prompt, at most, to find held-out ones no training item matches
 MAX_NEW_TOKENS = 256  # reply budget unless rollout.max_new_tokens says otherwise: room for a short reasoning
 DEFAULT_PROMPT = "default"  # reasoning-gym's own system prompt that asks for <answer> tags
 
@@ -43,17 +45,54 @@ class ReasoningGymTask:
     extract_answer: Any  # reasoning_gym.utils.extract_answer
     name: str = "reasoning_gym"
     max_new_tokens: int = MAX_NEW_TOKENS
+    held_out_dataset: Any = None  # (seed, size) -> the dataset of the same config with that seed and size; None:
+    # nothing is held out (rollout.eval_fraction=0): evaluation asks the first training items
+    _held_out: dict[int, list[Prompt]] = field(default_factory=dict, init=False, repr=False)
+    _skipped: int = field(default=0, init=False, repr=False)
 
     def prompts(self, step: int, count: int) -> list[Prompt]:
         """Items step*count ... step*count + count - 1 (mod the dataset's size): the same for the same step."""
-        out = []
-        for i in range(count):
-            index = (step * count + i) % self.dataset.size
-            entry = self.dataset[index]
-            system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-            out.append(Prompt(f"s{step}/p{i}/item{index}", [*system, {"role": "user", "content": entry["question"]}],
-                              answer=entry))
-        return out
+        return [self.prompt(f"s{step}/p{i}", (step * count + i) % self.dataset.size, self.dataset)
+                for i in range(count)]
+
+    def prompt(self, prompt_id: str, index: int, dataset: Any) -> Prompt:
+        """Item `index` of `dataset` as a prompt: the system prompt, then the item's question."""
+        entry = dataset[index]
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return Prompt(f"{prompt_id}/item{index}", [*system, {"role": "user", "content": entry["question"]}], answer=entry)
+
+    def held_out_prompts(self, count: int) -> list[Prompt]:
+        """The evaluation set: the first `count` items of the same config drawn with seed + size (the seeds after
+        training's, as the library seeds item i with seed + i) whose question no training item asks."""
+        if self.held_out_dataset is None:
+            return [self.prompt(f"eval/p{i}", i % self.dataset.size, self.dataset) for i in range(count)]
+        if count not in self._held_out:
+            trained = {self.dataset[i]["question"] for i in range(self.dataset.size)}
+            candidates = self.held_out_dataset(self.dataset.seed + self.dataset.size, HELD_OUT_CANDIDATES * count + 64)
+            out: list[Prompt] = []
+            skipped = 0
+            for index in range(candidates.size):
+                if len(out) == count:
+                    break
+                if candidates[index]["question"] in trained:
+                    skipped += 1
+                    continue
+                out.append(self.prompt(f"eval/p{len(out)}", index, candidates))
+            if len(out) < count:
+                raise UserError(f"rollout.env={self.name!r}: only {len(out)} of {candidates.size} held-out items ask a "
+                                f"question none of the {self.dataset.size} training items asks; its item space is too "
+                                f"small for trainer.eval_prompts={count}: lower it, or the dataset's size (env_args.size)")
+            self._skipped = skipped
+            self._held_out[count] = out
+        return self._held_out[count]
+
+    @property
+    def held_out(self) -> HeldOut:
+        if self.held_out_dataset is None:
+            return HeldOut(False, "the first training items (not held out: rollout.eval_fraction=0)")
+        skipped = f"; {self._skipped} skipped: a training item asks their question" if self._skipped else ""
+        return HeldOut(True, f"items of seeds {self.dataset.seed + self.dataset.size} on (training's: "
+                             f"{self.dataset.seed} to {self.dataset.seed + self.dataset.size - 1}){skipped}")
 
     def reward_fn(self, prompt: str, completion: str, answer: dict[str, Any]) -> Scored:
         """The dataset's own score of the answer the reply gives between answer tags."""
@@ -81,8 +120,13 @@ def build(target: str, env_args: dict[str, Any], config: RolloutConfig) -> Reaso
     except Exception as e:  # noqa: BLE001 (a config's validate() raises AssertionError, ValueError, ...)
         message = " ".join(str(e).split()) or type(e).__name__
         raise UserError(f"rollout.env={spec!r}: reasoning-gym refused env_args {env_args}: {message}") from None
+
+    def held_out_dataset(seed: int, size: int) -> Any:
+        return rg.create_dataset(target, **{**args, "seed": seed, "size": size})
+
     return ReasoningGymTask(dataset, system_prompt(utils.SYSTEM_PROMPTS, config.system_prompt),
-                            utils.extract_answer, name=spec)
+                            utils.extract_answer, name=spec,
+                            held_out_dataset=held_out_dataset if config.eval_fraction > 0 else None)
 
 
 def system_prompt(prompts: dict[str, str], chosen: str | None) -> str | None:

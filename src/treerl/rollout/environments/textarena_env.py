@@ -42,6 +42,7 @@ from treerl.errors import UserError
 from treerl.rollout.chat import Message
 from treerl.rollout.environments.extras import import_library, say_once
 from treerl.rollout.tasks.base import EnvReply, Prompt, rng_for
+from treerl.rollout.tasks.heldout import EVAL_FRACTION, HeldOut, SeedSplit
 
 if TYPE_CHECKING:
     from treerl.rollout.config import RolloutConfig
@@ -151,12 +152,26 @@ class TextArenaTask:
     seed: int = 0
     name: str = "textarena"
     max_new_tokens: int = MAX_NEW_TOKENS
+    eval_fraction: float = EVAL_FRACTION  # rollout.eval_fraction: > 0 evaluates on seeds training never uses
 
     def prompts(self, step: int, count: int) -> list[Prompt]:
         """The `count` episodes of step `step`: each a game seed (its messages come from the game at reset)."""
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [Prompt(f"s{step}/p{i}", list(system), answer=rng_for(self.name, self.seed, step, i).getrandbits(31))
                 for i in range(count)]
+
+    def held_out_prompts(self, count: int) -> list[Prompt]:
+        """The evaluation set: `count` games reset with seeds training never uses (`SeedSplit`)."""
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [Prompt(f"eval/p{i}", list(system), answer=self.seeds.held_out_seed(i)) for i in range(count)]
+
+    @property
+    def seeds(self) -> SeedSplit:
+        return SeedSplit(self.name, self.seed, self.eval_fraction)
+
+    @property
+    def held_out(self) -> HeldOut:
+        return self.seeds.held_out
 
     def environment(self, prompt: Prompt) -> TextArenaGame:
         """A fresh game, reset with the episode's seed."""
@@ -193,7 +208,8 @@ def build(target: str, env_args: dict[str, Any], config: RolloutConfig) -> TextA
         message = " ".join(str(e).replace("*", "").split())[:300] or type(e).__name__
         raise UserError(f"rollout.env={spec!r}: the game does not start here ({type(e).__name__}: {message})") from None
     return TextArenaTask(make, max_turns=reply_bound(GameLimit.of(game.game), config.max_turns, spec),
-                         system_prompt=config.system_prompt, seed=config.seed, name=spec)
+                         system_prompt=config.system_prompt, seed=config.seed, name=spec,
+                         eval_fraction=config.eval_fraction)
 
 
 def reply_bound(limit: GameLimit, max_turns: int | None, spec: str) -> int:

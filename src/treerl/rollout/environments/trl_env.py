@@ -46,7 +46,8 @@ from treerl.errors import UserError
 from treerl.rollout.config import RolloutConfig
 from treerl.rollout.rewards import NamedFailure, check_reward, import_object
 from treerl.rollout.tasks.base import Prompt
-from treerl.rollout.tasks.dataset import DatasetTask, load_agent_tasks
+from treerl.rollout.tasks.dataset import DatasetTask, agent_rows
+from treerl.rollout.tasks.heldout import HeldOut
 
 OWN_KEYS = ("rows",)  # treerl's; the other env_args go to the class's constructor
 REWARD_KWARGS = ("prompts", "completions", "completion_ids", "environments", "trainer_state", "log_extra",
@@ -80,6 +81,14 @@ class TrlEnvironmentTask:
     def prompts(self, step: int, count: int) -> list[Prompt]:
         """Rows step*count ... of the seeded endless stream of rows (a DatasetTask's order); each answer is its row."""
         return self.rows.prompts(step, count)
+
+    def held_out_prompts(self, count: int) -> list[Prompt]:
+        """The evaluation set: the held-out rows (rollout.eval_fraction of them), which training never resets with."""
+        return self.rows.held_out_prompts(count)
+
+    @property
+    def held_out(self) -> HeldOut:
+        return self.rows.held_out
 
     async def agent(self, client: Any, row: dict[str, Any]) -> dict[str, Any]:
         """One episode as TRL plays it: reset(**row), tool calls until a reply has none (or the N-th call of
@@ -258,7 +267,8 @@ def build(target: str, env_args: dict[str, Any], config: RolloutConfig) -> TrlEn
     shown = [([{"role": "user", "content": row["prompt"] if isinstance(row.get("prompt"), str)
                 else json.dumps(row, default=str)[:500]}], row) for row in rows]  # shown in reports only
     return TrlEnvironmentTask(spec, cls, env_args, tool_schemas(cls, spec),
-                              DatasetTask(shown, None, seed=config.seed, shuffle=config.shuffle, name=spec),  # type: ignore[arg-type]
+                              DatasetTask.split(shown, None, config.eval_fraction, by_answer=True, seed=config.seed,  # type: ignore[arg-type]
+                                                shuffle=config.shuffle, name=spec),
                               config.system_prompt, config.env_timeout, config.max_turns,
                               trl_reward_fn(config.reward_fn, rows[0], spec))
 
@@ -297,7 +307,7 @@ def task_rows(rows: Any, config: RolloutConfig, spec: str) -> list[dict[str, Any
     if rows is not None and config.data_path:
         raise UserError(f"rollout.env={spec!r}: both env_args.rows and rollout.data_path give rows: set one")
     if config.data_path:
-        return [answer for _, answer in load_agent_tasks(config.data_path).prompts_data]
+        return [answer for _, answer in agent_rows(config.data_path)]
     if rows is None:
         return [{}]
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):

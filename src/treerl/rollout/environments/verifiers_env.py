@@ -51,6 +51,7 @@ from treerl.rollout.environments.trl_env import EnvCallFailed
 from treerl.rollout.rewards import check_metrics, check_reward
 from treerl.rollout.tasks.base import Prompt
 from treerl.rollout.tasks.dataset import DatasetTask
+from treerl.rollout.tasks.heldout import HeldOut
 
 OWN_KEYS = ("python", "tasks")  # treerl's; the other env_args go to verifiers' config
 WORKER = Path(__file__).with_name("verifiers_worker.py")
@@ -160,6 +161,14 @@ class VerifiersTask:
         """Tasks step*count ... of the seeded endless stream of the taskset's tasks."""
         return self.rows.prompts(step, count)
 
+    def held_out_prompts(self, count: int) -> list[Prompt]:
+        """The evaluation set: the held-out tasks (rollout.eval_fraction of them), which training never plays."""
+        return self.rows.held_out_prompts(count)
+
+    @property
+    def held_out(self) -> HeldOut:
+        return self.rows.held_out
+
     async def agent(self, client: Any, row: dict[str, Any]) -> dict[str, Any]:
         """One episode as verifiers plays it; its reward and named rewards and metrics, or why it is dropped."""
         result = await self.worker.play(row["task"], str(client.base_url).rstrip("/"))
@@ -194,5 +203,6 @@ def build(target: str, env_args: dict[str, Any], config: RolloutConfig) -> Verif
                              "tasks": tasks}, spec)
     shown = [([{"role": "user", "content": text}], {"task": k, "prompt": text})  # the prompt: in reports
              for k, text in enumerate(worker.ready["prompts"])]
-    return VerifiersTask(spec, worker, DatasetTask(shown, None, seed=config.seed, shuffle=config.shuffle,  # type: ignore[arg-type]
-                                                    name=spec))
+    rows = DatasetTask.split(shown, None, config.eval_fraction, seed=config.seed,  # type: ignore[arg-type]
+                             shuffle=config.shuffle, name=spec)
+    return VerifiersTask(spec, worker, rows)

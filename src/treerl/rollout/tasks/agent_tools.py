@@ -18,14 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from treerl.rollout.tasks.base import Prompt, rng_for
+from treerl.rollout.tasks.base import Prompt
+from treerl.rollout.tasks.heldout import EVAL_FRACTION, Generated, ItemSplit
 
 AGENT = f"{Path(__file__).with_name('agent_tools_agent.py')}:episode"  # the built-in task's agent
 
 
 @dataclass
-class AgentTools:
-    """Look up a record by id with a tool, answer with its code."""
+class AgentTools(Generated):
+    """Look up a record by id with a tool, answer with its code; evaluation asks about held-out tables."""
 
     seed: int = 0
     records: int = 10  # ids 0 .. records - 1
@@ -33,19 +34,23 @@ class AgentTools:
     max_turns: int = 4  # model calls per episode at most (the agent makes 2)
     name: str = "agent_tools"
     agent: str = AGENT
+    eval_fraction: float = EVAL_FRACTION  # share of the tasks (table and question) held out for evaluation
+    what = "tasks"
 
     def __post_init__(self) -> None:
         if not 1 <= self.records <= 10:
             raise ValueError(f"agent_tools: records must be in [1, 10], got {self.records}")
 
-    def prompts(self, step: int, count: int) -> list[Prompt]:
-        """`count` tasks of step `step` (the same for the same step); each prompt's `answer` is the task dict."""
-        out = []
-        for i in range(count):
-            rng = rng_for(self.name, self.seed, step, i)
-            table = {str(k): {"id": k, "code": rng.randrange(10)} for k in range(self.records)}
-            wanted = rng.randrange(self.records)
-            task = {"question": f"code of {wanted}?", "id": wanted, "answer": str(table[str(wanted)]["code"]),
-                    "records": table}
-            out.append(Prompt(f"s{step}/p{i}", [{"role": "user", "content": task["question"]}], answer=task))
-        return out
+    @property
+    def split(self) -> ItemSplit:
+        """The tasks, by table and question (a seeded hash of each)."""
+        return ItemSplit(self.name, self.seed, self.eval_fraction)
+
+    def item(self, rng) -> tuple[str, Prompt]:
+        """One task drawn from `rng`; the prompt's `answer` is the task dict the agent gets."""
+        table = {str(k): {"id": k, "code": rng.randrange(10)} for k in range(self.records)}
+        wanted = rng.randrange(self.records)
+        task = {"question": f"code of {wanted}?", "id": wanted, "answer": str(table[str(wanted)]["code"]),
+                "records": table}
+        key = repr(([record["code"] for record in table.values()], wanted))
+        return key, Prompt("", [{"role": "user", "content": task["question"]}], answer=task)

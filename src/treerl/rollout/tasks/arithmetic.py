@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from treerl.rollout.tasks.base import Prompt, rng_for
+from treerl.rollout.tasks.base import Prompt
+from treerl.rollout.tasks.heldout import EVAL_FRACTION, Generated, ItemSplit
 
 
 def reward(prompt: str, completion: str, answer: int) -> float:
@@ -29,13 +30,15 @@ def reward(prompt: str, completion: str, answer: int) -> float:
 
 
 @dataclass
-class Arithmetic:
-    """'a+b=' with 0 <= a, b <= max_operand; the reply is the sum."""
+class Arithmetic(Generated):
+    """'a+b=' with 0 <= a, b <= max_operand; the reply is the sum. Evaluation asks the held-out pairs (a, b)."""
 
     max_operand: int = 4
     seed: int = 0
     name: str = "arithmetic"
+    eval_fraction: float = EVAL_FRACTION  # share of the (max_operand + 1)^2 sums held out for evaluation
     reward_fn = staticmethod(reward)
+    what = "sums"
 
     def __post_init__(self) -> None:
         if self.max_operand < 1:
@@ -46,14 +49,15 @@ class Arithmetic:
         """The digits of the largest sum, its stop token, and one spare."""
         return len(str(2 * self.max_operand)) + 2
 
-    def prompts(self, step: int, count: int) -> list[Prompt]:
-        return [self.prompt(step, i) for i in range(count)]
+    @property
+    def split(self) -> ItemSplit:
+        """The pairs (a, b), listed: a x (max_operand + 1) + b."""
+        return ItemSplit(self.name, self.seed, self.eval_fraction, (self.max_operand + 1) ** 2)
 
-    def prompt(self, step: int, i: int) -> Prompt:
-        """Prompt `i` of step `step`: its operands drawn from the task's seeded stream."""
-        rng = rng_for(self.name, self.seed, step, i)
+    def item(self, rng) -> tuple[int, Prompt]:
+        """One sum: its operands drawn from `rng`."""
         a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-        return Prompt(f"s{step}/p{i}", [{"role": "user", "content": self.question(a, b)}], answer=a + b)
+        return a * (self.max_operand + 1) + b, Prompt("", [{"role": "user", "content": self.question(a, b)}], a + b)
 
     def question(self, a: int, b: int) -> str:
         """What the model is asked: the bare sum to complete."""

@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from treerl.errors import DataError
-from treerl.errors import UserError
+from treerl.errors import DataError, UserError
 from treerl.rollout.chat import Message
 from treerl.rollout.images import IMAGE_PARTS, image_parts, load_image, part_image
 from treerl.rollout.rewards import RewardFn, check_reward_fn
 from treerl.rollout.tasks.base import Prompt, rng_for
+from treerl.rollout.tasks.heldout import EVAL_FRACTION, HeldOut, content_key, split_rows
 from treerl.rollout.tokenizer import ROLES
 from treerl.tree.io import MAX_LINE_BYTES, json_lines
 
@@ -161,31 +161,76 @@ def check_roles(messages: list[dict[str, Any]], where: str, prompt_key: str) -> 
 
 @dataclass
 class DatasetTask:
-    """Single-turn task over a user's rows, in a seeded shuffled order, epoch after epoch."""
+    """Single-turn task over a user's rows, in a seeded shuffled order, epoch after epoch; evaluation asks its held-out
+    rows (`held_out_data`), which training never does."""
 
-    prompts_data: list[tuple[list[Message], Any]]  # (messages, answer) per row
+    prompts_data: list[tuple[list[Message], Any]]  # (messages, answer) per training row
     reward_fn: RewardFn
     max_new_tokens: int = 256
     seed: int = 0
     shuffle: bool = True
     name: str = "dataset"
+    held_out_data: list[tuple[list[Message], Any]] = field(default_factory=list)  # evaluation's rows; none: it asks
+    # training's (nothing was held out)
+    held_out: HeldOut = field(default_factory=lambda: HeldOut(False, "rows training also asks (not held out)"))
     _orders: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def load(
         cls, path: str | Path, reward_fn: RewardFn, prompt_key: str = "prompt", answer_key: str = "answer",
         system_prompt: str | None = None, max_line_bytes: int = MAX_LINE_BYTES, image_key: str | None = "image",
-        vision: bool = True, **kwargs: Any,
+        vision: bool = True, eval_path: str | Path | None = None, eval_fraction: float = EVAL_FRACTION,
+        **kwargs: Any,
     ) -> DatasetTask:
         """Read and check every row up front, so a bad row fails before training starts (`vision`: whether the model
-        reads images)."""
+        reads images); hold out `eval_path`'s rows, or a seeded `eval_fraction` of the distinct prompts."""
         check_reward_fn(reward_fn, getattr(reward_fn, "__name__", "reward_fn"))
-        rows = located_rows(path, max_line_bytes)
-        if not rows:
-            raise DataError(f"{path}: no rows")
-        data = [(row_messages(row, where, prompt_key, system_prompt, image_key, vision), row.get(answer_key))
-                for where, row in rows]
-        return cls(data, reward_fn, **kwargs)
+
+        def rows_of(source: str | Path) -> list[tuple[list[Message], Any]]:
+            rows = located_rows(source, max_line_bytes)
+            if not rows:
+                raise DataError(f"{source}: no rows")
+            return [(row_messages(row, where, prompt_key, system_prompt, image_key, vision), row.get(answer_key))
+                    for where, row in rows]
+
+        data = rows_of(path)
+        if eval_path is None:
+            return cls.split(data, reward_fn, eval_fraction, **kwargs)
+        return cls.with_eval_rows(data, rows_of(eval_path), str(eval_path), reward_fn, **kwargs)
+
+    @classmethod
+    def split(cls, data: list[tuple[list[Message], Any]], reward_fn: RewardFn, eval_fraction: float = EVAL_FRACTION,
+              by_answer: bool = False, **kwargs: Any) -> DatasetTask:
+        """The rows with a seeded `eval_fraction` of their distinct prompts held out for evaluation (`by_answer`: rows
+        are the same when their answers are, as an agent's tasks, whose answer is the whole row)."""
+        name, seed = kwargs.get("name", "dataset"), kwargs.get("seed", 0)
+        keys = [content_key(answer if by_answer else messages) for messages, answer in data]
+        train, held = split_rows(keys, eval_fraction, seed, name)
+        distinct = len(set(keys))
+        if held:
+            shown = len({keys[i] for i in held})
+            note = HeldOut(True, f"{shown} of the {distinct} distinct prompts ({len(held)} of {len(data)} rows), never "
+                                 f"trained on (rollout.eval_fraction={eval_fraction:g})", shown, distinct)
+        else:
+            why = "rollout.eval_fraction=0" if eval_fraction == 0 else "the data has a single distinct prompt"
+            note = HeldOut(False, f"rows training also asks (not held out: {why})", 0, distinct)
+        return cls([data[i] for i in train], reward_fn, held_out_data=[data[i] for i in held], held_out=note,
+                   **kwargs)
+
+    @classmethod
+    def with_eval_rows(cls, data: list[tuple[list[Message], Any]], rows: list[tuple[list[Message], Any]],
+                       source: str, reward_fn: RewardFn, by_answer: bool = False, **kwargs: Any) -> DatasetTask:
+        """Every row trained on; evaluation asks `rows` (rollout.eval_data_path), less those whose prompt training
+        also has (`by_answer`: as `split`)."""
+        trained = {content_key(answer if by_answer else messages) for messages, answer in data}
+        held = [row for row in rows if content_key(row[1] if by_answer else row[0]) not in trained]
+        if not held:
+            raise DataError(f"rollout.eval_data_path={source!r}: every one of its {len(rows)} rows asks a prompt that "
+                            "rollout.data_path also has: nothing is held out")
+        skipped = f"; {len(rows) - len(held)} of its rows left out: training has their prompt" if len(held) < len(rows) else ""
+        note = HeldOut(True, f"the {len(held)} rows of {source} (rollout.eval_data_path){skipped}", len(held),
+                       len(held))
+        return cls(data, reward_fn, held_out_data=held, held_out=note, **kwargs)
 
     def prompts(self, step: int, count: int) -> list[Prompt]:
         """Rows step*count ... step*count + count - 1 of the endless shuffled stream (stateless: exact resume)."""
@@ -198,6 +243,14 @@ class DatasetTask:
             out.append(Prompt(f"s{step}/p{i}/row{row}", messages, answer))
         return out
 
+    def held_out_prompts(self, count: int) -> list[Prompt]:
+        """The evaluation set: `count` prompts of the held-out rows in a fixed seeded order, again from the first when
+        there are fewer rows (training's rows when none is held out)."""
+        rows = self.held_out_data or self.prompts_data
+        order = list(range(len(rows)))
+        rng_for("held_out", self.name, self.seed).shuffle(order)
+        return [Prompt(f"eval/p{i}/row{order[i % len(rows)]}", *rows[order[i % len(rows)]]) for i in range(count)]
+
     def _order(self, epoch: int) -> list[int]:
         """The row order of one epoch (cached: a step reads one or two epochs)."""
         if epoch not in self._orders:
@@ -208,7 +261,7 @@ class DatasetTask:
         return self._orders[epoch]
 
 
-def load_agent_tasks(path: str | Path, seed: int = 0, shuffle: bool = True, max_new_tokens: int = 512) -> DatasetTask:
+def agent_rows(path: str | Path) -> list[tuple[list[Message], Any]]:
     """The tasks of an agent (`rollout.task=agent`): every row, a JSON object, is passed whole to the episode.
 
     A row's `prompt` (a string) or `messages` (chat messages), if it has one, is only shown in reports
@@ -216,12 +269,21 @@ def load_agent_tasks(path: str | Path, seed: int = 0, shuffle: bool = True, max_
     """
     rows = read_rows(path)
     if not rows:
-        raise ValueError(f"{path}: no rows")
+        raise DataError(f"{path}: no rows")
     data = []
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
-            raise ValueError(f"{path} row {i}: an agent task must be a JSON object, got {type(row).__name__}")
+            raise DataError(f"{path} row {i}: an agent task must be a JSON object, got {type(row).__name__}")
         shown = row.get("prompt") if isinstance(row.get("prompt"), str) else json.dumps(row, default=str)[:500]
         data.append(([{"role": "user", "content": shown}], row))
-    return DatasetTask(data, reward_fn=None, max_new_tokens=max_new_tokens, seed=seed, shuffle=shuffle,  # type: ignore[arg-type]
-                       name="agent")
+    return data
+
+
+def load_agent_tasks(path: str | Path, seed: int = 0, shuffle: bool = True, max_new_tokens: int = 512,
+                     eval_fraction: float = EVAL_FRACTION, eval_path: str | Path | None = None) -> DatasetTask:
+    """The tasks of an agent (`rollout.task=agent`), a seeded `eval_fraction` of them (or `eval_path`'s) held out."""
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "seed": seed, "shuffle": shuffle, "name": "agent"}
+    if eval_path is None:
+        return DatasetTask.split(agent_rows(path), None, eval_fraction, by_answer=True, **kwargs)  # type: ignore[arg-type]
+    return DatasetTask.with_eval_rows(agent_rows(path), agent_rows(eval_path), str(eval_path), None, by_answer=True,  # type: ignore[arg-type]
+                                      **kwargs)

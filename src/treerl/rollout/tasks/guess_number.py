@@ -14,7 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from treerl.rollout.tasks.base import EnvReply, Prompt, rng_for
+from treerl.rollout.tasks.base import EnvReply, Prompt
+from treerl.rollout.tasks.heldout import EVAL_FRACTION, Generated, ItemSplit
 
 FORMAT_CREDIT = 0.05
 
@@ -51,13 +52,15 @@ class GuessEnv:
 
 
 @dataclass
-class GuessNumber:
-    """Guess a secret in [1, max_number] within max_turns replies."""
+class GuessNumber(Generated):
+    """Guess a secret in [1, max_number] within max_turns replies; evaluation plays the held-out secrets."""
 
     max_number: int = 9
     max_turns: int = 4
     seed: int = 0
     name: str = "guess_number"
+    eval_fraction: float = EVAL_FRACTION  # share of the max_number secrets held out for evaluation
+    what = "secrets"
 
     def __post_init__(self) -> None:
         if self.max_number < 2:
@@ -70,13 +73,15 @@ class GuessNumber:
         """The digits of the largest number, its stop token, and one spare."""
         return len(str(self.max_number)) + 2
 
-    def prompts(self, step: int, count: int) -> list[Prompt]:
-        out = []
-        for i in range(count):
-            secret = rng_for(self.name, self.seed, step, i).randint(1, self.max_number)
-            message = {"role": "user", "content": f"guess 1-{self.max_number}"}
-            out.append(Prompt(f"s{step}/p{i}", [message], answer=secret))
-        return out
+    @property
+    def split(self) -> ItemSplit:
+        """The secrets, listed: secret - 1."""
+        return ItemSplit(self.name, self.seed, self.eval_fraction, self.max_number)
+
+    def item(self, rng) -> tuple[int, Prompt]:
+        """One game: its secret drawn from `rng`."""
+        secret = rng.randint(1, self.max_number)
+        return secret - 1, Prompt("", [{"role": "user", "content": f"guess 1-{self.max_number}"}], answer=secret)
 
     def environment(self, prompt: Prompt) -> GuessEnv:
         return GuessEnv(secret=prompt.answer, max_number=self.max_number, max_turns=self.max_turns)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from PIL import Image, ImageDraw
 
 from treerl.rollout.tasks.arithmetic import reward
-from treerl.rollout.tasks.base import Prompt, rng_for
+from treerl.rollout.tasks.base import Prompt
+from treerl.rollout.tasks.heldout import EVAL_FRACTION, Generated, ItemSplit
 
 CELL = 16  # pixels a side of the cell each shape is drawn in
 COLOURS = ((230, 40, 40), (40, 200, 60), (50, 90, 240), (240, 220, 40), (240, 240, 240))
@@ -26,14 +27,16 @@ MAX_SHAPES = (IMAGE_SIZE // CELL) ** 2  # one shape a cell at most (rollout.max_
 
 
 @dataclass
-class Shapes:
-    """An image of 1..max_shapes shapes; the reply is their count."""
+class Shapes(Generated):
+    """An image of 1..max_shapes shapes; the reply is their count. Evaluation shows held-out pictures."""
 
     max_shapes: int = 3
     image_size: int = IMAGE_SIZE  # pixels a side; (image_size / 16)^2 cells, each with at most one shape
     seed: int = 0
     name: str = "shapes"
+    eval_fraction: float = EVAL_FRACTION  # share of the pictures (layouts) held out for evaluation
     reward_fn = staticmethod(reward)
+    what = "pictures"
 
     def __post_init__(self) -> None:
         if self.image_size < CELL or self.image_size % CELL:
@@ -47,22 +50,31 @@ class Shapes:
         """The count's digits, its stop token, and one spare."""
         return len(str(self.max_shapes)) + 2
 
-    def prompts(self, step: int, count: int) -> list[Prompt]:
-        out = []
-        for i in range(count):
-            rng = rng_for(self.name, self.seed, step, i)
-            shapes = rng.randint(1, self.max_shapes)
-            content = [{"type": "image", "image": self.draw(rng, shapes)}, {"type": "text", "text": QUESTION}]
-            out.append(Prompt(f"s{step}/p{i}", [{"role": "user", "content": content}], answer=shapes))
-        return out
+    @property
+    def split(self) -> ItemSplit:
+        """The pictures, by layout (a seeded hash of each: its shapes in cell order)."""
+        return ItemSplit(self.name, self.seed, self.eval_fraction)
 
-    def draw(self, rng, shapes: int) -> Image.Image:
-        """`shapes` shapes of random colour and kind, each in a random free cell."""
+    def item(self, rng) -> tuple[str, Prompt]:
+        """One picture: its layout drawn from `rng`, then drawn."""
+        shapes = rng.randint(1, self.max_shapes)
+        layout = self.layout(rng, shapes)
+        content = [{"type": "image", "image": self.draw(layout)}, {"type": "text", "text": QUESTION}]
+        return repr(sorted(layout)), Prompt("", [{"role": "user", "content": content}], answer=shapes)  # a picture,
+        # whichever order its shapes were drawn in
+
+    def layout(self, rng, shapes: int) -> tuple[tuple[int, tuple[int, int, int], bool], ...]:
+        """`shapes` shapes, each (a random free cell, a random colour, square or not)."""
+        side = self.image_size // CELL
+        return tuple((cell, rng.choice(COLOURS), rng.random() < 0.5) for cell in rng.sample(range(side * side), shapes))
+
+    def draw(self, layout: tuple[tuple[int, tuple[int, int, int], bool], ...]) -> Image.Image:
+        """The picture of a layout: each shape in its 16 x 16 cell."""
         image = Image.new("RGB", (self.image_size, self.image_size))
         pen = ImageDraw.Draw(image)
         side = self.image_size // CELL
-        for cell in rng.sample(range(side * side), shapes):
+        for cell, colour, square in layout:
             x, y = CELL * (cell % side), CELL * (cell // side)
-            box, colour = (x + 1, y + 1, x + CELL - 2, y + CELL - 2), rng.choice(COLOURS)
-            (pen.rectangle if rng.random() < 0.5 else pen.ellipse)(box, fill=colour)
+            box = (x + 1, y + 1, x + CELL - 2, y + CELL - 2)
+            (pen.rectangle if square else pen.ellipse)(box, fill=colour)
         return image

@@ -47,7 +47,8 @@ OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "dropped.jsonl", "ten
 # What a checkpoint's weights and optimizer state only make sense with. ("algo.advantage" is compared resolved:
 # it decides whether a critic is trained.)
 IMMUTABLE = ("model.path", "model.shape", "model.tokenizer_path", "model.dtype", "algo.loss", "algo.advantage",
-             "critic.path", "model.lora.rank", "model.lora.alpha", "model.lora.target_modules")
+             "critic.path", "model.lora.rank", "model.lora.alpha", "model.lora.target_modules",
+             "rollout.eval_fraction", "rollout.eval_data_path")  # the last two: which items are held out of training
 NOT_SETTINGS = ("trainer.resume", "trainer.output_dir", "trainer.overwrite")  # where and how, not what
 
 

@@ -78,6 +78,8 @@ class TrainResult:
     environments: dict[str, dict[str, float]] = field(default_factory=dict)  # rollout.env's, per environment
     # (summarise_environments): its training reward and metrics over the steps, its evaluation at start and end
     stopped_by: str | None = None  # "SIGINT" / "SIGTERM": stopped early, after a checkpoint
+    held_out: dict[str, Any] = field(default_factory=dict)  # which items evaluation asks (HeldOut.summary): none
+    # that training draws, unless "held_out" is false (then "how" says why)
 
 
 def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int], dict[str, float]], started: float,
@@ -130,6 +132,7 @@ def train_loop(run: Run, evaluation: Rollout | None, train_step: Callable[[int],
         seconds=time.perf_counter() - started, output_dir=config.trainer.output_dir,
         nonfinite_skipped=run.loop_state.nonfinite_skipped, stopped_by=run.stopped_by,
         mismatch=summarise_mismatch(mismatch), environments=summarise_environments(environments, evaluated),
+        held_out=held_out_summary(evaluation),
     )
     run.report.summarise(asdict(result) | summary(), f"training reward: first {len(first)} steps "
                   f"{result.train_reward_first:.3f} -> last {len(rewards)} steps {result.train_reward_last:.3f}")
@@ -307,12 +310,20 @@ def check_same_batch(sequences: list[TokenSequence]) -> None:
 
 
 def evaluation_rollout(run: Run, sampler: Sampler) -> Rollout | None:
-    """The fixed evaluation set (`trainer.eval_prompts` prompts), sampled like the training rollout; None: no evaluation."""
+    """The fixed evaluation set (`trainer.eval_prompts` prompts of the task's held-out items), sampled like the
+    training rollout; None: no evaluation."""
     config = run.config
     if not config.trainer.eval_prompts:
         return None
     return Rollout(replace(config.rollout, prompts_per_step=config.trainer.eval_prompts), run.tokenizer, sampler,
-                   run.images)
+                   run.images, held_out=True)
+
+
+def held_out_summary(evaluation: Rollout | None) -> dict[str, Any]:
+    """summary.json's "held_out": which items evaluation asked, and how many prompts ({} without evaluation)."""
+    if evaluation is None:
+        return {}
+    return evaluation.task.held_out.summary(evaluation.config.prompts_per_step)
 
 
 def evaluate(run: Run, evaluation: Rollout | None, step: int, label: str | None,
@@ -330,6 +341,13 @@ def evaluate(run: Run, evaluation: Rollout | None, step: int, label: str | None,
         environments[label] = environment_metrics(batch.sequences)
     if label is not None:
         config = run.config.rollout
+        if label == "start":  # which items: once, after the first evaluation drew them
+            held_out = evaluation.task.held_out
+            line = f"evaluation asks {held_out.how}"
+            if held_out.held_out:
+                run.report.print(line)
+            else:
+                log.warning(line)
         run.report.print(f"mean reward at {label}: {stats.reward_mean:.3f} (evaluation: {stats.samples} samples of "
                   f"{config.task}, {evaluation.config.prompts_per_step} prompts x {config.group_size}, step {step})")
     return stats.reward_mean
