@@ -1,7 +1,8 @@
 """`treerl bench`: engines side by side on the same trees; `--profile`: where each engine's time goes;
 `--balance`: data-parallel assignment; `--async`: synchronous vs asynchronous RL training;
 `--precision`: one training step per precision; `--weight-push URL`: what pushing weights to an inference server
-costs; `--mismatch URL`: how far a server's log-probs are from the trainer's at the same weights; `--cp 1,2,4`: one long trajectory under context parallelism, and when CP pays on a GPU cluster.
+costs; `--mismatch URL`: how far a server's log-probs are from the trainer's at the same weights; `--cp 1,2,4`: one long trajectory under context parallelism, and when CP pays on a GPU cluster; `--against trl`: treerl train
+against TRL's GRPOTrainer on the same model, prompts and settings.
 
 Beside the steps (docs/architecture.md): the benchmark's command line.
 """
@@ -56,8 +57,9 @@ def bench(
     dtype: str = typer.Option("float32", help="float32, bfloat16, float16, float64"),
     scale: float = typer.Option(1 / 16, help="workload lengths x scale (1.0: 16K-token agent context, 8K prompts)"),
     repeats: int = typer.Option(5, help="timed rounds (median per engine); each round runs every engine once, after one warm-up"),
-    workloads: str = typer.Option(",".join(workload_names()), show_default=False,
-                                  help=f"comma-separated, of: {', '.join(workload_names())} (default: all)"),
+    workloads: str | None = typer.Option(None, show_default=False,
+                                         help=f"comma-separated, of: {', '.join(workload_names())} (default: all); "
+                                              "--against trl: of short, long_system, multi_turn (default: short)"),
     engines: str = typer.Option(",".join(DEFAULT_ENGINES), show_default=False,
                                 help=f"comma-separated, of: {', '.join(ENGINES)} (default: all but "
                                      f"{', '.join(OPT_IN_ENGINES)})"),
@@ -67,10 +69,18 @@ def bench(
     balance: bool = typer.Option(False, "--balance", help="data-parallel balancer vs first-fit and LPT instead"),
     balance_scale: float = typer.Option(1.0, help="--balance: tau2-like episode lengths x scale"),
     compare_async: bool = typer.Option(False, "--async", help="sync vs async RL training: reward against wall time"),
-    train_config: str = typer.Option("arithmetic", "--config", help="--async: packaged config name or YAML file"),
-    override: list[str] = typer.Option([], "--set", help="--async: key=value override for both runs (repeatable)"),
-    seeds: str = typer.Option("0", help="--async: comma-separated seeds, one sync and one async run each"),
-    target: float | None = typer.Option(None, help="--async: reward to reach (default: 0.9 x sync's final reward)"),
+    train_config: str | None = typer.Option(None, "--config", help="--async: packaged config name or YAML file "
+                                            "(default: arithmetic); --against: the treerl config both trainers are "
+                                            "matched to (default: smollm2)"),
+    override: list[str] = typer.Option([], "--set", help="--async, --against: key=value override for both runs "
+                                       "(repeatable)"),
+    seeds: str = typer.Option("0", help="--async, --against: comma-separated seeds, one run of each mode or trainer"),
+    target: float | None = typer.Option(None, help="--async: reward to reach (default: 0.9 x sync's final reward); "
+                                        "--against: (default: 0.9 x TRL's final reward)"),
+    against: str | None = typer.Option(None, "--against", help="trl: treerl train against TRL's GRPOTrainer, same "
+                                       "model, prompts and settings, one after the other (docs/benchmarks.md)"),
+    trl_python: str | None = typer.Option(None, "--trl-python", help="--against trl: a Python with trl 1.16 "
+                                          "(default: the venv tools/trl-venv.sh builds)"),
     threads: int | None = typer.Option(None, help="torch threads (default: torch's own; --async: 1, the trainer's in both modes)"),
     precision: bool = typer.Option(False, "--precision", help="one training step per precision, with LoRA and "
                                    "gradient checkpointing, flat vs dfs, on G samples of one prompt (--shape)"),
@@ -99,6 +109,11 @@ def bench(
     out: Path = typer.Option(Path("outputs/bench"), help="where JSON, markdown and PNG go"),
 ) -> None:
     """Measure what prefix sharing buys: time, memory and speedup over flat, against the FLOP ideal."""
+    if against is not None:
+        run_against(against, train_config, override, workloads or "short", integers("--seeds", seeds), trl_python,
+                    threads or 1, target, out)
+        return
+    workloads = workloads or ",".join(workload_names())
     check_options(shape, vocab_size, device, dtype, workloads, engines, variants, weight_push, model_path, {
         "--prompts": prompts, "--temperature": temperature, "--scale": scale, "--repeats": repeats, "--balance-scale": balance_scale, "--prompt-tokens": prompt_tokens,
         "--response-tokens": response_tokens, "--samples": samples, "--lora-rank": lora_rank, "--cp-tokens": cp_tokens,
@@ -121,7 +136,7 @@ def bench(
     elif mismatch:
         run_mismatch(mismatch, model_path, server_model, dtype, prompts, samples, response_tokens, temperature, out)
     elif compare_async:
-        run_async_compare(train_config, override, integers("--seeds", seeds), target, threads or 1, out)
+        run_async_compare(train_config or "arithmetic", override, integers("--seeds", seeds), target, threads or 1, out)
     elif profile:
         run_profile(config, out)
     elif precision:
@@ -233,6 +248,21 @@ def run_mismatch(url: str, model_path: str, server_model: str, dtype: str, promp
 
     rows = [measure_mismatch(url, model_path, server_model, dtype, prompts, samples, response_tokens, temperature)]
     write_rows(out, "mismatch", rows, mismatch_markdown(rows))
+
+
+def run_against(against: str, train_config: str | None, override: list[str], workloads: str, seeds: list[int],
+                trl_python: str | None, threads: int, target: float | None, out: Path) -> None:
+    """`--against trl`: TRL's GRPOTrainer then treerl train per workload and seed; the table printed and written to
+    out/against_trl.{json,md,png}."""
+    from treerl.bench.against_trl import compare, markdown
+
+    if against != "trl":
+        raise UserError(f"--against {against}: the one trainer measured against is trl")
+    if threads < 1:
+        raise UserError(f"--threads={threads} must be >= 1")
+    result = compare(train_config, override, workloads.split(","), seeds, trl_python, threads, target, out)
+    print(markdown(result["rows"], result["ratios"]))
+    Console().print(f"TRL {result['setup']['trl']} against treerl; written to {out}/against_trl.{{json,md,png}}")
 
 
 def run_async_compare(train_config: str, override: list[str], seeds: list[int], target: float | None, threads: int,
