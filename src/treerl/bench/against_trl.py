@@ -169,9 +169,12 @@ def trl_settings(config: Config, workload: str, seed: int, threads: int) -> dict
         "loss_type": LOSS_TYPES[(algo.loss, algo.aggregation)], "gradient_checkpointing": False,
         "max_completion_length": max_new_tokens(config, workload),
     }
-    if workload == "multi_turn":  # TRL's budget is the whole episode's completion: every reply and tool result
+    if workload == "multi_turn":  # TRL's max_completion_length bounds the whole episode (replies and tool results);
+        # each generate call (a reply) gets treerl's per-reply budget through generation_kwargs, which TRL lets win
+        reply = max_new_tokens(config, workload)
         settings["max_tool_calling_iterations"] = turns - 1
-        settings["max_completion_length"] = turns * max_new_tokens(config, workload) + (turns - 1) * TOOL_RESULT_TOKENS
+        settings["max_completion_length"] = turns * reply + (turns - 1) * TOOL_RESULT_TOKENS
+        settings["generation_kwargs"] = {"max_new_tokens": reply}
     return settings
 
 

@@ -94,6 +94,7 @@ def grpo_config(work: dict[str, Any], output_dir: str) -> Any:
         gradient_checkpointing=s["gradient_checkpointing"], bf16=False, fp16=False,
         shuffle_dataset=False, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, max_tool_calling_iterations=s.get("max_tool_calling_iterations"),
+        generation_kwargs=s.get("generation_kwargs"),
     )
 
 
@@ -180,7 +181,8 @@ def main() -> None:
               "loss_type", "beta", "epsilon", "epsilon_high", "scale_rewards", "num_generations",
               "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size",
               "max_completion_length", "temperature", "top_p", "top_k", "gradient_checkpointing", "bf16",
-              "num_iterations", "max_grad_norm", "max_tool_calling_iterations", "entropy_coef")}})
+              "num_iterations", "max_grad_norm", "max_tool_calling_iterations", "entropy_coef",
+              "generation_kwargs")}})
 
     class StepLog(TrainerCallback):
         """At each optimizer step's end: its times, reward and tokens, and the counters start again."""
