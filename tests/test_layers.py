@@ -82,7 +82,8 @@ def test_the_check_sees_an_upward_import(tmp_path):
 
 # Inside the trainer: `core` below `rl.learn`, which the three loops build on; no loop imports another.
 TRAINER_PARTS = {"core": {"core"}, "rl.learn": {"core"}, "rl.sync": {"core", "rl.learn"},
-                 "asynchronous": {"core", "rl.learn", "asynchronous"}, "sft": {"core", "sft"}}
+                 "asynchronous": {"core", "rl.learn", "asynchronous"}, "sft": {"core", "sft"},
+                 "evaluation": {"core"}}
 
 
 def trainer_part(module: str) -> str | None:

@@ -869,6 +869,26 @@ MUTATIONS = [
              ("tests/rollout/environments/test_held_out_envs.py::"
               "test_reasoning_gym_evaluates_on_questions_no_training_item_asks",),
              "a reasoning-gym evaluation item asking a question a training item asks (a small item space) is kept"),
+    Mutation("pass-at-k-off-by-one", "src/treerl/rollout/scores.py",
+             "math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))",
+             "math.prod(1.0 - k / i for i in range(n - c + 2, n + 1))",
+             ("tests/rollout/test_scores.py::test_pass_at_k_equals_the_share_of_k_subsets_that_pass",),
+             "treerl eval's pass@k is not the chance that one of k samples passes"),
+    Mutation("eval-dropped-samples-not-failing", "src/treerl/rollout/scores.py",
+             "        return self.passed / self.n", "        return self.passed / max(len(self.rewards), 1)",
+             ("tests/rollout/test_scores.py::test_scores_by_hand_dropped_samples_fail_and_trajectories_count_once",),
+             "a model whose samples are dropped (outgrow the context, break the scorer) scores as if they were not asked"),
+    Mutation("compare-on-other-seeds", "src/treerl/trainer/evaluation.py",
+             "            results.append(evaluate_one(config, other, device))",
+             "            results.append(evaluate_one(replace(config, rollout=replace(config.rollout, seed=1)), other, "
+             "device))",
+             ("tests/cli/test_eval_cmd.py::test_a_trained_run_against_its_base_on_the_same_prompts",),
+             "treerl eval --compare samples the second model on other prompts or seeds: its difference is not paired"),
+    Mutation("samples-log-unbounded", "src/treerl/trainer/rl/learn.py",
+             "        rows = sample_rows(batch.sequences, batch.stats, run.tokenizer, limit)",
+             "        rows = sample_rows(batch.sequences, batch.stats, run.tokenizer, None)",
+             ("tests/cli/test_train_cmd.py::test_train_smoke",),
+             "samples.jsonl holds every trajectory of every step (trainer.log_samples ignored): it grows without bound"),
 ]
 
 

@@ -33,6 +33,11 @@ def test_train_smoke(tmp_path):
         "held_out": True, "how": "2 of the 25 sums, never trained on (rollout.eval_fraction=0.1)", "items": 2, "of": 25,
         "prompts": 4}
     assert "evaluation asks 2 of the 25 sums, never trained on" in result.output
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]  # trainer.log_samples=4
+    assert [(r["step"], r["split"]) for r in samples] == [(0, "eval")] * 4 + [(0, "train")] * 4 + [(1, "train")] * 4 \
+        + [(2, "eval")] * 4
+    assert [r["group"] for r in samples[4:8]] == ["s0/p0", "s0/p1", "s0/p0", "s0/p1"]  # spread over the prompts
+    assert all(r["prompt"].endswith("=<eos><assistant>") and "reply" in r and "reward" in r for r in samples)
 
 
 # 30 steps of the demo on 8 prompts a step, with a higher learning rate and no warm-up; evaluated on 16 prompts.

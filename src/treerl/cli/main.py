@@ -22,7 +22,7 @@ from typing import Any
 
 import typer
 
-from treerl.cli import bench_cmd, export_cmd, inspect_cmd, serve_cmd, train_cmd
+from treerl.cli import bench_cmd, eval_cmd, export_cmd, inspect_cmd, serve_cmd, train_cmd
 from treerl.errors import Interrupted, ServerError, TrainingStopped, UserError
 
 app = typer.Typer(
@@ -66,6 +66,7 @@ def main() -> None:
 
 
 app.command("bench")(reported(bench_cmd.bench))
+app.command("eval")(reported(eval_cmd.evaluate))
 app.command("export")(reported(export_cmd.export))
 app.command("inspect")(reported(inspect_cmd.inspect))
 app.command("serve")(reported(serve_cmd.serve))

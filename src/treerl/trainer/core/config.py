@@ -154,6 +154,7 @@ class TrainerConfig:
     # Evaluation: the policy's mean reward on a fixed set of prompts (sampled like the rollout).
     eval_prompts: int = 64  # prompts (episodes) per evaluation; 0: no evaluation
     eval_every: int = 0  # also evaluate every this many steps; 0: only at the start and the end
+    log_samples: int = 4  # trajectories of each step (and each evaluation) written to output_dir/samples.jsonl with their prompt, reply or turns, reward and metrics (spread over the prompts; dropped samples too, with their reason); 0: none
 
     # Output.
     output_dir: str = "runs/train"  # metrics.jsonl, tensorboard/, checkpoints/, summary.json
@@ -182,6 +183,16 @@ class SFTConfig:
     max_line_bytes: int = MAX_LINE_BYTES  # longest line of a JSONL data_path; a longer one is an error naming it
 
 
+@dataclass
+class EvalConfig:
+    """`treerl eval`: a model's held-out evaluation, trainer.eval_prompts prompts (docs/training.md#treerl-eval)."""
+
+    samples: int = 8  # samples per prompt (independent: a multi-turn episode is not branched)
+    k: list[int] = field(default_factory=lambda: [1, 8])  # pass@k for each k (1 <= k <= samples): the chance that one of k samples passes, estimated without bias from the samples
+    pass_reward: float = 1.0  # a sample passes when its reward is at least this
+    prompts_per_call: int = 8  # prompts sampled at once (the progress bar advances by them)
+
+
 def _demo_algo() -> AlgoConfig:
     """Dr. GRPO with an entropy bonus: without the bonus the tiny demo policy collapses onto one answer, and
     GRPO's std scaling blows the tiny format-credit differences of early samples up into full-size advantages."""
@@ -199,6 +210,7 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def check(self) -> None:
         """Every value check of every section, before anything is built."""
@@ -390,6 +402,7 @@ def check_ranges(config: Config) -> None:
         "trainer.keep_checkpoints": t.keep_checkpoints, "engine.batch_tokens": config.engine.batch_tokens,
         "sft.eval_conversations": config.sft.eval_conversations, "trainer.max_staleness": t.max_staleness,
         "trainer.max_worker_restarts": t.max_worker_restarts, "trainer.max_failed_steps": t.max_failed_steps,
+        "trainer.log_samples": t.log_samples,
     }
     for key, value in non_negative.items():
         if not value >= 0:
@@ -397,6 +410,7 @@ def check_ranges(config: Config) -> None:
     for key, threads in (("trainer.threads", t.threads), ("trainer.worker_threads", t.worker_threads)):
         if threads is not None and threads > MAX_THREADS:  # torch would try to start them all (and crash)
             raise ConfigError(f"{key}={threads} must be <= {MAX_THREADS}")
+    check_eval(config.eval)
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
@@ -406,6 +420,16 @@ def check_ranges(config: Config) -> None:
         check_memory_settings(e.memory, e.max_tokens, e.memory_budget_tokens, e.memory_budget_bytes, prefix="engine.")
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def check_eval(section: EvalConfig) -> None:
+    """`treerl eval`'s counts: at least one sample and prompt a call, each k of pass@k from 1 to eval.samples."""
+    for key in ("samples", "prompts_per_call"):
+        if getattr(section, key) < 1:
+            raise ConfigError(f"eval.{key}={getattr(section, key)} must be >= 1")
+    if not section.k or any(not 1 <= k <= section.samples for k in section.k):
+        raise ConfigError(f"eval.k={section.k}: pass@k needs each k in 1..eval.samples={section.samples} (k samples "
+                          "of the prompt's samples)")
 
 
 def get(config: Any, key: str) -> Any:

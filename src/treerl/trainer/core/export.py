@@ -39,11 +39,20 @@ from treerl.trainer.core.loop_state import LoopState
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None = None) -> Path:
     """Write the policy of `checkpoint` (adapters merged) to the new directory `out`, in `dtype` (default: as trained)."""
-    path, out = Path(checkpoint), Path(out)
+    out = Path(out)
     check_out(out, dtype)
+    model, tokenizer = checkpoint_policy(checkpoint)
+    return write_model(model, tokenizer, out, dtype)
+
+
+def checkpoint_policy(checkpoint: str | Path, device: torch.device | None = None
+                      ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The policy a checkpoint holds (verified; LoRA adapters merged into the base they were trained on) and its
+    tokenizer, built as the run built it (its own config: base model, dtype, LoRA)."""
+    path = Path(checkpoint)
     verify_checkpoint(path)
     config = load_config(path / CONFIG_FILE)  # the run's own settings: its base model, dtype and LoRA
-    model, tokenizer = load_policy(config.model, torch.device("cpu"))
+    model, tokenizer = load_policy(config.model, device or torch.device("cpu"))
     if is_lora(model):
         saved = LoopState.from_dict(read_state(path / STATE_FILE).get("loop", {}))
         check_same_base(path, saved.lora_base, base_fingerprint(model))
@@ -51,7 +60,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
         model = model.merge_and_unload()
     else:
         load_weights(path, model)
-    return write_model(model, tokenizer, out, dtype)
+    return model, tokenizer
 
 
 def export_shape(shape: str, out: str | Path, dtype: str | None = None, seed: int = 0) -> Path:

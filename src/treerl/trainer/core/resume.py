@@ -42,8 +42,8 @@ from treerl.trainer.core.config import Config, TrainerConfig, to_yaml
 
 log = logging.getLogger("treerl.trainer")
 
-OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "dropped.jsonl", "tensorboard", "server_weights",
-           "curves.png")
+OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "dropped.jsonl", "samples.jsonl", "tensorboard",
+           "server_weights", "curves.png")
 # What a checkpoint's weights and optimizer state only make sense with. ("algo.advantage" is compared resolved:
 # it decides whether a critic is trained.)
 IMMUTABLE = ("model.path", "model.shape", "model.tokenizer_path", "model.dtype", "algo.loss", "algo.advantage",

@@ -46,6 +46,7 @@ from treerl.errors import ServerError, TrainingStopped
 from treerl.models import is_lora
 from treerl.rollout import Rollout, RolloutBatch, RolloutStats, Sampler, tool_format_warning
 from treerl.rollout.stats import environment_metrics
+from treerl.rollout.trajectories import sample_rows
 from treerl.trainer.core.build import load_policy
 from treerl.trainer.core.config import Config, measures_mismatch
 from treerl.trainer.core.learner import Learner
@@ -161,20 +162,26 @@ def learn(run: Run, batch: RolloutBatch, reference: Reference | None, step: int,
 
     `proximal_in_loss` (decoupled PPO with one optimizer step per batch): the proximal policy is the
     very policy the update differentiates, so its log-probs are taken, detached, from the update's
-    own forward instead of an extra no-grad pass over the batch (see `policy_loss`).
+    own forward instead of an extra no-grad pass over the batch (see `policy_loss`); each rank then
+    shares those of its sequences. A decoupled `rollout_correction` preset fixes its weights and
+    rejections before the update, so it takes the pass.
     """
     metrics = batch.stats.metrics() | environment_metrics(batch.sequences)
     report_dropped(run, step, batch.stats)
+    report_samples(run, step, batch, "train")
     if batch.sequences:
         run.failed_steps.clear()
         metrics.update(tree_metrics(batch.sequences))
         algo = run.config.algo.resolved()
-        proximal_in_loss = proximal_in_loss and uses_proximal(algo)
+        proximal_in_loss = proximal_in_loss and uses_proximal(algo) and not corrects_rollout(algo)
         prepared = time.perf_counter()
         behaviour = prepare(run, batch.sequences, reference, proximal_in_loss)
         metrics["time/logprobs"] = time.perf_counter() - prepared
+        computed: list[TokenSequence] = []  # with proximal_in_loss: the sequences whose loss ran on this rank
         metrics.update(update(run, batch.sequences, step,
-                              lambda minibatch: policy_loss(algo, minibatch, proximal_in_loss)))
+                              lambda minibatch: policy_loss(algo, minibatch, proximal_in_loss, computed)))
+        if proximal_in_loss:
+            share_computed(batch.sequences, computed, ["prox_logprobs"])
         if behaviour is not None:  # after the update: with proximal_in_loss its forward gave the trainer's log-probs
             metrics.update(step_mismatch(run.config, batch.sequences, behaviour, step))
         if run.critic is not None:
@@ -333,6 +340,7 @@ def evaluate(run: Run, evaluation: Rollout | None, step: int, label: str | None,
     if evaluation is None:
         return float("nan")
     batch = collect(run, evaluation, EVAL_STEP)
+    report_samples(run, step, batch, "eval")
     stats = batch.stats
     metrics = {f"eval/{k.removeprefix('rollout/')}": v
                for k, v in (stats.metrics() | environment_metrics(batch.sequences)).items()}
@@ -351,6 +359,15 @@ def evaluate(run: Run, evaluation: Rollout | None, step: int, label: str | None,
         run.report.print(f"mean reward at {label}: {stats.reward_mean:.3f} (evaluation: {stats.samples} samples of "
                   f"{config.task}, {evaluation.config.prompts_per_step} prompts x {config.group_size}, step {step})")
     return stats.reward_mean
+
+
+def report_samples(run: Run, step: int, batch: RolloutBatch, split: str) -> None:
+    """`trainer.log_samples` of the batch's trajectories (spread over its prompts) and the dropped samples it reported,
+    as text, to output_dir/samples.jsonl; `split`: "train", or "eval" (an evaluation before step `step`)."""
+    limit = run.config.trainer.log_samples
+    if limit and run.env.is_main:
+        rows = sample_rows(batch.sequences, batch.stats, run.tokenizer, limit)
+        run.report.write_jsonl("samples.jsonl", [{"step": step, "split": split, **row} for row in rows])
 
 
 def report_dropped(run: Run, step: int, stats: RolloutStats) -> None:
