@@ -889,6 +889,22 @@ MUTATIONS = [
              "        rows = sample_rows(batch.sequences, batch.stats, run.tokenizer, None)",
              ("tests/cli/test_train_cmd.py::test_train_smoke",),
              "samples.jsonl holds every trajectory of every step (trainer.log_samples ignored): it grows without bound"),
+    # ------------------------------------------------------------------ treerl bench --against trl (issue 56)
+    Mutation("against-trl-loss-type-swapped", "src/treerl/bench/against_trl.py",
+             'LOSS_TYPES = {("grpo", "token_mean"): "dapo", ("grpo", "seq_mean_token_mean"): "grpo"}',
+             'LOSS_TYPES = {("grpo", "token_mean"): "grpo", ("grpo", "seq_mean_token_mean"): "dapo"}',
+             ("tests/bench/test_against_trl.py::test_trl_settings_are_treerls_own",),
+             "TRL trains a per-sequence mean where treerl trains the batch's token mean: the curves compared are of "
+             "two objectives"),
+    Mutation("against-trl-unmatched-setting-accepted", "src/treerl/bench/against_trl.py",
+             "        if value != expected and not (expected is None and value in (None, [])):",
+             "        if False:",
+             ("tests/bench/test_against_trl.py::test_a_setting_trl_cannot_match_is_refused_in_one_line_before_anything_runs",),
+             "a KL penalty, several epochs or bf16 run on treerl's side only: TRL is timed on less work, unsaid"),
+    Mutation("against-trl-update-counts-generation", "src/treerl/bench/trl_runner.py",
+             '"update": timers["training_step"] - rollout,', '"update": timers["training_step"],',
+             ("tests/bench/test_against_trl.py::test_one_step_of_each_trainer_on_every_workload",),
+             "TRL's update time includes its generation (the time split adds up to more than the step)"),
 ]
 
 
