@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from treerl.bench.async_compare import time_to
 from treerl.errors import UserError
 from treerl.rollout.rewards import import_object
 from treerl.rollout.tasks.base import rng_for
@@ -388,11 +389,6 @@ def smoothed(steps: list[dict[str, Any]]) -> list[tuple[float, float]]:
         rewards.append(s["reward_mean"] if s["reward_mean"] is not None else 0.0)
         curve.append((clock, statistics.fmean(rewards[-WINDOW:])))
     return curve
-
-
-def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
-    """Seconds until the smoothed reward first reaches `target` (None: never)."""
-    return next((t for t, reward in curve if reward >= target), None)
 
 
 def summary(run: Run, target: float) -> dict[str, Any]:
