@@ -162,9 +162,7 @@ def learn(run: Run, batch: RolloutBatch, reference: Reference | None, step: int,
 
     `proximal_in_loss` (decoupled PPO with one optimizer step per batch): the proximal policy is the
     very policy the update differentiates, so its log-probs are taken, detached, from the update's
-    own forward instead of an extra no-grad pass over the batch (see `policy_loss`); each rank then
-    shares those of its sequences. A decoupled `rollout_correction` preset fixes its weights and
-    rejections before the update, so it takes the pass.
+    own forward instead of an extra no-grad pass over the batch (see `policy_loss`).
     """
     metrics = batch.stats.metrics() | environment_metrics(batch.sequences)
     report_dropped(run, step, batch.stats)
@@ -173,15 +171,12 @@ def learn(run: Run, batch: RolloutBatch, reference: Reference | None, step: int,
         run.failed_steps.clear()
         metrics.update(tree_metrics(batch.sequences))
         algo = run.config.algo.resolved()
-        proximal_in_loss = proximal_in_loss and uses_proximal(algo) and not corrects_rollout(algo)
+        proximal_in_loss = proximal_in_loss and uses_proximal(algo)
         prepared = time.perf_counter()
         behaviour = prepare(run, batch.sequences, reference, proximal_in_loss)
         metrics["time/logprobs"] = time.perf_counter() - prepared
-        computed: list[TokenSequence] = []  # with proximal_in_loss: the sequences whose loss ran on this rank
         metrics.update(update(run, batch.sequences, step,
-                              lambda minibatch: policy_loss(algo, minibatch, proximal_in_loss, computed)))
-        if proximal_in_loss:
-            share_computed(batch.sequences, computed, ["prox_logprobs"])
+                              lambda minibatch: policy_loss(algo, minibatch, proximal_in_loss)))
         if behaviour is not None:  # after the update: with proximal_in_loss its forward gave the trainer's log-probs
             metrics.update(step_mismatch(run.config, batch.sequences, behaviour, step))
         if run.critic is not None:
