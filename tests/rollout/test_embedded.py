@@ -75,14 +75,15 @@ def test_truncate_logits_known_answers():
     assert torch.isfinite(truncate_logits(ties, top_k=2)).sum() == 3  # ties at the k-th value are kept (vLLM)
 
 
-def test_each_prompt_is_prefilled_once(policy, tokenizer):
-    """The first forward runs the distinct prompts (not n copies); later ones decode one token per row."""
+def test_the_padded_path_prefills_each_prompt_once(policy, tokenizer):
+    """Without prefix sharing, the first forward runs the distinct prompts (not n copies); later ones decode one
+    token per row."""
     shapes = []
     hook = policy.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
                                             with_kwargs=True)
     try:
         prompts = _prompts(tokenizer)
-        EmbeddedSampler(policy).generate(prompts, SamplingParams(n=4, max_new_tokens=5, seed=1))
+        EmbeddedSampler(policy, prefix_sharing=False).generate(prompts, SamplingParams(n=4, max_new_tokens=5, seed=1))
     finally:
         hook.remove()
     assert shapes[0] == (3, max(len(p) for p in prompts))
@@ -90,12 +91,13 @@ def test_each_prompt_is_prefilled_once(policy, tokenizer):
 
 
 def test_stop_tokens_end_a_completion_and_finished_rows_leave_the_batch(policy, tokenizer):
-    """Completions end right after their first stop token, and the decode batch shrinks as rows stop."""
+    """Completions end right after their first stop token, and the decode batch shrinks as rows stop (the padded
+    path's calls; the shared path's: tests/rollout/test_prefix_sharing.py)."""
     stop = tuple(range(0, len(tokenizer), 8))
     rows = []
     hook = policy.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
     try:
-        groups = EmbeddedSampler(policy).generate(
+        groups = EmbeddedSampler(policy, prefix_sharing=False).generate(
             _prompts(tokenizer), SamplingParams(n=5, max_new_tokens=6, stop_token_ids=stop, seed=2)
         )
     finally:

@@ -4,6 +4,8 @@ refuses tools it never shows the model."""
 
 from __future__ import annotations
 
+import os
+
 import openai
 import pytest
 import torch
@@ -52,6 +54,28 @@ def test_embedded_sampler_logprobs_are_dfs_engines_recomputation(real, chat):
     recomputed = DfsEngine(head=PolicyHead(temperature=0.7)).forward(model, sequences)
     for (start, logprobs), out in zip(behaviour, recomputed):
         torch.testing.assert_close(logprobs, out["logprobs"][start:], rtol=0, atol=LOGPROB_ATOL)
+
+
+def test_prompts_under_a_shared_system_prompt_sample_what_the_padded_path_samples(real, chat):
+    """A GRPO call whose prompts share a long system prompt, generated over one copy of its K/V, then again from the
+    prefix cache: the tokens the padded path samples (each prompt prefilled whole), log-probs equal up to float32's
+    rounding over a long context (both paths are ~2e-5 from a float64 recomputation at 1.8k tokens)."""
+    model, tokenizer = real
+    system = " ".join(f"Rule {i}: answer in one short sentence." for i in range(15))
+    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
+                                             add_generation_prompt=True, return_dict=False)
+               for q in ["What is 7 + 5?", "Name a colour."]]
+    params = SamplingParams(n=3, max_new_tokens=6, temperature=0.7, stop_token_ids=tuple(chat.stop_token_ids), seed=1)
+    expected = EmbeddedSampler(model, prefix_sharing=False).generate(prompts, params)
+    sampler = EmbeddedSampler(model)
+    for _ in range(2):
+        for group_a, group_b in zip(expected, sampler.generate(prompts, params)):
+            for a, b in zip(group_a, group_b):
+                assert a.tokens == b.tokens
+                torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=LOGPROB_ATOL)
+    shared = len(os.path.commonprefix(prompts))
+    assert shared > 100 and sampler.counts.prefill_tokens == len(prompts[0]) + len(prompts[1]) - shared + 2
+    assert sampler.counts.cached_tokens >= shared
 
 
 def test_a_two_turn_conversation_records_what_was_sampled_in_the_real_template(real, chat):

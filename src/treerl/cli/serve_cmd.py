@@ -13,6 +13,7 @@ from treerl.cli.options import check_positive
 from treerl.errors import UserError
 from treerl.models import DTYPES
 from treerl.rollout.client import API_KEY_ENV
+from treerl.rollout.prefix_cache import DEFAULT_TOKENS
 from treerl.rollout.server import PROTOCOLS
 
 
@@ -40,6 +41,9 @@ def serve(
     seed: int = typer.Option(0, help="seed of the random-init weights"),
     served_model_name: str = typer.Option("default", help="the model name clients send"),
     trust_remote_code: bool = typer.Option(False, help="run Python code shipped with --model-path (auto_map)"),
+    prefix_cache_tokens: int = typer.Option(DEFAULT_TOKENS, help="tokens of computed prefixes whose K/V the server "
+                                            "keeps across requests (a conversation's next turn prefills only its "
+                                            "new tokens; emptied when weights are loaded); 0: none"),
     protocol: str = typer.Option("vllm", help="the server it imitates: vllm (0.32: /v1/completions, "
                                  "/inference/v1/generate, its RL routes) or sglang (0.5.23: /generate and its routes)"),
 ) -> None:
@@ -65,6 +69,8 @@ def serve(
                         "only your clients can sample and load weights")
     check_positive({"--max-n": max_n, "--max-tokens": max_tokens, "--max-prompts": max_prompts,
                     "--request-timeout": request_timeout})
+    if prefix_cache_tokens < 0:
+        raise UserError(f"--prefix-cache-tokens={prefix_cache_tokens} must be >= 0 (0: no cache)")
     if not 1 <= port <= 65535:
         raise UserError(f"--port={port} must be a TCP port, 1 to 65535")
     device = str(check_device(device, "--device"))
@@ -81,8 +87,8 @@ def serve(
     access = "API key required" if guard.api_key else "no API key (loopback only)"
     typer.echo(f"treerl serve: {model_path or shape} on http://{host}:{port} as {served_model_name!r}, {protocol} "
                f"protocol; {access}")
-    run_server(EmbeddedSampler(model), tokenizer, host=host, port=port, model_name=served_model_name, guard=guard,
-               protocol=protocol)
+    run_server(EmbeddedSampler(model, prefix_cache_tokens=prefix_cache_tokens), tokenizer, host=host, port=port,
+               model_name=served_model_name, guard=guard, protocol=protocol)
 
 
 def is_loopback(host: str) -> bool:

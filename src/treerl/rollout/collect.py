@@ -33,6 +33,7 @@ from treerl.rollout.embedded import EmbeddedSampler
 from treerl.rollout.environments.spec import PROXIED, parse_env_specs
 from treerl.rollout.images import ImageProcessor
 from treerl.rollout.multi_turn import MultiTurnWorkflow
+from treerl.rollout.prefix_sharing import PrefixCounts
 from treerl.rollout.proxy import ChatProxy
 from treerl.rollout.rewards import UserCode, load_reward_fn
 from treerl.rollout.sampler import Sampler, SamplingParams
@@ -64,7 +65,8 @@ def build_sampler(config: RolloutConfig, model: PreTrainedModel | None = None,
         return client
     if model is None:
         raise ValueError("rollout: no rollout.server_url, so the embedded sampler needs the model")
-    return EmbeddedSampler(model, autocast=autocast, return_routed_experts=config.return_routed_experts)
+    return EmbeddedSampler(model, autocast=autocast, return_routed_experts=config.return_routed_experts,
+                           prefix_cache_tokens=config.prefix_cache_tokens)
 
 
 def server_client(config: RolloutConfig) -> CompletionsClient:
@@ -158,7 +160,9 @@ class Rollout:
         """The sequences of `prompts`, sampled with `seed`, and their counters."""
         stats = RolloutStats()
         started = time.perf_counter()
+        counts = PrefixCounts.of(self.sampler)
         sequences = self.workflow.run(self.sampler, prompts, stats, seed=seed)
+        stats.count_prefills(counts and PrefixCounts.of(self.sampler) - counts)
         stats.seconds = time.perf_counter() - started
         return RolloutBatch(sequences, stats)
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from treerl.rollout.client import SERVER_TYPES
 from treerl.rollout.environments.spec import parse_env_specs
+from treerl.rollout.prefix_cache import DEFAULT_TOKENS
 from treerl.rollout.tasks.heldout import check_fraction
 from treerl.rollout.tasks.shapes import MAX_SHAPES
 from treerl.rollout.tool_parsers import PARSER_NAMES
@@ -40,6 +41,7 @@ class RolloutConfig:
     top_k: int = 0  # sample among the k most likely tokens only (0: all; truncated as top_p)
     min_p: float = 0.0  # sample among tokens at least min_p x the most likely one's probability (0: all; truncated as top_p)
     stop_tokens: list[str] = field(default_factory=list)  # extra tokens that end a reply (besides the eos token)
+    prefix_cache_tokens: int = DEFAULT_TOKENS  # the embedded sampler (and treerl serve) keeps the K/V of prefixes it computed, up to this many tokens (least recently used out first; never more than a quarter of free memory; emptied at each weight update), so a multi-turn episode's next turn, a branch's sibling or an agent's next request prefills only its new tokens; 0: none (the prompts of one call still share their prefixes)
     return_routed_experts: bool = False  # an MoE policy: record the experts each layer routed every token to, with each sample (for trainer.routing_replay; the embedded sampler)
 
     # Multi-turn episodes.
@@ -132,7 +134,7 @@ class RolloutConfig:
 
 # The rollout's counts, sizes and timeouts, checked in one place: the key (under rollout.) and its least value.
 AT_LEAST = {"prompts_per_step": 1, "group_size": 1, "branch_factor": 1, "max_context_tokens": 1, "max_number": 1,
-            "max_concurrent_episodes": 1, "max_line_bytes": 1, "max_operand": 0, "top_k": 0}
+            "max_concurrent_episodes": 1, "max_line_bytes": 1, "max_operand": 0, "top_k": 0, "prefix_cache_tokens": 0}
 AT_LEAST_ONE_OR_NULL = ("max_new_tokens", "max_turns")  # null: the task's default
 POSITIVE = ("temperature", "request_timeout", "episode_timeout", "reward_timeout", "env_timeout")  # timeouts in seconds; null: no limit
 

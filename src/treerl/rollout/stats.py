@@ -9,9 +9,13 @@ import logging
 import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from treerl.rollout.sampler import Completion
 from treerl.tree import TokenSequence
+
+if TYPE_CHECKING:
+    from treerl.rollout.prefix_sharing import PrefixCounts
 
 log = logging.getLogger("treerl.rollout")
 
@@ -46,6 +50,10 @@ class RolloutStats:
     shared_tokens: int = 0  # agent prompt tokens reused from the recorded calls they extend
     sharing_lost_tokens: int = 0  # tokens of the call before a cut history that the call after it no longer shares
     tool_choice_failures: int = 0  # agent replies refused: tool_choice="required" and no tool call written
+    prompt_tokens: int = 0  # prompt tokens asked of the embedded sampler (what prefilling each prompt whole runs)
+    prefill_tokens: int = 0  # tokens its prefills ran (each shared prefix once)
+    cached_tokens: int = 0  # distinct prefix tokens it read from its prefix cache instead
+    unshared_calls: int = 0  # its calls that prefilled each prompt whole (a model or images it cannot share)
     seconds: float = 0.0
     rewards: list[float] = field(default_factory=list)  # one per kept trajectory
     dropped: Counter[str] = field(default_factory=Counter)  # reason -> count
@@ -56,6 +64,15 @@ class RolloutStats:
         self.model_calls += 1
         self.generated_tokens += len(completion.tokens)
         self.truncated_replies += completion.finish_reason == "length"
+
+    def count_prefills(self, counts: PrefixCounts | None) -> None:
+        """Add what the embedded sampler prefilled and reused meanwhile (`PrefixCounts` differences; None: a
+        sampler that does not count them)."""
+        if counts is not None:
+            self.prompt_tokens += counts.prompt_tokens
+            self.prefill_tokens += counts.prefill_tokens
+            self.cached_tokens += counts.cached_tokens
+            self.unshared_calls += counts.unshared_calls
 
     def drop(self, sample: DroppedSample, kind: str) -> None:
         """Count a lost sample under `kind` and report it (log warning, kept for the trainer)."""
@@ -120,6 +137,12 @@ class RolloutStats:
             "rollout/seconds": self.seconds,
             "rollout/tokens_per_second": self.generated_tokens / self.seconds if self.seconds > 0 else 0.0,
         }
+        if self.prompt_tokens or self.unshared_calls:  # the embedded sampler's prefills
+            needed = self.prefill_tokens + self.cached_tokens
+            out.update({"rollout/prompt_tokens": self.prompt_tokens, "rollout/prefill_tokens": self.prefill_tokens,
+                        "rollout/cached_tokens": self.cached_tokens,
+                        "rollout/prefix_hit_rate": self.cached_tokens / needed if needed else 0.0,
+                        "rollout/unshared_calls": self.unshared_calls})
         out.update({f"rollout/dropped_{kind}": count for kind, count in self.dropped.items()})
         return {k: float(v) for k, v in out.items()}
 

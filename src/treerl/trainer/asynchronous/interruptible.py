@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from treerl.rollout import Completion, EmbeddedSampler, SamplingParams
+from treerl.rollout.prefix_sharing import PrefixCounts
 from treerl.rollout.tasks.base import rng_for
 from treerl.tree import ImageSpan
 
@@ -35,6 +36,10 @@ class InterruptibleSampler:
     @property
     def version(self) -> int:
         return self.inner.version
+
+    @property
+    def counts(self) -> PrefixCounts:
+        return self.inner.counts
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  images: list[tuple[ImageSpan, ...]] | None = None) -> list[list[Completion]]:

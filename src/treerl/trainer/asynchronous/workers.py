@@ -42,6 +42,7 @@ import torch
 from treerl.errors import ServerError, UserError
 from treerl.rollout import EmbeddedSampler, Rollout, RolloutStats
 from treerl.rollout.collect import server_client
+from treerl.rollout.prefix_sharing import PrefixCounts
 from treerl.rollout.tasks.base import Prompt, rng_for
 from treerl.trainer.asynchronous.interruptible import InterruptibleSampler
 from treerl.trainer.asynchronous.weights import SharedWeights
@@ -141,7 +142,8 @@ def embedded_rollout(config: Config, weights: SharedWeights | None,
     model.register_forward_pre_hook(beat)
     embedded = EmbeddedSampler(model, version=weights.pull(model, have=-1),
                                autocast=autocast_dtype(config.trainer.precision),
-                               return_routed_experts=config.rollout.return_routed_experts)
+                               return_routed_experts=config.rollout.return_routed_experts,
+                               prefix_cache_tokens=config.rollout.prefix_cache_tokens)
 
     def refresh() -> None:
         embedded.version = weights.pull(model, embedded.version)
@@ -198,7 +200,9 @@ def sample_chunk(rollout: Rollout, chunk: Chunk, version: int) -> tuple[list[Gro
     seed = rng_for("sampling", rollout.config.seed, step).getrandbits(62)
     if place:  # a seed of its own, not the step's plus place: seeds one apart would repeat each other's streams
         seed = rng_for("chunk", seed, place).getrandbits(62)
+    counts = PrefixCounts.of(rollout.sampler)
     sequences = rollout.workflow.run(rollout.sampler, [job.prompt for job in chunk.jobs], stats, seed=seed)
+    stats.count_prefills(counts and PrefixCounts.of(rollout.sampler) - counts)
     stats.seconds = time.perf_counter() - started
     by_group: dict[str, list[TokenSequence]] = defaultdict(list)
     for seq in sequences:
