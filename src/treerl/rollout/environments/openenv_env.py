@@ -42,7 +42,7 @@ from treerl.rollout.environments.extras import import_library
 from treerl.rollout.environments.replay import Opener, ReplayedEnvironment, close_quietly
 from treerl.rollout.rewards import RewardFailure, UserCode, import_object
 from treerl.rollout.tasks.base import EnvReply, Prompt, rng_for
-from treerl.rollout.tasks.heldout import EVAL_FRACTION, HeldOut, SeedSplit
+from treerl.rollout.tasks.heldout import EVAL_FRACTION, SeededEpisodes
 
 OWN_KEYS = ("action_field", "observation_field", "action_class")  # treerl's; the rest: constructor
 SHOWN_EXCLUDES = {"done", "reward", "metadata"}  # what an OpenEnv server never puts in the observation it sends
@@ -133,8 +133,9 @@ def reply_of(observation: Any, actions: TextActions) -> EnvReply:
 
 
 @dataclass
-class OpenEnvTask:
-    """A multi-turn task over an OpenEnv environment: its reset observation is the prompt, its steps the turns."""
+class OpenEnvTask(SeededEpisodes):
+    """A multi-turn task over an OpenEnv environment: its reset observation is the prompt, its steps the turns;
+    evaluation's episodes reset with seeds training never uses."""
 
     name: str
     open_session: Any  # seed -> (session, first observation as messages)
@@ -153,14 +154,6 @@ class OpenEnvTask:
     def held_out_prompts(self, count: int) -> list[Prompt]:
         """The evaluation set: `count` episodes reset with seeds training never uses (`SeedSplit`)."""
         return [self.opened(f"eval/p{i}", self.seeds.held_out_seed(i)) for i in range(count)]
-
-    @property
-    def seeds(self) -> SeedSplit:
-        return SeedSplit(self.name, self.seed, self.eval_fraction)
-
-    @property
-    def held_out(self) -> HeldOut:
-        return self.seeds.held_out
 
     def opened(self, prompt_id: str, seed: int) -> Prompt:
         """The prompt of the episode reset with `seed`: its first observation (a failed reset drops the episode)."""

@@ -42,7 +42,7 @@ from treerl.errors import UserError
 from treerl.rollout.chat import Message
 from treerl.rollout.environments.extras import import_library, say_once
 from treerl.rollout.tasks.base import EnvReply, Prompt, rng_for
-from treerl.rollout.tasks.heldout import EVAL_FRACTION, HeldOut, SeedSplit
+from treerl.rollout.tasks.heldout import EVAL_FRACTION, SeededEpisodes
 
 if TYPE_CHECKING:
     from treerl.rollout.config import RolloutConfig
@@ -143,8 +143,8 @@ class TextArenaGame:
 
 
 @dataclass
-class TextArenaTask:
-    """Episodes of one TextArena game id."""
+class TextArenaTask(SeededEpisodes):
+    """Episodes of one TextArena game id; evaluation's reset with seeds training never uses."""
 
     make: Any  # () -> a fresh game, as ta.make(id, **env_args)
     max_turns: int
@@ -164,14 +164,6 @@ class TextArenaTask:
         """The evaluation set: `count` games reset with seeds training never uses (`SeedSplit`)."""
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [Prompt(f"eval/p{i}", list(system), answer=self.seeds.held_out_seed(i)) for i in range(count)]
-
-    @property
-    def seeds(self) -> SeedSplit:
-        return SeedSplit(self.name, self.seed, self.eval_fraction)
-
-    @property
-    def held_out(self) -> HeldOut:
-        return self.seeds.held_out
 
     def environment(self, prompt: Prompt) -> TextArenaGame:
         """A fresh game, reset with the episode's seed."""

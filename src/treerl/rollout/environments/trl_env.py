@@ -45,9 +45,7 @@ from typing import Any
 from treerl.errors import UserError
 from treerl.rollout.config import RolloutConfig
 from treerl.rollout.rewards import NamedFailure, check_reward, import_object
-from treerl.rollout.tasks.base import Prompt
-from treerl.rollout.tasks.dataset import DatasetTask, agent_rows
-from treerl.rollout.tasks.heldout import HeldOut
+from treerl.rollout.tasks.dataset import DatasetTask, FromRows, agent_rows
 
 OWN_KEYS = ("rows",)  # treerl's; the other env_args go to the class's constructor
 REWARD_KWARGS = ("prompts", "completions", "completion_ids", "environments", "trainer_state", "log_extra",
@@ -64,8 +62,9 @@ class EnvCallFailed(NamedFailure):
 
 
 @dataclass
-class TrlEnvironmentTask:
-    """Episodes of a TRL environment class, one instance each, driven through the recording proxy."""
+class TrlEnvironmentTask(FromRows):
+    """Episodes of a TRL environment class, one instance each, driven through the recording proxy; its rows (reset's
+    arguments) held out as a dataset's are."""
 
     name: str
     cls: type
@@ -77,18 +76,6 @@ class TrlEnvironmentTask:
     max_turns: int | None = None  # rollout.max_turns: model calls per episode at most (None: until no tool call)
     reward_fn: Any = None  # rollout.reward_fn, called as TRL calls its reward_funcs (with the environments)
     max_new_tokens: int = MAX_NEW_TOKENS
-
-    def prompts(self, step: int, count: int) -> list[Prompt]:
-        """Rows step*count ... of the seeded endless stream of rows (a DatasetTask's order); each answer is its row."""
-        return self.rows.prompts(step, count)
-
-    def held_out_prompts(self, count: int) -> list[Prompt]:
-        """The evaluation set: the held-out rows (rollout.eval_fraction of them), which training never resets with."""
-        return self.rows.held_out_prompts(count)
-
-    @property
-    def held_out(self) -> HeldOut:
-        return self.rows.held_out
 
     async def agent(self, client: Any, row: dict[str, Any]) -> dict[str, Any]:
         """One episode as TRL plays it: reset(**row), tool calls until a reply has none (or the N-th call of

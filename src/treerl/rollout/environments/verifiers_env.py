@@ -49,9 +49,7 @@ from treerl.errors import UserError
 from treerl.rollout.config import RolloutConfig
 from treerl.rollout.environments.trl_env import EnvCallFailed
 from treerl.rollout.rewards import check_metrics, check_reward
-from treerl.rollout.tasks.base import Prompt
-from treerl.rollout.tasks.dataset import DatasetTask
-from treerl.rollout.tasks.heldout import HeldOut
+from treerl.rollout.tasks.dataset import DatasetTask, FromRows
 
 OWN_KEYS = ("python", "tasks")  # treerl's; the other env_args go to verifiers' config
 WORKER = Path(__file__).with_name("verifiers_worker.py")
@@ -148,26 +146,15 @@ class Worker:
 
 
 @dataclass
-class VerifiersTask:
-    """Episodes of a verifiers environment, each played by its worker against the episode's proxy URL."""
+class VerifiersTask(FromRows):
+    """Episodes of a verifiers environment, each played by its worker against the episode's proxy URL; its tasks held
+    out as a dataset's rows are."""
 
     name: str
     worker: Worker
     rows: DatasetTask  # the taskset's tasks in a seeded order epoch after epoch; each answer {"task": index, "prompt"}
     max_turns: int = MAX_TURNS
     max_new_tokens: int = MAX_NEW_TOKENS
-
-    def prompts(self, step: int, count: int) -> list[Prompt]:
-        """Tasks step*count ... of the seeded endless stream of the taskset's tasks."""
-        return self.rows.prompts(step, count)
-
-    def held_out_prompts(self, count: int) -> list[Prompt]:
-        """The evaluation set: the held-out tasks (rollout.eval_fraction of them), which training never plays."""
-        return self.rows.held_out_prompts(count)
-
-    @property
-    def held_out(self) -> HeldOut:
-        return self.rows.held_out
 
     async def agent(self, client: Any, row: dict[str, Any]) -> dict[str, Any]:
         """One episode as verifiers plays it; its reward and named rewards and metrics, or why it is dropped."""

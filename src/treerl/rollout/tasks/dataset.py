@@ -261,6 +261,25 @@ class DatasetTask:
         return self._orders[epoch]
 
 
+class FromRows:
+    """What tasks whose items are the rows of a DatasetTask (`rows`: TRL rows, verifiers tasks) share: its training
+    stream of rows, its held-out rows and what it says of them."""
+
+    rows: DatasetTask
+
+    def prompts(self, step: int, count: int) -> list[Prompt]:
+        """Rows step*count ... of the seeded endless stream of training rows; each answer is its row."""
+        return self.rows.prompts(step, count)
+
+    def held_out_prompts(self, count: int) -> list[Prompt]:
+        """The evaluation set: the held-out rows (rollout.eval_fraction of them), which training never asks."""
+        return self.rows.held_out_prompts(count)
+
+    @property
+    def held_out(self) -> HeldOut:
+        return self.rows.held_out
+
+
 def agent_rows(path: str | Path) -> list[tuple[list[Message], Any]]:
     """The tasks of an agent (`rollout.task=agent`): every row, a JSON object, is passed whole to the episode.
 

@@ -182,3 +182,20 @@ class SeedSplit:
             return HeldOut(False, "episodes of seeds drawn as training's (not held out: rollout.eval_fraction=0)")
         return HeldOut(True, f"episodes reset with seeds >= {HELD_OUT_SEED}, which training never uses (its seeds are "
                              f"below {HELD_OUT_SEED})")
+
+
+class SeededEpisodes:
+    """What tasks whose episodes a seed determines (TextArena, OpenEnv) share: their held-out seeds (`SeedSplit`) and
+    what they say of them. A task defines `name`, `seed` and `eval_fraction`."""
+
+    name: str
+    seed: int
+    eval_fraction: float
+
+    @property
+    def seeds(self) -> SeedSplit:
+        return SeedSplit(self.name, self.seed, self.eval_fraction)
+
+    @property
+    def held_out(self) -> HeldOut:
+        return self.seeds.held_out
