@@ -8,6 +8,11 @@ samples `group_size` replies; at each turn listed in `branch_at` every live traj
 `branch_factor` replies (the environment is deep-copied per branch); otherwise one. A trajectory
 is one root-to-leaf path of that tree; all trajectories of an episode form its group.
 
+An environment that cannot be copied (its `copies` is false: a library's class that does not say it copies, one whose
+reset ignores the seed and cannot be replayed) is never forked: each of the group_size trajectories of an episode
+gets an environment of its own from the task (its own reset and opening), and at a turn of `branch_at` it samples
+one reply; the adapter says so once at the start of a run that branches.
+
 Training data, as in docs/design.md's agentic setting ("Measurement"): every model call is its own sequence, the
 context so far (token for token what the model saw) plus that reply, so the sequences of a
 trajectory extend each other and the prefix tree shares them. A call is emitted once per
@@ -101,29 +106,15 @@ class MultiTurnWorkflow:
     ) -> list[TokenSequence]:
         """The training sequences of the episodes that start with `prompts`; `stats` counts what happened."""
         stats.prompts += len(prompts)
-        live = []
-        for p in prompts:
-            env = self.user_code.call(lambda p=p: self.task.environment(p))  # a failure if it raised or timed out
-            if isinstance(env, RewardFailure):
-                self._drop_episode(p, f"{SCORERS[self.drop_prefix]} reset {env.message}", env.kind, stats)
-                continue
-            p = with_opening(p, env)
-            context, images = self.chat.prompt_with_images(p.messages, who=f"prompt {p.id}")
-            if stats.drop_over_context(p.id, p.text, len(context), self.sampling.max_new_tokens,
-                                       self.max_context_tokens, self.group_size):
-                continue
-            live.append(Trajectory(p, env, context, p.id, images=images))
+        live = [start for p in prompts for start in self._starts(p, stats)]
         finished: list[Trajectory] = []
         for turn in range(self.max_turns):
             if not live:
                 break
-            n = self.group_size if turn == 0 else self.branch_factor if turn in self.branch_at else 1
-            turn_seed = None if seed is None else rng_for("turn", seed, turn).getrandbits(62)  # not seed + turn: the
-            # next call's seed would be this one's shifted by one, its prompts' streams the same ones again
-            groups = sampler.generate([t.context for t in live], replace(self.sampling, n=n, seed=turn_seed),
-                                      **images_kwarg([t.images for t in live]))
+            counts = [self._replies(t, turn) for t in live]
+            groups = self._generate(sampler, live, counts, turn, seed)
             next_live = []
-            for parent, group in zip(live, groups):
+            for parent, n, group in zip(live, counts, groups):
                 for j, completion in enumerate(group):
                     child = parent.fork(j) if n > 1 else parent
                     outcome = self._play(child, completion, turn, stats)
@@ -144,6 +135,61 @@ class MultiTurnWorkflow:
             sequences.extend(self._sequences(trajectory))
         stats.sequences += len(sequences)
         return sequences
+
+    def _starts(self, prompt: Prompt, stats: RolloutStats) -> list[Trajectory]:
+        """The live trajectories an episode starts with: one, forked into group_size by copies of its environment at
+        turn 0; or, where the environment cannot be copied (`copies` false), group_size, each with an environment of
+        its own from the task (its own reset, its own opening)."""
+        env = self.user_code.call(lambda: self.task.environment(prompt))  # a failure if it raised or timed out
+        if isinstance(env, RewardFailure):
+            self._drop_episode(prompt, f"{SCORERS[self.drop_prefix]} reset {env.message}", env.kind, stats)
+            return []
+        if getattr(env, "copies", True):
+            start = self._start(prompt, env, prompt.id, self.group_size, stats)
+            return [start] if start is not None else []
+        starts = []
+        for j in range(self.group_size):
+            own = env if j == 0 else self.user_code.call(lambda: self.task.environment(prompt))
+            if isinstance(own, RewardFailure):
+                reason = f"{SCORERS[self.drop_prefix]} reset {own.message}"
+                stats.drop(DroppedSample(reason, f"{prompt.id}/{j}", prompt.text, ""), f"{self.drop_prefix}_{own.kind}")
+            elif (start := self._start(prompt, own, f"{prompt.id}/{j}", 1, stats)) is not None:
+                starts.append(start)
+        return starts
+
+    def _start(self, prompt: Prompt, env: Environment, name: str, samples: int,
+               stats: RolloutStats) -> Trajectory | None:
+        """A trajectory at its first reply, whose context is the prompt and what the environment says at reset; None
+        (its `samples` dropped, context_limit) when that context leaves no room for a reply."""
+        shown = with_opening(prompt, env)
+        context, images = self.chat.prompt_with_images(shown.messages, who=f"prompt {name}")
+        if stats.drop_over_context(name, shown.text, len(context), self.sampling.max_new_tokens,
+                                   self.max_context_tokens, samples):
+            return None
+        return Trajectory(shown, env, context, name, images=images)
+
+    def _replies(self, trajectory: Trajectory, turn: int) -> int:
+        """How many replies a live trajectory samples at `turn`: group_size at an episode's shared start, branch_factor
+        at a turn of branch_at where its environment can be copied, else one."""
+        if turn == 0:
+            return self.group_size if trajectory.id == trajectory.prompt.id else 1
+        copies = getattr(trajectory.env, "copies", True)
+        return self.branch_factor if turn in self.branch_at and copies else 1
+
+    def _generate(self, sampler: Sampler, live: list[Trajectory], counts: list[int], turn: int,
+                  seed: int | None) -> list[list[Completion]]:
+        """Each live trajectory's replies at `turn` (`counts[i]` of them): one sampler call per distinct count."""
+        groups: list[list[Completion]] = [[] for _ in live]
+        for n in sorted(set(counts)):
+            which = [i for i, count in enumerate(counts) if count == n]
+            keys = ("turn", seed, turn) if len(set(counts)) == 1 else ("turn", seed, turn, n)
+            turn_seed = None if seed is None else rng_for(*keys).getrandbits(62)  # not seed + turn: the next call's
+            # seed would be this one's shifted by one, its prompts' streams the same ones again
+            answers = sampler.generate([live[i].context for i in which], replace(self.sampling, n=n, seed=turn_seed),
+                                       **images_kwarg([live[i].images for i in which]))
+            for i, group in zip(which, answers):
+                groups[i] = group
+        return groups
 
     def _play(self, trajectory: Trajectory, completion: Completion, turn: int, stats: RolloutStats) -> str:
         """Show the reply to the environment: the trajectory "continues", has "ended", or was "dropped"."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import re
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from treerl.rollout.embedded import EmbeddedSampler
 
 HERE = Path(__file__).resolve().parent
 ENV = "openenv:openenv_counting:CountingEnv"
+COPYABLE = "openenv:openenv_counting:CopyableCountingEnv"
 
 
 @pytest.fixture(autouse=True)
@@ -80,13 +82,63 @@ def check_episodes(batch, tokenizer, expected_trajectories: int) -> None:
         assert seqs[0].info["env"] == batch.sequences[0].info["env"]
 
 
-def test_in_process_episodes_branch_by_copy_and_score_as_the_environment_does(tokenizer, scripted):
-    batch = Rollout(config(ENV), tokenizer, scripted(says)).collect(0)
+def resets_in(rollout: Rollout) -> int:
+    """The environment resets one step's rollout makes."""
+    from openenv_counting import CountingEnv
+
+    before = CountingEnv.resets
+    rollout.collect(0)
+    return CountingEnv.resets - before
+
+
+@pytest.mark.parametrize(("env", "replayed"), [(COPYABLE, 0), (ENV, 2 * 2)])
+def test_in_process_episodes_branch_by_copy_only_where_the_class_says_so(tokenizer, scripted, env, replayed):
+    """A class that sets SUPPORTS_DEEPCOPY is copied where an episode branches; one that does not is replayed into a
+    fresh instance (a reset more for each second branch), whether or not deepcopy would raise."""
+    batch = Rollout(config(env), tokenizer, scripted(says)).collect(0)
     assert not batch.stats.dropped, batch.stats.dropped_samples
     check_episodes(batch, tokenizer, expected_trajectories=2 * 2 * 2)  # prompts x group x branches at turn 1
     rewards = {seq.info["reward"] for seq in batch.sequences}
     assert rewards == {0.0, 1.0, 2.0}, rewards  # right twice, once, never: the scripted replies differ by branch
     assert {seq.info["env_metrics"]["said_right"] for seq in batch.sequences} == {0.0, 1.0}
+    # a prompt's reset and each of its group's first steps; then the replays
+    assert resets_in(Rollout(config(env), tokenizer, scripted(says))) == 2 * (1 + 2) + replayed
+
+
+def test_an_instance_that_shares_state_by_path_is_replayed_not_copied(tokenizer, scripted):
+    """deepcopy copies the path of its working directory without an error, and a copy would count its steps in the
+    original's file: not opted in, the branches are replayed and score as the environment itself does."""
+    batch = Rollout(config(ENV, env_args={"workdir": True}), tokenizer, scripted(says)).collect(0)
+    assert not batch.stats.dropped, batch.stats.dropped_samples
+    check_episodes(batch, tokenizer, expected_trajectories=8)
+
+
+def test_an_environment_that_ignores_its_seed_plays_its_own_resets(tokenizer, scripted, caplog):
+    """Every reset picks another number: each trajectory plays a reset of its own (its first observation its own,
+    none dropped as a diverged replay); branching is off for it, said once at the start; where its class says it
+    copies, the group shares one reset and branches by copy."""
+    unbranched = Rollout(config(ENV, env_args={"ignore_seed": True}, branch_at=[]), tokenizer,
+                         scripted(says)).collect(0)
+    assert not unbranched.stats.dropped, unbranched.stats.dropped_samples
+    check_episodes(unbranched, tokenizer, expected_trajectories=2 * 2)
+    with caplog.at_level(logging.WARNING, logger="treerl.rollout"):
+        rollout = Rollout(config(ENV, env_args={"ignore_seed": True}, prompts_per_step=4), tokenizer, scripted(says))
+    said = (f"rollout.env={ENV!r}: branching is off for it (rollout.branch_at): its reset ignores the seed (two "
+            "resets with seed 0 showed different first observations) and it cannot be copied (its class does not set "
+            "SUPPORTS_DEEPCOPY = True); each trajectory plays its own reset until done")
+    assert [r.message for r in caplog.records if "branching is off" in r.message] == [said]
+    batch = rollout.collect(0)
+    assert not batch.stats.dropped, batch.stats.dropped_samples
+    check_episodes(batch, tokenizer, expected_trajectories=4 * 2)  # no branches
+    starts = {seq.info["trajectory"]: re.findall(r"say (\d)", tokenizer.decode(seq.tokens))[0]
+              for seq in batch.sequences}
+    assert len(set(starts.values())) > 1  # the trajectories start from resets of their own
+    copied = Rollout(config(COPYABLE, env_args={"ignore_seed": True}), tokenizer, scripted(says)).collect(0)
+    assert not copied.stats.dropped, copied.stats.dropped_samples
+    check_episodes(copied, tokenizer, expected_trajectories=2 * 2 * 2)
+    for group in {seq.info["group"] for seq in copied.sequences}:  # one reset a group, shared by its trajectories
+        assert len({re.findall(r"say (\d)", tokenizer.decode(seq.tokens))[0] for seq in copied.sequences
+                    if seq.info["group"] == group}) == 1
 
 
 def test_the_real_sampler_records_what_it_sampled(tokenizer, policy):
@@ -131,10 +183,10 @@ def test_failures_are_dropped_or_refused_before_sampling(tokenizer, scripted):
 
 
 @contextlib.contextmanager
-def served():
-    """OpenEnv's own app for CountingEnv under uvicorn on a free loopback port; stopped by its PID."""
+def served(cls: str = "CountingEnv"):
+    """OpenEnv's own app for `cls` of openenv_counting.py under uvicorn on a free loopback port; stopped by its PID."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, str(HERE / "openenv_counting.py"), str(port)],
+    process = subprocess.Popen([sys.executable, str(HERE / "openenv_counting.py"), str(port), cls],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -171,3 +223,10 @@ def test_a_served_environment_is_driven_by_its_client_branches_replay_and_a_lost
     assert "reset" in lost.stats.dropped_samples[0].reason
     with pytest.raises(UserError, match="cannot read the server's action schema"):
         Rollout(config(f"openenv+{url}"), tokenizer, scripted(says))
+
+
+def test_a_served_environment_that_ignores_its_seed_plays_its_own_resets(tokenizer, scripted):
+    with served("UnseededCountingEnv") as (_, url):
+        batch = Rollout(config(f"openenv+{url}", branch_at=[]), tokenizer, scripted(says)).collect(0)
+    assert not batch.stats.dropped, batch.stats.dropped_samples
+    check_episodes(batch, tokenizer, expected_trajectories=2 * 2)

@@ -9,6 +9,7 @@ import itertools
 import logging
 import random
 import re
+import socket
 import time
 
 import pytest
@@ -158,7 +159,9 @@ def test_a_copied_game_continues_as_the_original_whatever_else_drew_from_random(
 
 class FlakyGuess(ta.Env):
     """A single-player game (SinglePlayerState) that fails as a move tells it: raise, a reward that is no number,
-    NaN, or a step slower than rollout.env_timeout."""
+    NaN, or a step slower than rollout.env_timeout. It says its copies are independent (a user's game must)."""
+
+    SUPPORTS_DEEPCOPY = True
 
     def reset(self, num_players, seed=None):
         if seed == -1:
@@ -213,7 +216,35 @@ def test_a_game_that_fails_to_reset_drops_its_episodes(tokenizer, scripted):
     (GUESS, {"max_num": 3}, ("'max_num' is not an option of textarena:GuessTheNumber-v0 (its options: min_number, "
                              "max_number, max_turns")),
     ("textarena:Klondike-v0", {}, "the game does not start here (SyntaxError"),
+    ("textarena:Hangman-v0", {}, "the game downloads nltk data (words) when it loads, which is not on this machine"),
 ])
-def test_an_unknown_game_or_argument_is_refused_before_sampling(tokenizer, scripted, env, env_args, message):
+def test_an_unknown_game_or_argument_is_refused_before_sampling(tokenizer, scripted, env, env_args, message,
+                                                                monkeypatch):
+    tried = []
+    monkeypatch.setattr(socket.socket, "connect", lambda self, address: tried.append(address))
     sampler = scripted(lambda prompt, j: "")
     refused_before_sampling(lambda: rollout(tokenizer, sampler, env, env_args), sampler, message)
+    assert tried == []  # nothing reached for the network (Hangman's module downloads nltk data when imported)
+
+
+class UncopiedFlaky(FlakyGuess):
+    SUPPORTS_DEEPCOPY = False
+
+
+ta.envs.registration.register(id="TreerlUncopiedFlaky-v0", entry_point=UncopiedFlaky)
+
+
+@pytest.mark.parametrize(("env", "trajectories"), [("textarena:TreerlUncopiedFlaky-v0", 2 * 2),
+                                                   ("textarena:TreerlFlaky-v0", 2 * 2 * 2)])
+def test_a_users_game_branches_only_where_it_says_it_copies(tokenizer, scripted, caplog, env, trajectories):
+    """A game registered by a user, not one of TextArena's own: not branched (each trajectory its own reset, said
+    once) unless its class sets SUPPORTS_DEEPCOPY."""
+    with caplog.at_level(logging.WARNING, logger="treerl.rollout"):
+        run = rollout(tokenizer, scripted(lambda prompt, j: "fine" if "wait" in prompt else "wait"), env, {})
+    said = [r.message for r in caplog.records if "branching is off" in r.message]
+    line = (f"rollout.env={env!r}: branching is off for it (rollout.branch_at): it is not one of TextArena's own "
+            "games and its class does not set SUPPORTS_DEEPCOPY = True (a copy might share what it holds); each "
+            "trajectory plays its own reset with the episode's seed")
+    assert said == ([line] if "Uncopied" in env else [])
+    batch = run.collect(0)
+    assert batch.stats.dropped == {} and batch.stats.kept == trajectories

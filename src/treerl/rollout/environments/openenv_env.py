@@ -16,10 +16,14 @@ An OpenEnv environment is a class with `reset(seed=, episode_id=) -> Observation
   done ends the episode; in process, its metadata's numbers are logged per environment (env/<name>/<key>).
 
 In process, the other env_args keys go to the class's constructor (a key it does not take is refused at build);
-an instance is deep-copied where an episode branches (checked once at build: one that cannot be copied is replayed).
-Served, the episode's session is a websocket on the server (OpenEnv's GenericEnvClient: nothing of the environment's
-package is needed here), which cannot be copied: a branch replays the episode into a fresh session with the same seed
-(`replay.py`); a replay that answers differently drops that branch (replay_diverged). The server must allow as many
+an instance is deep-copied where an episode branches only when its class says a copy is independent
+(`SUPPORTS_DEEPCOPY = True`, checked to copy at build); otherwise, and served, a branch replays the episode into a
+fresh session with the same seed (`replay.py`); a replay that answers differently drops that branch
+(replay_diverged). Served, the episode's session is a websocket on the server (OpenEnv's GenericEnvClient: nothing
+of the environment's package is needed here). OpenEnv lets reset ignore its seed: two resets with seed 0 are compared
+at build, and an environment whose first observations differ is played as TRL's OpenEnv integration plays it (each
+trajectory its own reset, steps until done; its first observation is its opening, not the prompt's), branched only
+where it copies, else not branched at all (said once at the start of a run that branches). The server must allow as many
 sessions as trajectories are live at once (create_app(..., max_concurrent_envs=N), an environment marked
 SUPPORTS_CONCURRENT_SESSIONS). A server that fails or disconnects ends the episodes it serves (dropped, counted, with
 the error); the run goes on, and stops (trainer.max_failed_steps) when every episode of several steps was lost.
@@ -38,8 +42,15 @@ from typing import Any
 from treerl.errors import UserError
 from treerl.rollout.chat import Message
 from treerl.rollout.config import RolloutConfig
-from treerl.rollout.environments.extras import import_library
-from treerl.rollout.environments.replay import Opener, ReplayedEnvironment, close_quietly
+from treerl.rollout.environments.extras import import_library, say_once
+from treerl.rollout.environments.replay import (
+    COPY_OPT_IN,
+    Opener,
+    ReplayedEnvironment,
+    branches,
+    close_quietly,
+    copy_opt_in,
+)
 from treerl.rollout.rewards import RewardFailure, UserCode, import_object
 from treerl.rollout.tasks.base import EnvReply, Prompt, rng_for
 from treerl.rollout.tasks.heldout import EVAL_FRACTION, SeededEpisodes
@@ -57,6 +68,19 @@ class Start:
 
     seed: int
     failure: str | None = None
+
+
+@dataclass
+class Sessions:
+    """How an environment's sessions open (seed -> a reset session and its first observation), and whether its reset
+    follows the seed (two resets with seed 0 showed the same first observation at build)."""
+
+    open: Any
+    seeded: bool
+    copyable: bool = False  # an in-process instance whose class says its deep copies are independent
+
+    def __call__(self, seed: int) -> tuple[Any, list[Message]]:
+        return self.open(seed)
 
 
 @dataclass
@@ -92,7 +116,7 @@ class InProcessSession:
     env: Any
     action_class: type
     actions: TextActions
-    copyable: bool  # a reset instance deep-copies (probed at build); else a branch replays
+    copyable: bool  # its class says it copies (SUPPORTS_DEEPCOPY, checked at build); else a branch replays
 
     def step(self, reply: str) -> EnvReply:
         observation = self.env.step(self.action_class(**{self.actions.action_field: reply}))
@@ -157,20 +181,31 @@ class OpenEnvTask(SeededEpisodes):
 
     def opened(self, prompt_id: str, seed: int) -> Prompt:
         """The prompt of the episode reset with `seed`: its first observation (a failed reset drops the episode)."""
-        opened = self.user_code.call(lambda: self.open_session(seed))
+        opened = self.user_code.call(lambda: self.open_session(seed)) if self.seeded else (None, [])  # unseeded: each
+        # trajectory's own reset shows its first observation (`environment`)
         if isinstance(opened, RewardFailure):
             first, start = [{"role": "user", "content": ""}], Start(seed, f"reset {opened.message}")
         else:
-            close_quietly(opened[0])
+            if opened[0] is not None:
+                close_quietly(opened[0])
             first, start = opened[1], Start(seed)
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return Prompt(prompt_id, system + first, answer=start)
 
+    @property
+    def seeded(self) -> bool:
+        """Whether the environment's reset follows the seed (else every trajectory plays a reset of its own)."""
+        return getattr(self.open_session, "seeded", True)
+
     def environment(self, prompt: Prompt) -> ReplayedEnvironment:
-        """The episode's environment: a session opened at its first step, checked to show the prompt's observation."""
+        """The episode's environment: a session opened at its first step, checked to show the prompt's observation;
+        one that ignores its seed, a session opened now, whose first observation is the episode's opening."""
         start: Start = prompt.answer
         if start.failure is not None:
             raise RuntimeError(start.failure)
+        if not self.seeded:
+            session, first = self.open_session(start.seed)
+            return ReplayedEnvironment(self.opener(start.seed), first, session=session, replayable=False)
         first = prompt.messages[1:] if self.system_prompt else prompt.messages
         return ReplayedEnvironment(self.opener(start.seed), first)
 
@@ -187,6 +222,10 @@ def build(target: str, env_args: dict[str, Any], config: RolloutConfig) -> OpenE
     own = {key: env_args.pop(key) for key in OWN_KEYS if key in env_args}
     open_session = (served_opener(target, own, env_args, spec, config) if served
                     else in_process_opener(target, own, env_args, spec))
+    if not open_session.seeded and not open_session.copyable and branches(config):
+        say_once(f"rollout.env={spec!r}: branching is off for it (rollout.branch_at): its reset ignores the seed (two "
+                 f"resets with seed 0 showed different first observations) and it cannot be copied (its class does "
+                 f"not set {COPY_OPT_IN} = True); each trajectory plays its own reset until done")
     user_code = UserCode(config.env_timeout, "rollout.env_timeout")
     return OpenEnvTask(spec, open_session, config.system_prompt, user_code, seed=config.seed,
                        eval_fraction=config.eval_fraction)
@@ -207,32 +246,33 @@ def in_process_opener(target: str, own: dict[str, Any], kwargs: dict[str, Any], 
     actions = TextActions(own.get("action_field") or text_field(action_class.model_json_schema(), spec),
                           own.get("observation_field"))
 
-    copyable = deep_copies(cls, kwargs, spec)
+    copyable = copy_opt_in(cls)
 
     def open_session(seed: int) -> tuple[InProcessSession, list[Message]]:
         env = cls(**kwargs)
         observation = env.reset(seed=seed)
         return InProcessSession(env, action_class, actions, copyable), reply_of(observation, actions).messages
 
-    return open_session
+    seeded = probe(open_session, f"{cls.__name__}(**env_args).reset(seed=0)", spec)
+    return Sessions(open_session, seeded, copyable)
 
 
-def deep_copies(cls: type, kwargs: dict[str, Any], spec: str) -> bool:
-    """Whether a reset instance of the class deep-copies (a lock, a socket, a process handle do not): then a branch
-    copies it, else it replays. The instance is built and reset once here: a class that fails to is refused now."""
+def probe(open_session: Any, what: str, spec: str) -> bool:
+    """Whether two sessions reset with seed 0 show the same first observation (a reset that follows the seed); where
+    the class says it copies, that a reset instance deep-copies. A session that fails to open is refused now."""
+    sessions = []
     try:
-        env = cls(**kwargs)
-        env.reset(seed=0)
-    except Exception as e:  # noqa: BLE001 (the user's class: whatever it raises is reported in one line)
-        raise UserError(f"rollout.env={spec!r}: {cls.__name__}(**env_args).reset(seed=0) raised "
-                        f"{type(e).__name__}: {e}") from None
-    try:
-        copy.deepcopy(env)
-        return True
-    except Exception:  # noqa: BLE001 (any reason it cannot be copied: replay instead)
-        return False
+        for _ in range(2):
+            sessions.append(open_session(0))
+        if getattr(sessions[0][0], "copyable", False):
+            copy.deepcopy(sessions[0][0].env)
+    except Exception as e:  # noqa: BLE001 (the user's class or server: whatever it raises, in one line)
+        doing = "a deep copy of it (its class sets SUPPORTS_DEEPCOPY)" if len(sessions) == 2 else what
+        raise UserError(f"rollout.env={spec!r}: {doing} raised {type(e).__name__}: {e}") from None
     finally:
-        close_quietly(env)
+        for session, _ in sessions:
+            close_quietly(session)
+    return sessions[0][1] == sessions[1][1]
 
 
 def served_opener(url: str, own: dict[str, Any], rest: dict[str, Any], spec: str, config: RolloutConfig) -> Any:
@@ -262,7 +302,7 @@ def served_opener(url: str, own: dict[str, Any], rest: dict[str, Any], spec: str
             raise
         return ServedSession(client, actions, base), actions.shown(result.observation)
 
-    return open_session
+    return Sessions(open_session, probe(open_session, f"a session on {base} reset with seed 0", spec))
 
 
 def check_arguments(cls: type, kwargs: dict[str, Any], spec: str) -> None:

@@ -11,8 +11,16 @@ recorded one. A replay that differs (the environment is not deterministic under 
 raises `ReplayDiverged`: that branch is dropped and counted (`replay_diverged`), its siblings go on. A replay costs
 one session and the earlier turns again, inside the step's time limit (rollout.env_timeout).
 
-An environment known to be non-deterministic refuses branching instead (`refuse_branching`): one line at build
-time, before any sampling.
+An environment whose reset ignores the seed cannot be replayed (`replayable=False`): its session is opened when the
+episode starts, its first observation is the episode's `opening`, and it branches only where its session copies
+(`copies`); otherwise each trajectory plays its own session from its own reset, as TRL's OpenEnv integration plays
+it (multi_turn: an environment whose `copies` is false is never forked). An environment known to be
+non-deterministic may refuse branching instead (`refuse_branching`): one line at build time, before any sampling.
+
+Copying is opt-in (`copy_opt_in`): a deep copy of an object that holds anything by path, id or connection (a working
+directory, a container, a socket) shares it with the original even where `deepcopy` does not raise, so treerl copies
+a library's instance only when its class says a copy is independent (`SUPPORTS_DEEPCOPY = True`) or the project has
+checked it (TextArena's own games).
 
 Used by: OpenEnv served (`openenv+http://...`, its own EnvClient), and any adapter whose instances cannot be copied.
 """
@@ -32,6 +40,12 @@ from treerl.rollout.rewards import NamedFailure
 from treerl.rollout.tasks.base import EnvReply
 
 REASON = "replay_diverged"
+COPY_OPT_IN = "SUPPORTS_DEEPCOPY"  # a class attribute: True says a deep copy of an instance is an independent one
+
+
+def copy_opt_in(obj: Any) -> bool:
+    """Whether `obj` (an instance or its class) says its deep copies are independent environments."""
+    return getattr(obj, COPY_OPT_IN, False) is True
 
 
 class Session(Protocol):
@@ -68,10 +82,13 @@ class ReplayedEnvironment:
     """The Environment protocol over sessions of an environment that cannot be copied; deep-copying branches it."""
 
     def __init__(self, opener: Opener, first: list[Message], history: tuple[Turn, ...] = (),
-                 session: Session | None = None):
-        """`first`: the first observation every fresh session must show (the prompt the episode started from)."""
+                 session: Session | None = None, replayable: bool = True):
+        """`first`: the first observation every fresh session must show (the prompt the episode started from);
+        `replayable` false: the environment ignores its seed, `session` is the episode's own, `first` its opening."""
         self.opener = opener
         self.first = first
+        self.replayable = replayable
+        self.opening = None if replayable else first  # shown after the prompt (multi_turn.with_opening)
         self.history = list(history)
         self.session: Session | None = None
         self._closer: weakref.finalize | None = None
@@ -94,12 +111,19 @@ class ReplayedEnvironment:
             self._closer()
         self.session, self._closer = None, None
 
+    @property
+    def copies(self) -> bool:
+        """Whether a branch can have its own copy: by replay, or by copying the live session."""
+        return self.replayable or self.session is not None and getattr(self.session, "copyable", False)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> ReplayedEnvironment:
         """A branch: the same history and a copy of the live session where it copies (`fork`); else it takes the
         live session over (and this one replays if stepped again)."""
         forks = self.session is not None and getattr(self.session, "copyable", False)
+        if not (forks or self.replayable):
+            raise RuntimeError("an environment that ignores its seed and cannot be copied was branched")
         session = self.session.fork() if forks else self._release()  # type: ignore[union-attr]
-        return ReplayedEnvironment(self.opener, self.first, tuple(self.history), session)
+        return ReplayedEnvironment(self.opener, self.first, tuple(self.history), session, self.replayable)
 
     def _own(self, session: Session) -> None:
         self.session = session

@@ -20,11 +20,15 @@ the third valid guess. treerl's own bound, rollout.max_turns, defaults to the mo
 never ends: an episode it cuts is dropped (env_truncated, its reason naming the game's limit), never scored 0, and a
 bound below the game's is said once at the start.
 
-Branching: an episode forks by deep copy (the library's wrappers define __deepcopy__). The games draw from Python's
+Branching: an episode forks by deep copy (the library's wrappers define __deepcopy__) where the game is TextArena's
+own (its state is plain Python, checked by the tests) or its class says copies are independent
+(`SUPPORTS_DEEPCOPY = True`); a game registered by a user that does not say so is not branched (each trajectory
+plays its own reset with the episode's seed), said once at the start. The games draw from Python's
 global `random` (reset seeds it), so each episode keeps its own generator state and every reset and step runs with
 it: a copy continues exactly as the original would, whatever other episodes drew in between. An unknown id lists
 TextArena's single-player games; env_args the game's constructor does not take are refused, and a game that cannot
-start here (one that needs nltk data or an LLM judge) is refused in one line, all before any sampling.
+start here (one whose module downloads nltk data that is not on this machine, before anything imports it; one that
+asks an LLM judge) is refused in one line, all before any sampling.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import contextlib
 import importlib.util
 import inspect
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from treerl.errors import UserError
 from treerl.rollout.chat import Message
 from treerl.rollout.environments.extras import import_library, say_once
+from treerl.rollout.environments.replay import COPY_OPT_IN, branches, copy_opt_in
 from treerl.rollout.tasks.base import EnvReply, Prompt, rng_for
 from treerl.rollout.tasks.heldout import EVAL_FRACTION, SeededEpisodes
 
@@ -88,6 +94,7 @@ class TextArenaGame:
     seed: int
     random_state: Any = None  # Python's `random` state as this game left it
     opening: list[Message] = field(default_factory=list)  # the game's prompt, shown before the first reply
+    copies: bool = True  # a branch may deep-copy it (TextArena's own game, or one that says it copies)
 
     def __post_init__(self) -> None:
         with self.own_random():
@@ -152,6 +159,7 @@ class TextArenaTask(SeededEpisodes):
     seed: int = 0
     name: str = "textarena"
     max_new_tokens: int = MAX_NEW_TOKENS
+    copies: bool = True  # its games may be deep-copied where an episode branches
     eval_fraction: float = EVAL_FRACTION  # rollout.eval_fraction: > 0 evaluates on seeds training never uses
 
     def prompts(self, step: int, count: int) -> list[Prompt]:
@@ -167,7 +175,7 @@ class TextArenaTask(SeededEpisodes):
 
     def environment(self, prompt: Prompt) -> TextArenaGame:
         """A fresh game, reset with the episode's seed."""
-        return TextArenaGame(self.make(), prompt.answer)
+        return TextArenaGame(self.make(), prompt.answer, copies=self.copies)
 
 
 def unwrapped(game: Any) -> Any:
@@ -191,6 +199,7 @@ def build(target: str, env_args: dict[str, Any], config: RolloutConfig) -> TextA
     def make() -> Any:
         return ta.make(target, **env_args)
 
+    check_offline_data(registry[target].entry_point, spec)
     try:
         check_args(registry[target], env_args, spec)
         game = TextArenaGame(make(), config.seed)
@@ -199,9 +208,51 @@ def build(target: str, env_args: dict[str, Any], config: RolloutConfig) -> TextA
     except Exception as e:  # noqa: BLE001 (a game that needs nltk data, an LLM judge, a network ...)
         message = " ".join(str(e).replace("*", "").split())[:300] or type(e).__name__
         raise UserError(f"rollout.env={spec!r}: the game does not start here ({type(e).__name__}: {message})") from None
+    copies = copy_checked(registry[target].entry_point, unwrapped(game.game), spec, branches(config))
     return TextArenaTask(make, max_turns=reply_bound(GameLimit.of(game.game), config.max_turns, spec),
-                         system_prompt=config.system_prompt, seed=config.seed, name=spec,
+                         system_prompt=config.system_prompt, seed=config.seed, name=spec, copies=copies,
                          eval_fraction=config.eval_fraction)
+
+
+def copy_checked(entry_point: Any, game: Any, spec: str, branching: bool) -> bool:
+    """Whether the game's episodes may branch by deep copy: one of TextArena's own games, or a class that sets
+    SUPPORTS_DEEPCOPY; another is not branched, said once where the run would branch."""
+    if (isinstance(entry_point, str) and entry_point.startswith("textarena.")) or copy_opt_in(game):
+        return True
+    if branching:
+        say_once(f"rollout.env={spec!r}: branching is off for it (rollout.branch_at): it is not one of TextArena's "
+                 f"own games and its class does not set {COPY_OPT_IN} = True (a copy might share what it holds); "
+                 "each trajectory plays its own reset with the episode's seed")
+    return False
+
+
+def check_offline_data(entry_point: Any, spec: str) -> None:
+    """A game whose module downloads nltk data when it is imported: refused in one line before it is imported where
+    that data is not on this machine (the download would try the network first)."""
+    path = module_path(entry_point)
+    if path is None:
+        return
+    wanted = sorted(set(re.findall(r"""['"](\w+)['"]""", " ".join(re.findall(r"nltk\.download\(([^)]*)\)",
+                                                                            path.read_text())))))
+    missing = [name for name in wanted if not nltk_has(name)]
+    if missing:
+        raise UserError(f"rollout.env={spec!r}: the game downloads nltk data ({', '.join(missing)}) when it loads, which "
+                        "is not on this machine (treerl downloads nothing at run time); install it first: "
+                        f"python -m nltk.downloader {' '.join(missing)}")
+
+
+def nltk_has(name: str) -> bool:
+    """Whether nltk finds the resource `name` (a corpus, a tagger ...) on this machine, without downloading."""
+    import nltk
+
+    for kind in ("corpora", "taggers", "tokenizers", "chunkers", "models", "misc", "sentiment", "stemmers", "grammars"):
+        for suffix in ("", ".zip"):
+            try:
+                nltk.data.find(f"{kind}/{name}{suffix}")
+                return True
+            except LookupError:
+                continue
+    return False
 
 
 def reply_bound(limit: GameLimit, max_turns: int | None, spec: str) -> int:
@@ -218,15 +269,21 @@ def reply_bound(limit: GameLimit, max_turns: int | None, spec: str) -> int:
 def single_player(entry_point: Any) -> bool:
     """Whether a registry entry's game is single-player: its module builds a SinglePlayerState (read from its source
     file, without importing every game: some do not import on this Python)."""
+    path = module_path(entry_point)
+    return path is not None and SINGLE_PLAYER in path.read_text()
+
+
+def module_path(entry_point: Any) -> Path | None:
+    """The source file of a registry entry's game, found without importing it (None where there is none)."""
     if not isinstance(entry_point, str):  # a class registered by a user
         source = inspect.getsourcefile(entry_point)
-        return source is not None and SINGLE_PLAYER in Path(source).read_text()
+        return Path(source) if source is not None else None
     module = entry_point.split(":")[0]
     top = importlib.util.find_spec(module.split(".")[0])
     if top is None or not top.submodule_search_locations:
-        return False
+        return None
     path = Path(next(iter(top.submodule_search_locations))).joinpath(*module.split(".")[1:]).with_suffix(".py")
-    return path.is_file() and SINGLE_PLAYER in path.read_text()
+    return path if path.is_file() else None
 
 
 def check_args(entry: Any, env_args: dict[str, Any], spec: str) -> None:
