@@ -31,6 +31,7 @@ from treerl.models import build_model
 from treerl.rollout import builtin_tokenizer
 from treerl.rollout.images import png_bytes
 
+LEGS = "rollout.env=reasoning_gym:leg_counting"
 TRAIN = ["trainer.steps=2", "trainer.progress=false", "trainer.eval_prompts=0", "rollout.prompts_per_step=2",
          "rollout.group_size=2", "trainer.tensorboard=false"]
 
@@ -137,6 +138,31 @@ CONFIG = [
     Case("resume=auto with overwrite=true", train("trainer.resume=auto", "trainer.overwrite=true"),
          r"trainer.resume=auto continues the run in output_dir, trainer.overwrite=true deletes it .*set one of the "
          r"two"),
+    # settings an environment would leave unread, and misleading messages (issue 53)
+    Case("an empty rollout.env", train("rollout.env="), r"override 'rollout.env=' names no environment"),
+    Case("rollout.env beside the default task written out", train(LEGS, "rollout.task=arithmetic"),
+         r"rollout.env='reasoning_gym:leg_counting' and rollout.task=arithmetic \(override 'rollout.task=arithmetic'\) "
+         r"both say what to train on"),
+    Case("rollout.env beside rollout.data_path", train(LEGS, "rollout.data_path=rows.jsonl"),
+         r"rollout.data_path='rows.jsonl' is set beside rollout.env='reasoning_gym:leg_counting', whose environments "
+         r"bring their own data: it would be ignored \(only a TRL environment class"),
+    Case("rollout.env beside rollout.reward_fn", train(LEGS, "rollout.reward_fn=bad_input_rewards:one"),
+         r"rollout.reward_fn='bad_input_rewards:one' is set beside .*whose environments bring their own scorer"),
+    Case("rollout.env with a trailing colon", train("rollout.env=reasoning_gym:"),
+         r"rollout.env='reasoning_gym:' names no environment after the colon: write reasoning_gym:NAME"),
+    Case("rollout.env with a space after the colon", train("rollout.env=reasoning_gym: leg_counting"),
+         r"'reasoning_gym: leg_counting' reads as a mapping \(YAML\): write reasoning_gym:leg_counting"),
+    Case("an env timeout Python cannot wait", train(LEGS, "rollout.env_timeout=1e30"),
+         r"rollout.env_timeout=1e\+30 is longer than Python can wait \(.* s\) \(null: no limit\)"),
+    Case("a system prompt the task does not show", train("rollout.system_prompt=Be brief."),
+         r"rollout.system_prompt is set, and rollout.task=arithmetic would not show it"),
+    Case("a packaged model's name misspelled", train("model.path=smollm2-135m"),
+         r"model.path='smollm2-135m' does not exist \(treerl only reads local files\); did you mean the packaged "
+         r"model 'smollm2-135m-instruct'\?"),
+    Case("routed experts of a dense model", train("rollout.return_routed_experts=true"),
+         r"^error: rollout.return_routed_experts=true: .*has no MoE layers"),
+    Case("export where nothing can be written", lambda tmp, a: ["export", "--model-path", str(a.model), "/sys/x"],
+         r"OUT='/sys/x': cannot write into '/sys'"),
 ]
 if not torch.cuda.is_available():
     CONFIG.append(Case("cuda without CUDA", train("model.device=cuda"), r"model.device='cuda', but torch sees no CUDA"))

@@ -61,15 +61,24 @@ def test_guess_environment_closeness_credit_at_the_last_turn():
 
 
 def test_jsonl_rows_with_string_or_chat_prompts(tmp_path):
+    """rollout.system_prompt comes first in a string prompt and in chat messages alike; a row with a system message
+    of its own is refused with it, naming the row (which would win is not treerl's to guess)."""
     path = tmp_path / "data.jsonl"
-    rows = [{"q": "2+2?", "a": "4"}, {"q": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}]
+    rows = [{"q": "2+2?", "a": "4"}, {"q": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "?"},
+                                            {"role": "user", "content": "3+3?"}]}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     task = DatasetTask.load(path, _zero, prompt_key="q", answer_key="a", system_prompt="be brief", shuffle=False,
                             eval_fraction=0)
     first, second = task.prompts(0, 2)
     assert first.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
     assert first.answer == "4" and first.text == "2+2?"
-    assert second.messages[1] == {"role": "user", "content": "hi"} and second.answer is None
+    assert second.messages == [{"role": "system", "content": "be brief"}, *rows[1]["q"]] and second.answer is None
+    own = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    path.write_text(json.dumps({"q": own}) + "\n")
+    assert DatasetTask.load(path, _zero, prompt_key="q", eval_fraction=0).prompts(0, 1)[0].messages == own
+    with pytest.raises(DataError, match=r"data.jsonl:1: field 'q' has a system message of its own and "
+                                        r"rollout.system_prompt is set: remove one of the two"):
+        DatasetTask.load(path, _zero, prompt_key="q", system_prompt="be brief", eval_fraction=0)
 
 
 def test_datasets_directory_and_parquet(tmp_path):

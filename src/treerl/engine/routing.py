@@ -85,7 +85,7 @@ def _probe(model: PreTrainedModel) -> Routers | str:
     layers = _decoder_layers(model)
     blocks = [m for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)]
     if not blocks or layers is None:
-        return "has no MoE layers (no module with experts in its decoder layers): trainer.routing_replay is for MoE models"
+        return "has no MoE layers (no module with experts in its decoder layers): routing replay is for MoE models"
     layer_of = {m: i for i, layer in enumerate(layers) for m in layer.modules()}
     stack: list[torch.nn.Module] = []
     calls: list[tuple[torch.nn.Module, torch.nn.Module, int, tuple[int, ...]]] = []  # (block, caller, k, shape)
@@ -144,7 +144,7 @@ def _routers_from(blocks: list[torch.nn.Module], calls: list, layer_of: dict, la
         widths.add(shape[1])
         ks.add(k)
     if not modules:
-        return "has no MoE layers that ran on a text-only probe: trainer.routing_replay is for MoE models"
+        return "has no MoE layers that ran on a text-only probe: routing replay is for MoE models"
     if len(widths) != 1 or len(ks) != 1:
         return f"its MoE layers differ in experts {sorted(widths)} or experts per token {sorted(ks)}"
     width, k = widths.pop(), ks.pop()

@@ -5,6 +5,7 @@ Beside the steps (docs/architecture.md): the choices step 1 reads.
 
 from __future__ import annotations
 
+import threading
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,8 +61,8 @@ class RolloutConfig:
     prompt_key: str = "prompt"  # field holding the prompt: a string or a list of chat messages
     answer_key: str = "answer"  # field holding the reference answer passed to the reward (optional per row)
     image_key: str | None = "image"  # field holding a row's image(s) (path, bytes, datasets Image), shown at the prompt's <image> markers or before its text; null: none
-    system_prompt: str | None = None  # prepended as a system message to string prompts
-    reward_fn: str | None = None  # "module:function" or "file.py:function"; fn(prompt, completion, answer)
+    system_prompt: str | None = None  # the system message before each prompt of rollout.data_path (a string, or chat messages without a system message of their own: with one, refused) or of rollout.env's library (docs/environments.md); refused where nothing reads it (a built-in task, verifiers)
+    reward_fn: str | None = None  # "module:function" or "file.py:function"; fn(prompt, completion, answer); with a TRL environment class (rollout.env=trl:...), called as TRL calls its reward_funcs (docs/environments.md)
     # (task = "agent": data_path holds the tasks, one JSON object each, handed whole to the agent)
     reward_timeout: float | None = 60.0  # seconds one reward (or environment) call may take, else its sample is dropped; null: no limit
     max_line_bytes: int = MAX_LINE_BYTES  # longest line of a JSONL data_path; a longer one is an error naming it
@@ -103,6 +104,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.task: unknown task {self.task!r}; known: {', '.join(TASKS)}")
         check_env(self)
         check_numbers(self)
+        if self.system_prompt and (self.task not in ("dataset", "env") or self.env is not None and any(
+                spec.library == "verifiers" for spec in parse_env_specs(self.env, self.env_args))):
+            what = "verifiers' tasksets (their own prompts)" if self.task == "env" else f"rollout.task={self.task}"
+            raise ValueError(f"rollout.system_prompt is set, and {what} would not show it: unset it (it is read by "
+                             "rollout.task=dataset and by rollout.env's reasoning-gym, TextArena, OpenEnv and TRL)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p < 1:
@@ -137,6 +143,7 @@ AT_LEAST = {"prompts_per_step": 1, "group_size": 1, "branch_factor": 1, "max_con
             "max_concurrent_episodes": 1, "max_line_bytes": 1, "max_operand": 0, "top_k": 0, "prefix_cache_tokens": 0}
 AT_LEAST_ONE_OR_NULL = ("max_new_tokens", "max_turns")  # null: the task's default
 POSITIVE = ("temperature", "request_timeout", "episode_timeout", "reward_timeout", "env_timeout")  # timeouts in seconds; null: no limit
+TIMEOUTS = ("request_timeout", "episode_timeout", "reward_timeout", "env_timeout")  # at most the longest wait Python times
 
 
 def check_env(config: RolloutConfig) -> None:
@@ -151,7 +158,14 @@ def check_env(config: RolloutConfig) -> None:
     if config.task not in (DEFAULT_TASK, "env"):
         raise ValueError(f"rollout.env={config.env!r} and rollout.task={config.task} both say what to train on: set "
                          "one of the two")
-    parse_env_specs(config.env, config.env_args)
+    specs = parse_env_specs(config.env, config.env_args)
+    if not any(spec.library == "trl" for spec in specs):  # TRL classes reset with data_path's rows, score with reward_fn
+        for key in ("data_path", "reward_fn"):
+            if getattr(config, key):
+                raise ValueError(f"rollout.{key}={getattr(config, key)!r} is set beside rollout.env={config.env!r}, "
+                                 f"whose environments bring their own {'data' if key == 'data_path' else 'scorer'}: "
+                                 f"it would be ignored (only a TRL environment class, trl:..., takes rollout.{key}); "
+                                 "unset one of the two")
     config.task = "env"
 
 
@@ -166,6 +180,11 @@ def check_numbers(config: RolloutConfig) -> None:
     for name in POSITIVE:
         if getattr(config, name) is not None and not getattr(config, name) > 0:
             raise ValueError(f"rollout.{name}={getattr(config, name)} must be > 0")
+    for name in TIMEOUTS:
+        if getattr(config, name) is not None and getattr(config, name) > threading.TIMEOUT_MAX:
+            null = " (null: no limit)" if name in ("reward_timeout", "env_timeout") else ""
+            raise ValueError(f"rollout.{name}={getattr(config, name):g} is longer than Python can wait "
+                             f"({threading.TIMEOUT_MAX:.3g} s){null}")
 
 
 def check_server_url(url: str, key: str) -> None:

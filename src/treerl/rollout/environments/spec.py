@@ -85,6 +85,13 @@ def parse_item(item: Any, key: str, env_args: dict[str, Any]) -> EnvSpec:
     if not isinstance(item, dict):
         raise EnvSpecError(f"{key}={item!r} must be a string such as 'library:name' ({EXAMPLE}) or a mapping "
                          f"with keys {', '.join(ITEM_KEYS)}")
+    if len(item) == 1 and ALIASES.get(str(next(iter(item))), next(iter(item))) in LIBRARIES:  # YAML read "lib:" or
+        library, value = next(iter(item.items()))  # "lib: name" as a mapping
+        if value is None:
+            raise EnvSpecError(f"{key}='{library}:' names no environment after the colon: write {library}:NAME "
+                               f"({EXAMPLE})")
+        raise EnvSpecError(f"{key}: '{library}: {value}' reads as a mapping (YAML): write {library}:{value}, with no "
+                           "space after the colon")
     if unknown := [k for k in item if k not in ITEM_KEYS]:
         raise EnvSpecError(f"{key}: unknown key {unknown[0]!r}; an environment entry has {', '.join(ITEM_KEYS)}")
     if not isinstance(item.get("env"), str):

@@ -7,9 +7,10 @@ Accepted data (local only; nothing is downloaded):
 - a directory written by `datasets.Dataset.save_to_disk` (its "train" split if it is a DatasetDict);
 - a `.parquet`, `.csv` or `.json` file, read with `datasets.load_dataset`.
 
-Each row's `prompt_key` holds the prompt: a string (sent as one user message, after the optional
-system prompt) or a list of chat messages `{"role": ..., "content": ...}` (roles: system, user,
-assistant, tool). `answer_key`, if the row has it, is passed to the reward function as `answer`.
+Each row's `prompt_key` holds the prompt: a string (sent as one user message) or a list of chat messages
+`{"role": ..., "content": ...}` (roles: system, user, assistant, tool); rollout.system_prompt comes first in either
+(a row whose messages have a system message of their own is refused with it: which would win is not treerl's to
+guess). `answer_key`, if the row has it, is passed to the reward function as `answer`.
 
 Images (a vision-language model): a message's content may be a list of parts, `{"type": "text", "text": ...}` and
 `{"type": "image", "image": ...}` (or OpenAI's `image_url`); or the row's `image_key` field holds an image or a list
@@ -80,15 +81,18 @@ def row_messages(row: dict[str, Any], where: str, prompt_key: str, system_prompt
     value = row[prompt_key]
     if isinstance(value, str):
         messages = [{"role": "user", "content": value}]
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
     elif isinstance(value, list) and value and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and is_content(m.get("content")) for m in value
     ):
         check_roles(value, where, prompt_key)
         messages = [{"role": m["role"], "content": m["content"]} for m in value]
+        if system_prompt and any(m["role"] == "system" for m in messages):
+            raise DataError(f"{where}: field {prompt_key!r} has a system message of its own and rollout.system_prompt "
+                            "is set: remove one of the two (treerl does not pick which wins)")
     else:
         raise DataError(f"{where}: field {prompt_key!r} must be a string or a list of {{'role', 'content'}} messages "
                         "(content: a string, or a list of text and image parts)")
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
     return shown_images(messages, row, where, image_key, vision)
 
 

@@ -134,8 +134,13 @@ def build_policy_learner(config: Config, model: PreTrainedModel, strategy: str, 
     engine = build_train_engine(config.engine, temperature, precision=config.trainer.precision,
                                 context_parallel=balancer.mesh.context if balancer.mesh is not None else None,
                                 routing_replay=config.trainer.routing_replay)
-    if config.trainer.routing_replay:
-        find_routers(model)  # an MoE model whose routers choose by one top-k: refused in one line otherwise
+    for key, on in (("trainer.routing_replay", config.trainer.routing_replay),
+                    ("rollout.return_routed_experts", config.rollout.return_routed_experts)):
+        if on:  # an MoE model whose routers choose by one top-k: refused in one line otherwise, naming the setting
+            try:
+                find_routers(model)
+            except UnsupportedModel as e:
+                raise UnsupportedModel(f"{key}=true: {e}") from None
     return build_learner("policy", model, strategy, config.trainer, engine, balancer, guard, records_costs=True)
 
 

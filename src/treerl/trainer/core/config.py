@@ -450,6 +450,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. trainer.steps=100")
+        if item.replace(" ", "") == "rollout.env=":  # YAML reads it as null: the built-in task would train unsaid
+            raise ConfigError("override 'rollout.env=' names no environment: give one (e.g. rollout.env="
+                              "reasoning_gym:leg_counting), or leave the key out for rollout.task's task")
         layers.append((f"override {item!r}", OmegaConf.from_dotlist([item])))
     for source, layer in layers:
         try:
@@ -462,8 +465,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(_explain(e)) from None
     except ValueError as e:  # a section's own check (AlgoConfig checks itself when built)
         raise ConfigError(str(e)) from None
+    check_task_beside_env(layers, config)
     config.check()
     return config
+
+
+def check_task_beside_env(layers: list[tuple[str, Any]], config: Config) -> None:
+    """rollout.task written out (its default too) beside rollout.env: both say what to train on (rollout.env's check
+    sees only the value, and the default's is the same whether written or not)."""
+    written = [(source, OmegaConf.select(layer, "rollout.task")) for source, layer in layers
+               if OmegaConf.select(layer, "rollout.task") is not None]
+    if config.rollout.env is not None and written and written[-1][1] != "env":
+        source, task = written[-1]
+        raise ConfigError(f"rollout.env={config.rollout.env!r} and rollout.task={task} ({source}) both say what to "
+                          "train on: set one of the two")
 
 
 def packaged_configs() -> dict[str, Path]:

@@ -34,6 +34,7 @@ from treerl.trainer.core.checkpoint import (
     write_pretrained_atomically,
 )
 from treerl.trainer.core.config import ModelConfig, load_config
+from treerl.trainer.core.inputs import check_writable_dir
 from treerl.trainer.core.loop_state import LoopState
 
 
@@ -82,11 +83,13 @@ def export_model(path: str, gguf_file: str | None, out: str | Path, dtype: str |
 
 
 def check_out(out: Path, dtype: str | None) -> None:
-    """Refuse, before anything is built, a dtype export does not know or an output that holds something."""
+    """Refuse, before anything is built, a dtype export does not know or an output that holds something or cannot be
+    written (a model loaded for 11 s, then a PermissionError)."""
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: not one of {', '.join(DTYPES)}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} already exists and is not an empty directory; export writes a new one")
+    check_writable_dir(out, "OUT")
 
 
 def write_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, dtype: str | None,

@@ -12,7 +12,9 @@ a path); a directory written must be one, or not exist yet under directories thi
 
 from __future__ import annotations
 
+import difflib
 import os
+import tempfile
 from pathlib import Path
 
 from treerl.gguf_checkpoint import PACKAGED_MODELS
@@ -27,20 +29,30 @@ def check_paths(config: Config) -> None:
     for key in READ:
         value = get(config, key)
         if value is not None and value not in PACKAGED_MODELS and not Path(value).exists():
-            raise ConfigError(f"{key}={value!r} does not exist (treerl only reads local files)")
+            raise ConfigError(f"{key}={value!r} does not exist (treerl only reads local files){packaged_hint(value)}")
     for key in WRITTEN:
         if get(config, key) is not None:
             check_writable_dir(Path(get(config, key)), key)
 
 
+def packaged_hint(value: str) -> str:
+    """"; did you mean the packaged model '...'?" where `value` is close to a packaged model's name, else ""."""
+    close = difflib.get_close_matches(value.lower(), list(PACKAGED_MODELS), n=1, cutoff=0.6)
+    return f"; did you mean the packaged model {close[0]!r}?" if close else ""
+
+
 def check_writable_dir(path: Path, key: str) -> None:
-    """`path` must be (or become) a directory this process can write: not a file, nor under one."""
+    """`path` must be (or become) a directory this process can write: not a file, nor under one. Tried by making
+    (and removing) a directory in the nearest one that exists: permission bits do not tell root (or a read-only
+    file system such as /sys) what a write would do."""
     for folder in (path, *path.parents):
         if folder.exists():
             if not folder.is_dir():
                 where = "is a file" if folder == path else f"is under {str(folder)!r}, a file"
                 raise ConfigError(f"{key}={str(path)!r} {where}: it must be a directory (or not exist yet)")
-            if not os.access(folder, os.W_OK | os.X_OK):
-                raise ConfigError(f"{key}={str(path)!r}: cannot write into {str(folder)!r} (permission denied); "
-                                  f"choose another {key.split('.')[-1]}")
+            try:
+                os.rmdir(tempfile.mkdtemp(prefix=".treerl-write-check-", dir=folder))
+            except OSError as e:
+                raise ConfigError(f"{key}={str(path)!r}: cannot write into {str(folder)!r} ({e.strerror or e}); "
+                                  f"choose another {key.split('.')[-1]}") from None
             return
