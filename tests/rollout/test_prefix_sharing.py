@@ -5,16 +5,18 @@ calls, for every layer kind it serves; the cache's bounds, its emptying at a wei
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import fresh_model, tiny_model
 
-from treerl.rollout import EmbeddedSampler, Rollout, RolloutConfig, SamplingParams
+from treerl.rollout import EmbeddedSampler, Rollout, RolloutConfig, SamplingParams, prefix_sharing
 from treerl.rollout.prefix_cache import PrefixCache
-from treerl.rollout.proxy import ChatProxy
 from treerl.rollout.prefix_sharing import refusal
+from treerl.rollout.proxy import ChatProxy
 
 VOCAB = 64
 
@@ -49,21 +51,24 @@ def tries(draw):
     stop = tuple(draw(st.sets(st.integers(0, VOCAB - 1), min_size=0, max_size=10)))
     params = SamplingParams(n=n, max_new_tokens=draw(st.integers(1, 7)), stop_token_ids=stop,
                             seed=draw(st.integers(0, 2**31)), temperature=draw(st.sampled_from([1.0, 0.7])))
-    return prompts, params, draw(st.sampled_from([256, n, 2 * n + 1]))
+    return prompts, params, draw(st.sampled_from([256, n, 2 * n + 1])), draw(st.sampled_from([0, 8, 256]))
 
 
 @pytest.mark.slow
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tries())
 def test_random_tries_sample_what_the_padded_path_samples(case):
-    """Without the cache, with it cold, and with it warm (every prompt's prefix computed by the call before)."""
-    prompts, params, max_rows = case
+    """Without the cache, with it cold, and with it warm (every prompt's prefix computed by the call before); short
+    shared stretches read in place or copied into their rows' own buffers (COPIED_TOKENS)."""
+    prompts, params, max_rows, copied = case
     model = tiny_model("tiny-qwen3", vocab_size=VOCAB)
     expected = padded(model, prompts, params, max_rows=max_rows)
-    assert_same(expected, EmbeddedSampler(model, max_rows=max_rows, prefix_cache_tokens=0).generate(prompts, params))
-    cached = EmbeddedSampler(model, max_rows=max_rows)
-    assert_same(expected, cached.generate(prompts, params))
-    assert_same(expected, cached.generate(prompts, params))
+    with mock.patch.object(prefix_sharing, "COPIED_TOKENS", copied):
+        assert_same(expected, EmbeddedSampler(model, max_rows=max_rows, prefix_cache_tokens=0).generate(prompts,
+                                                                                                        params))
+        cached = EmbeddedSampler(model, max_rows=max_rows)
+        assert_same(expected, cached.generate(prompts, params))
+        assert_same(expected, cached.generate(prompts, params))
     assert cached.counts.unshared_calls == 0
 
 

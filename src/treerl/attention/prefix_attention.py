@@ -69,33 +69,62 @@ class Read:
 
 
 class RowKV:
-    """Each decoding row's own generated tokens: per slot `[rows, kv_heads, capacity, head_dim]`, `length` filled."""
+    """Each decoding row's own tokens: per slot `[rows, kv_heads, width + capacity, head_dim]`, its generated tokens
+    from column `width` on (`length` filled), and before them, right-aligned, the K/V of the end of its prompt that no
+    other row reads (`own`: a multi-turn row's history since its branch), so that every row's own stretch is one
+    batched kernel call (masked where a row's is shorter), not a call a row."""
 
-    def __init__(self, rows: int, capacity: int):
-        self.rows, self.capacity, self.length = rows, capacity, 0
+    def __init__(self, rows: int, capacity: int, own: list[KVRun | None] | None = None):
+        own = own or [None] * rows
+        self.rows, self.capacity, self.length, self.own = rows, capacity, 0, own
+        self.width = max((run.length for run in own if run is not None), default=0)
         self.keys: dict[Slot, torch.Tensor] = {}
         self.values: dict[Slot, torch.Tensor] = {}
+        self.visible: torch.Tensor | None = None  # [rows, width]: which of the first `width` columns a row holds
+        if self.width:
+            lengths = torch.tensor([run.length if run is not None else 0 for run in own])
+            self.visible = torch.arange(self.width)[None, :] >= (self.width - lengths)[:, None]
 
     def write(self, slot: Slot, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's K/V (`[rows, kv_heads, 1, D]`) at column `length`; every filled column of each row."""
+        """This step's K/V (`[rows, kv_heads, 1, D]`) after the filled columns; every filled column of each row."""
         if slot not in self.keys:
-            self.keys[slot] = k.new_zeros(self.rows, k.shape[1], self.capacity, k.shape[3])
-            self.values[slot] = v.new_zeros(self.rows, v.shape[1], self.capacity, v.shape[3])
+            self.keys[slot], self.values[slot] = self._allocate(slot, k), self._allocate(slot, v, values=True)
         keys, values = self.keys[slot], self.values[slot]
-        keys[:, :, self.length] = k[:, :, 0]
-        values[:, :, self.length] = v[:, :, 0]
-        return keys[:, :, : self.length + 1], values[:, :, : self.length + 1]
+        column = self.width + self.length
+        keys[:, :, column] = k[:, :, 0]
+        values[:, :, column] = v[:, :, 0]
+        return keys[:, :, : column + 1], values[:, :, : column + 1]
+
+    def _allocate(self, slot: Slot, x: torch.Tensor, values: bool = False) -> torch.Tensor:
+        buffer = x.new_zeros(self.rows, x.shape[1], self.width + self.capacity, x.shape[3])
+        for row, run in enumerate(self.own):
+            if run is not None:
+                stored = (run.values if values else run.keys)[slot]
+                buffer[row, :, self.width - run.length : self.width] = stored[0].to(buffer.dtype)
+        return buffer
 
     def keep(self, rows: torch.Tensor) -> None:
         """Only these rows go on (indices into the current rows)."""
         self.rows = len(rows)
         self.keys = {s: k[rows] for s, k in self.keys.items()}
         self.values = {s: v[rows] for s, v in self.values.items()}
+        rows_cpu = rows.cpu().tolist()
+        self.own = [self.own[r] for r in rows_cpu]
+        if self.visible is not None:
+            self.visible = self.visible[rows_cpu]
 
     def run(self, row: int, start: int) -> KVRun:
-        """Row `row`'s filled tokens as a run at positions from `start` (views)."""
-        return KVRun(start, self.length, {s: k[row : row + 1, :, : self.length] for s, k in self.keys.items()},
-                     {s: v[row : row + 1, :, : self.length] for s, v in self.values.items()})
+        """Row `row`'s generated tokens (those run so far) as a run at positions from `start` (views)."""
+        cols = slice(self.width, self.width + self.length)
+        return KVRun(start, self.length, {s: k[row : row + 1, :, cols] for s, k in self.keys.items()},
+                     {s: v[row : row + 1, :, cols] for s, v in self.values.items()})
+
+    def mask(self, columns: int, device: torch.device) -> torch.Tensor | None:
+        """`[rows, columns]`: the filled columns each row holds (None: all of them)."""
+        if self.visible is None:
+            return None
+        tail = torch.ones(self.rows, columns - self.width, dtype=torch.bool)
+        return torch.cat([self.visible, tail], dim=1).to(device)
 
 
 class PrefixCall:
@@ -133,7 +162,7 @@ class PrefixCall:
         else:
             own_k, own_v = self.rows.write(slot, key, value)
             query = query.transpose(0, 2)  # [rows, H, 1, D] -> [1, H, rows, D]: the rows as one row of queries
-            out, lse = _own_rows(query, own_k, own_v, layer.spec)
+            out, lse = _own_rows(query, own_k, own_v, layer.spec, self.rows.mask(own_k.shape[2], query.device))
         for read in self.reads:
             self._read(query, out, lse, read, slot, layer.spec)
         _merge_sinks(out, lse, layer.sinks)
@@ -174,18 +203,35 @@ class PrefixCall:
         return self._folded[key]
 
 
-def _own_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's query (`q [1, H, rows, D]`) over its own generated tokens (`[rows, kv_heads, t, D]`, the query's
-    own last): one batched call, every row's query heads folded per K/V head. A window keeps the last `window`."""
-    rows, kv_heads, t, _ = k.shape
-    if spec.window is not None and t > spec.window:
-        k, v = k[:, :, t - spec.window :], v[:, :, t - spec.window :]
+def _own_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
+              mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's query (`q [1, H, rows, D]`) over its own columns (`[rows, kv_heads, S, D]`, the query's own last;
+    `mask [rows, S]`: the columns a row holds, None: all): one batched call, every row's query heads folded per K/V
+    head. A column's distance from the last is its key's distance from the query: a window keeps the last `window`."""
+    rows, kv_heads, width, _ = k.shape
+    if spec.window is not None and width > spec.window:
+        k, v = k[:, :, width - spec.window :], v[:, :, width - spec.window :]
+        mask = None if mask is None else mask[:, width - spec.window :]
     heads = q.shape[1]
     per_row = q[0].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, q.shape[-1])
-    o, l, _ = attend(per_row, k, v, dataclasses.replace(spec, window=None), Part(q_start=0, k_start=0, causal=False))
+    if mask is None:
+        o, l, _ = attend(per_row, k, v, dataclasses.replace(spec, window=None), Part(q_start=0, k_start=0, causal=False))
+    else:
+        o, l = _masked(per_row, k, v, spec, mask)
     lse = l.reshape(rows, heads).transpose(0, 1)[None]
     return o.reshape(rows, heads, -1).transpose(0, 1)[None].to(lse.dtype), lse
+
+
+def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
+            mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax over the columns `mask [rows, S]` shows, in at least float32: a decoding step's one query a row."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    scores = (q.to(compute) @ k.to(compute).transpose(-1, -2)) * spec.scale
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse[..., None]) @ v.to(compute), lse
 
 
 def _check_layer(slot: Slot, layer: LayerAttention) -> None:

@@ -1,6 +1,7 @@
 """`treerl bench`: engines side by side on the same trees; `--profile`: where each engine's time goes;
 `--balance`: data-parallel assignment; `--async`: synchronous vs asynchronous RL training;
-`--precision`: one training step per precision; `--weight-push URL`: what pushing weights to an inference server
+`--precision`: one training step per precision; `--rollout`: generation alone, the embedded sampler's padded path
+against its shared-prefix path; `--weight-push URL`: what pushing weights to an inference server
 costs; `--mismatch URL`: how far a server's log-probs are from the trainer's at the same weights; `--cp 1,2,4`: one long trajectory under context parallelism, and when CP pays on a GPU cluster; `--against trl`: treerl train
 against TRL's GRPOTrainer on the same model, prompts and settings.
 
@@ -34,6 +35,40 @@ from treerl.errors import UserError
 from treerl.gguf_checkpoint import PACKAGED_MODELS, local_checkpoint
 from treerl.models import DTYPES, SHAPES, check_device
 from treerl.rollout.config import check_server_url
+
+
+def run_rollout_bench(shape: str, vocab_size: int, model_path: str | None, dtype: str, device: str,
+                      threads: int | None, repeats: int, workloads: str | None, system_tokens: int, out: Path) -> None:
+    """`--rollout`: its options checked in one line each, then the table, printed and written to
+    out/rollout.{json,md} with the settings, the machine's load before and after, and CPU seconds."""
+    import os
+
+    from treerl.bench.rollout import WORKLOADS, RolloutBenchConfig, describe, rollout_markdown, rollout_rows
+
+    chosen = (workloads or ",".join(WORKLOADS)).split(",")
+    check_among("--workloads", chosen, WORKLOADS)
+    check_among("--shape", [shape], tuple(SHAPES))
+    check_among("--dtype", [dtype], DTYPES)
+    check_device(device, "--device")
+    check_positive({"--repeats": repeats, "--system-tokens": system_tokens,
+                    **({"--threads": threads} if threads is not None else {})})
+    if model_path not in PACKAGED_MODELS:
+        check_existing("--model-path", model_path)
+    if model_path is not None:
+        model_path = local_checkpoint(model_path, key="--model-path")
+    config = RolloutBenchConfig(shape=shape, vocab_size=vocab_size or None, model_path=model_path, dtype=dtype,
+                                device=device, threads=threads, repeats=repeats, workloads=chosen,
+                                system_tokens=system_tokens)
+    load = os.getloadavg()
+    rows = rollout_rows(config)
+    settings = {**describe(config), "load_before": load, "load_after": os.getloadavg()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rollout.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
+    table = rollout_markdown(rows)
+    (out / "rollout.md").write_text(table + "\n")
+    print(table)
+    Console().print(f"written to {out}/rollout.{{json,md}} (load {load[0]:.1f} before, {settings['load_after'][0]:.1f} "
+                    "after)")
 
 
 def run_precision_bench(config: PrecisionBenchConfig, out: Path) -> None:
@@ -82,6 +117,11 @@ def bench(
     trl_python: str | None = typer.Option(None, "--trl-python", help="--against trl: a Python with trl 1.16 "
                                           "(default: the venv tools/trl-venv.sh builds)"),
     threads: int | None = typer.Option(None, help="torch threads (default: torch's own; --async: 1, the trainer's in both modes)"),
+    rollout: bool = typer.Option(False, "--rollout", help="generation alone: the embedded sampler's padded path (each "
+                                 "prompt prefilled whole) against its shared-prefix path (each shared prefix once, a "
+                                 "prefix cache across calls), same calls, against their ideal (docs/benchmarks.md)"),
+    system_tokens: int = typer.Option(1470, help="--rollout: tokens of the system prompt grpo_long_system and "
+                                      "agent_tree share"),
     precision: bool = typer.Option(False, "--precision", help="one training step per precision, with LoRA and "
                                    "gradient checkpointing, flat vs dfs, on G samples of one prompt (--shape)"),
     variants: str = typer.Option(",".join(PRECISION_VARIANTS), help="--precision: comma-separated variants"),
@@ -112,6 +152,9 @@ def bench(
     if against is not None:
         run_against(against, train_config, override, workloads or "short", integers("--seeds", seeds), trl_python,
                     threads or 1, target, out)
+        return
+    if rollout:
+        run_rollout_bench(shape, vocab_size, model_path, dtype, device, threads, repeats, workloads, system_tokens, out)
         return
     workloads = workloads or ",".join(workload_names())
     check_options(shape, vocab_size, device, dtype, workloads, engines, variants, weight_push, model_path, {

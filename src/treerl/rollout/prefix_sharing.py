@@ -40,6 +40,8 @@ from treerl.rollout.prefix_cache import CachedPrefix, PrefixCache, States
 from treerl.rollout.sampler import Completion
 
 PREFILL_TOKENS = 4096  # most tokens of one prefill call (longer trie nodes become chains)
+COPIED_TOKENS = 256  # a stretch of a prompt that rows read, copied into each reader's own buffer when the copies
+# (readers - 1 of them) hold at most this many tokens: a kernel call a step costs more than reading those
 
 
 @dataclass
@@ -196,7 +198,43 @@ def _grow(items: list[tuple[int, list[int]]], start: int, parent: CallNode | Non
             _grow(rest, start + common, node, cached, chunk, nodes, ends)
 
 
-def _reads(spans: list[tuple[list[tuple[KVRun, int]], int, int, int, int]]) -> list[Read]:
+Runs = list[tuple[KVRun, int]]  # runs of consecutive positions from the root, and how much of each
+
+
+def _units(paths: list[Runs]) -> list[Runs]:
+    """Each path's runs, consecutive runs that exactly the same paths read joined into one (a copy, made once for
+    all of them): one kernel call instead of one a run, where a cache or a trie cut a stretch into pieces."""
+    readers: dict[tuple[int, int], set[int]] = {}
+    for i, path in enumerate(paths):
+        for run, used in path:
+            readers.setdefault((id(run), used), set()).add(i)
+    made: dict[tuple, tuple[KVRun, int]] = {}
+
+    def unit(chain: Runs) -> tuple[KVRun, int]:
+        if len(chain) == 1:
+            return chain[0]
+        key = tuple((id(run), used) for run, used in chain)
+        if key not in made:
+            whole = joined([run.piece(run.start, run.start + used) for run, used in chain])
+            made[key] = (whole, whole.length)
+        return made[key]
+
+    out = []
+    for path in paths:
+        units: Runs = []
+        chain: Runs = []
+        for run, used in path:
+            if chain and readers[(id(chain[-1][0]), chain[-1][1])] != readers[(id(run), used)]:
+                units.append(unit(chain))
+                chain = []
+            chain.append((run, used))
+        if chain:
+            units.append(unit(chain))
+        out.append(units)
+    return out
+
+
+def _reads(spans: list[tuple[Runs, int, int, int, int]]) -> list[Read]:
     """Each run read by a contiguous stretch of queries as one `Read`: `spans` are (runs, lo, hi, q_min, q_max) in
     query order."""
     open_reads: dict[tuple[int, int], list] = {}
@@ -242,7 +280,8 @@ class SharedDecoding:
         self.call_rows = torch.tensor(rows, dtype=torch.long)  # each running row's number (prompt-major), trie order
         self.row_prompt = [r // n for r in rows]
         self.positions = torch.tensor([len(prompts[p]) for p in self.row_prompt], device=self.device)
-        self.kv = RowKV(len(rows), max_new_tokens)
+        self.units, own = self._row_units()
+        self.kv = RowKV(len(rows), max_new_tokens, own)
         self.states = self._row_states() if mixers else None
         self.finished: dict[int, tuple[KVRun, States | None]] = {}  # row -> its own K/V (and states), for the cache
         self._layout()
@@ -266,9 +305,9 @@ class SharedDecoding:
 
     def _prefill_call(self, batch: list[CallNode]) -> None:
         segments, spans, ids, positions, row = [], [], [], [], 0
-        for node in batch:
+        for node, runs in zip(batch, _units([node.reads() for node in batch])):
             segments.append(Segment(row, len(node.tokens), node.start))
-            spans.append((node.reads(), row, row + len(node.tokens), node.start, node.end - 1))
+            spans.append((runs, row, row + len(node.tokens), node.start, node.end - 1))
             ids += node.tokens
             positions += range(node.start, node.end)
             row += len(node.tokens)
@@ -314,13 +353,34 @@ class SharedDecoding:
         return {key: torch.cat([states[key] for states in ends]) for key in ends[0]}
 
     # -- decoding
+    def _row_units(self) -> tuple[list[Runs], list[KVRun | None]]:
+        """Each row's runs from the root (`_units`), but the end of its path that only it reads, or that few rows
+        read and is short (at most COPIED_TOKENS copied tokens): its own buffer holds a copy of those instead
+        (`RowKV`: one batched kernel call for every row's own stretch, not a call a run)."""
+        paths = []
+        for p in self.row_prompt:
+            end = self.ends[p]
+            paths.append([*end.reads(), (end.kv, len(end.tokens))])
+        units = _units(paths)
+        readers: dict[tuple[int, int], int] = {}
+        for path in units:
+            for run, used in path:
+                readers[(id(run), used)] = readers.get((id(run), used), 0) + 1
+        own: list[KVRun | None] = []
+        for i, path in enumerate(units):
+            cut = len(path)
+            while cut and (readers[(id(path[cut - 1][0]), path[cut - 1][1])] - 1) * path[cut - 1][1] <= COPIED_TOKENS:
+                cut -= 1
+            tail = [run.piece(run.start, run.start + used) for run, used in path[cut:]]
+            own.append(joined(tail) if tail else None)
+            units[i] = path[:cut]
+        return units, own
+
     def _layout(self) -> None:
         """The running rows' reads (which rows see which run) and where each row stands in row order."""
         spans = []
         for i, p in enumerate(self.row_prompt):
-            end = self.ends[p]
-            spans.append(([*end.reads(), (end.kv, len(end.tokens))], i, i + 1, len(self.prompts[p]),
-                          len(self.prompts[p])))
+            spans.append((self.units[i], i, i + 1, len(self.prompts[p]), len(self.prompts[p])))
         self._spans = _reads(spans)
         self._order = torch.argsort(self.call_rows)  # row order: each row's place in the call
         self._rank = torch.argsort(self._order)
@@ -351,6 +411,7 @@ class SharedDecoding:
         kept = kept.sort().values  # trie order
         self.call_rows = self.call_rows[kept]
         self.row_prompt = [self.row_prompt[i] for i in kept.tolist()]
+        self.units = [self.units[i] for i in kept.tolist()]
         self.positions = self.positions[kept.to(self.device)]
         self.kv.keep(kept.to(self.device))
         if self.states is not None:
