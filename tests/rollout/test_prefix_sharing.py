@@ -270,3 +270,24 @@ def test_an_agent_through_the_proxy_records_the_padded_paths_samples(chat, token
     assert [c.parent for c in recorded[True]] == [None, 0, 1]
     assert_same([[c.completion for c in recorded[False]]], [[c.completion for c in recorded[True]]])
     assert sampler.counts.cached_tokens >= len(recorded[True][1].prompt) - 1 > 0
+
+
+@pytest.mark.parametrize("family", ["mamba", "gemma2"])
+def test_families_the_padded_path_gets_wrong_are_exact_when_shared(family):
+    """A pure Mamba model (the padded path's left padding runs into its state: log-probs off by ~1.6) and Gemma 2
+    (soft-capping and a sliding window that binds; the padded path's left padding leaves rows with no visible key:
+    NaN): the shared path's log-probs are the model's own forward on each prompt and completion alone."""
+    from zoo import build_tiny, ordinary_ids
+
+    model = build_tiny(family, dtype=torch.float64)
+    assert refusal(model) is None
+    ids = ordinary_ids(model, (12,), seed=1).tolist()
+    prompts = [ids[:6], ids[:4] + ids[8:10], ids[:9], ids[10:11], ids[:6]]
+    groups = EmbeddedSampler(model).generate(prompts, SamplingParams(n=3, max_new_tokens=6, seed=0))
+    for prompt, group in zip(prompts, groups):
+        for completion in group:
+            sequence = torch.tensor([prompt + completion.tokens])
+            with torch.no_grad():
+                logits = model(input_ids=sequence, use_cache=False).logits[0, len(prompt) - 1 : -1].double()
+            own = torch.log_softmax(logits, -1).gather(-1, sequence[0, len(prompt) :, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(completion.logprobs, dtype=torch.float64), own, rtol=0, atol=1e-6)
