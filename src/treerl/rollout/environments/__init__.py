@@ -10,8 +10,9 @@ The contract every adapter keeps (parts A and B of issue 46 build on it):
   running server ("openenv+http://127.0.0.1:8000": library "openenv", target "http://127.0.0.1:8000"), "spec@weight",
   a mapping {env, weight, env_args, name}, or a list of these, mixed by weight. `rollout.env_args` (a mapping) goes to
   every environment's constructor (an entry's own env_args win key by key); `rollout.env_timeout` (seconds) bounds
-  each reset, step and score call. Setting `rollout.env` makes the task `env` (`rollout.task` must be left at its
-  default or set to `env`); `rollout.system_prompt` is the system message where the library has none of its own.
+  each reset, step and score call. Setting `rollout.env` makes the task `env` (`rollout.task` must be left out or set
+  to `env`; rollout.data_path and rollout.reward_fn are refused beside it but for a TRL class, which reads them);
+  `rollout.system_prompt` is the system message where the library has none of its own.
   The syntax is checked at the config check (`parse_env_specs`, a ValueError naming the
   key); the target and env_args when the rollout is built, before any sampling.
 - Adapters: module `<library>_env.py` beside this file (LIBRARIES in `spec.py`: reasoning_gym_env, textarena_env,
@@ -35,6 +36,12 @@ The contract every adapter keeps (parts A and B of issue 46 build on it):
 - Failures: a reset, step or score that raises, times out (rollout.env_timeout) or gives a reward or metric that is
   not a finite number drops that episode or sample, counted as rollout/dropped_env_<kind> (env_raised, env_timeout,
   env_not_a_number, env_not_finite, env_too_large) and reported with its prompt (dropped.jsonl).
+- Episode ends and limits are the library's (DESIGN.md invariant 9): an episode a bound of treerl's cuts first
+  (rollout.max_turns, rollout.max_context_tokens) is dropped as env_truncated, its reason naming the library's limit
+  (an Environment's optional `limit`), never trained on the reward it had so far.
+- Branching: an Environment is deep-copied only where the library's class says copies are independent
+  (`replay.COPY_OPT_IN`) or the project checked it; one whose `copies` is false is never forked (each trajectory gets
+  its own from `environment(prompt)`).
 """
 
 from __future__ import annotations
