@@ -168,13 +168,16 @@ def test_the_radix_tree_splits_nodes_and_matches_the_longest_prefix():
     assert cache.match([7], limit=1, needs_states=False).depth == 0
 
 
-def test_float32_samples_are_the_padded_paths():
+@pytest.mark.parametrize("autocast, tol", [(None, 1e-5), (torch.bfloat16, 5e-2)])
+def test_float32_and_bf16_mixed_samples_are_the_padded_paths(autocast, tol):
+    """float32 weights, computed as stored or under bfloat16 autocast (trainer.precision=bf16-mixed): the same
+    tokens, log-probs within the dtype's rounding."""
     model = fresh_model("tiny-qwen3", vocab_size=VOCAB, dtype=torch.float32, exact=False)
     prompts = [list(range(8, 30)), list(range(8, 26)) + [40], [41]]
     params = SamplingParams(n=6, max_new_tokens=8, seed=5, stop_token_ids=(3, 4, 5, 6))
-    sampler = EmbeddedSampler(model)
+    sampler = EmbeddedSampler(model, autocast=autocast)
     for _ in range(2):
-        assert_same(padded(model, prompts, params), sampler.generate(prompts, params), tol=1e-5)
+        assert_same(padded(model, prompts, params, autocast=autocast), sampler.generate(prompts, params), tol=tol)
 
 
 @pytest.mark.slow

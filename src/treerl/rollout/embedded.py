@@ -133,10 +133,10 @@ class EmbeddedSampler:
         model = self.model
         with recording_routes(model) if self.return_routed_experts else contextlib.nullcontext() as record:
             if shared:
-                with self._lock:
-                    key = self.cache.key
-                    decoding = SharedDecoding(model, prompts, params.n, params.max_new_tokens, self.cache,
-                                              find_mixers(model), record, self.counts, store=self.cache.max_tokens > 0)
+                key = self.cache.key
+                decoding = SharedDecoding(model, prompts, params.n, params.max_new_tokens, self.cache,
+                                          find_mixers(model), record, self.counts, store=self.cache.max_tokens > 0,
+                                          lock=self._lock)
             else:
                 decoding = PaddedDecoding(model, prompts, params.n, generator.device, images, record)
             completions = self._decode(decoding, len(prompts), params, generator, cancelled, record)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -264,12 +265,13 @@ class SharedDecoding:
 
     def __init__(self, model: PreTrainedModel, prompts: list[list[int]], n: int, max_new_tokens: int,
                  cache: PrefixCache, mixers: Mixers, record: RouteRecord | None, counts: PrefixCounts,
-                 store: bool = False):
+                 store: bool = False, lock: threading.Lock | None = None):
         self.model, self.prompts, self.n, self.cache, self.mixers, self.record = model, prompts, n, cache, mixers, record
         self.device = model.get_input_embeddings().weight.device
         self.store = store  # keep each finished row's K/V for the cache
         self.layers = attention_layers(model, mixers.mixer_classes)
-        self.nodes, self.ends = call_trie(prompts, cache, bool(mixers))
+        with lock or contextlib.nullcontext():  # the cache's (the prefill then computes without it)
+            self.nodes, self.ends = call_trie(prompts, cache, bool(mixers))
         counts.prompt_tokens += sum(len(p) for p in prompts)
         counts.prefill_tokens += sum(len(node.tokens) for node in self.nodes)
         counts.cached_tokens += _distinct_cached(self.nodes)
