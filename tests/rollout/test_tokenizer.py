@@ -45,6 +45,19 @@ def test_checkpoint_without_chat_template_gets_the_plain_format(tmp_path):
     assert text == "User: hi\nAssistant: "
 
 
+@pytest.mark.slow
+def test_a_base_model_whose_tokenizer_starts_text_with_bos_gets_it_in_the_plain_format():
+    """Gemma 3 270M base (its tokenizer has no chat template and puts <bos> first): the plain format's prompt starts
+    with <bos>, as the model's pretraining text did, and the reply's tokens follow as the tokenizer writes them."""
+    from real_gemma import gemma_dir
+
+    gemma = load_tokenizer(gemma_dir())
+    ids = gemma.apply_chat_template([{"role": "user", "content": "3+4="}], add_generation_prompt=True,
+                                    return_dict=False)
+    assert ids == gemma("User: 3+4=\nAssistant: ").input_ids and ids[0] == gemma.bos_token_id
+    assert ids.count(gemma.bos_token_id) == 1
+
+
 def test_missing_path_is_a_clear_error(tmp_path):
     with pytest.raises(ModelPathError, match="never downloads"):
         load_tokenizer(tmp_path / "nope")

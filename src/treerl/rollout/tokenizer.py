@@ -58,6 +58,15 @@ PLAIN_CHAT_TEMPLATE = (
 )
 
 
+def plain_template(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The plain "User: ...\nAssistant: " format, after the BOS token where the tokenizer puts one before any text: a
+    chat template renders without the tokenizer's special tokens, and a base model trained with a BOS first (Gemma)
+    writes "222222" to "3+4=" without it."""
+    bos = tokenizer.bos_token_id
+    ids = tokenizer("a").input_ids
+    return "{{ bos_token }}" + PLAIN_CHAT_TEMPLATE if bos is not None and ids[:1] == [bos] else PLAIN_CHAT_TEMPLATE
+
+
 def builtin_tokenizer(vision: bool = False) -> PreTrainedTokenizerFast:
     """A character-level tokenizer for the built-in tasks: digits, letters, punctuation, space, newline (and with
     `vision`, the four image tokens of a vision-language shape)."""
@@ -102,7 +111,7 @@ def load_tokenizer(path: str | Path | None = None, trust_remote_code: bool = Fal
         text = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ModelPathError(f"tokenizer path {str(path)!r}: cannot load it ({type(e).__name__}: {text})") from None
     if tokenizer.chat_template is None:
-        tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+        tokenizer.chat_template = plain_template(tokenizer)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

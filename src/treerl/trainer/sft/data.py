@@ -54,7 +54,7 @@ from treerl.rollout.chat import ChatFormat, Message
 from treerl.rollout.images import ImageProcessor, image_parts
 from treerl.rollout.tasks.base import rng_for
 from treerl.rollout.tasks.dataset import is_content, located_rows
-from treerl.rollout.tokenizer import PLAIN_CHAT_TEMPLATE
+from treerl.rollout.tokenizer import plain_template
 from treerl.tree import TokenSequence
 from treerl.tree.io import MAX_LINE_BYTES
 
@@ -72,7 +72,7 @@ def chat_format(tokenizer: PreTrainedTokenizerBase, kind: str, images: ImageProc
     images."""
     if kind == "plain":
         tokenizer = copy.copy(tokenizer)
-        tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+        tokenizer.chat_template = plain_template(tokenizer)
     return ChatFormat(tokenizer, images=images)
 
 
