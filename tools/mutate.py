@@ -554,6 +554,21 @@ MUTATIONS = [
              "    if held != entry.size:", "    if held is None:",
              (("tests/test_gguf_checkpoint.py::test_a_cut_or_altered_chunk_is_named_in_one_line_before_conversion"),),
              "a cut chunk package of gemma3-270m is joined and fails its sha256 without naming the cut part"),
+    Mutation("plain-format-without-bos", "src/treerl/rollout/tokenizer.py",
+             'return "{{ bos_token }}" + PLAIN_CHAT_TEMPLATE if', 'return PLAIN_CHAT_TEMPLATE if',
+             (("tests/rollout/test_tokenizer.py::"
+               "test_a_base_model_whose_tokenizer_starts_text_with_bos_gets_it_in_the_plain_format"),),
+             "Gemma 3 base prompted in the plain format without <bos>: it answers '3+4=' with '222222'"),
+    Mutation("sliding-window-dropped", "src/treerl/attention/dispatch.py",
+             '    window = kwargs.pop("sliding_window", None)', '    kwargs.pop("sliding_window", None)\n    window = None',
+             (("tests/engine/test_real_gemma.py::"
+               "test_flat_is_the_cut_models_own_forward_and_dfs_equals_it_in_float64"),),
+             "Gemma 3's sliding-window layers attend over the whole tree path: tokens past 512 read the prompt's start"),
+    Mutation("sliding-window-off-by-one", "src/treerl/attention/kernels.py",
+             "            allowed = allowed & (q - k < self.window)", "            allowed = allowed & (q - k <= self.window)",
+             (("tests/engine/test_real_gemma.py::"
+               "test_flat_is_the_cut_models_own_forward_and_dfs_equals_it_in_float64"),),
+             "a sliding window of 512 sees 513 keys in the tree engines: Gemma 3's tokens past 512 read one key too many"),
     # ------------------------------------------------------------------ the embedding's gradient by rows (issue 45)
     Mutation("embedding-rows-padding-trained", "src/treerl/engine/embedding_rows.py",
              "        if self.module.padding_idx is not None:", "        if False:",
