@@ -351,6 +351,42 @@ def test_the_real_model_trains_on_vllm_sync_then_async(real_server, real_dir, tm
     client.push_weights(str(real_dir), version=0)
 
 
+# ---------------------------------------------------------------------------------------------- Gemma 3, a base model
+GEMMA_BOUND = 1e-4  # Gemma 3 270M: 18 float32 layers, a 262,144-token head, server against trainer (measured: 2.2e-5)
+
+
+def test_gemma_exported_and_served_samples_with_the_trainers_logprobs_across_the_window(workdir):
+    """Gemma 3 270M base from `treerl export --model-path gemma3-270m`, served as the docs serve any checkpoint (its own
+    server, stopped at the end: its memory is not held beside the module's other servers); plain-text prompts of 500
+    and 530 tokens, so the samples cross or lie past the 512-token sliding window: the server's log-probs are the
+    trainer's DfsEngine recomputation, and not the recomputation without the window."""
+    from real_gemma import WINDOW, plain_trees
+    from test_real_gemma_rollouts import window
+
+    from treerl.engine import PolicyHead
+
+    path = workdir / "gemma"
+    done = subprocess.run([sys.executable, "-m", "treerl.cli.main", "export", "--model-path", "gemma3-270m", str(path)],
+                          check=False, capture_output=True, text=True, env=cli_env())
+    assert done.returncode == 0, done.stderr
+    trees = plain_trees(load_tokenizer(path))
+    prompts = [trees["grpo"][0].tokens[:500].tolist(), trees["agent"][0].tokens[:530].tolist()]
+    with documented_server(path, workdir) as server:
+        groups = client_of(server).generate(prompts, SamplingParams(n=2, max_new_tokens=24, temperature=0.7, seed=3))
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    sequences = [TokenSequence(torch.tensor(p + c.tokens)) for p, group in zip(prompts, groups) for c in group]
+    served = [(len(p), torch.tensor(c.logprobs)) for p, group in zip(prompts, groups) for c in group]
+    assert any(start < WINDOW < len(s.tokens) for (start, _), s in zip(served, sequences))
+    engine = DfsEngine(head=PolicyHead(temperature=0.7))
+    recomputed = engine.forward(policy, sequences)
+    with window(policy, 4096):
+        unwindowed = engine.forward(policy, sequences)
+    worst = max(float((lp - out["logprobs"][start:]).abs().max()) for (start, lp), out in zip(served, recomputed))
+    moved = max(float((out["logprobs"][start:] - wide["logprobs"][start:]).abs().max())
+                for (start, _), out, wide in zip(served, recomputed, unwindowed))
+    assert worst < GEMMA_BOUND < 100 * GEMMA_BOUND < moved, (worst, moved)
+
+
 # ---------------------------------------------------------------------------------------------- images
 @pytest.fixture(scope="module")
 def vl_dir(workdir) -> Path:
