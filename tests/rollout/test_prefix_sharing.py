@@ -78,6 +78,7 @@ def test_each_shared_prefix_is_prefilled_once_and_rows_leave_as_they_stop():
     model = tiny_model("tiny-qwen3", vocab_size=VOCAB)
     system = list(range(8, 40))
     prompts = [system + [50 + i, 60] for i in range(3)]
+    assert refusal(model) is None  # its probe's calls before the hook
     body = model.model
     rows = []
     hook = body.register_forward_pre_hook(lambda m, a, kw: rows.append(tuple(kw["input_ids"].shape)), with_kwargs=True)

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from treerl.models import build_model
+from treerl.bench.engines import bench_model
 from treerl.rollout import EmbeddedSampler, SamplingParams
 from treerl.rollout.sampler import Completion
 
@@ -198,7 +198,7 @@ def rollout_rows(config: RolloutBenchConfig) -> list[dict]:
         raise ValueError(f"unknown rollout workloads {unknown}; known: {', '.join(WORKLOADS)}")
     if config.threads:
         torch.set_num_threads(config.threads)
-    model = _model(config)
+    model = bench_model(config)  # type: ignore[arg-type]  (the same fields)
     vocab = model.get_input_embeddings().num_embeddings
     for path in PATHS:  # warm-up: kernels, and the shared path's probe of the model
         EmbeddedSampler(model, prefix_sharing=path == "shared").generate(
@@ -244,13 +244,6 @@ def _same_share(a: list[Call], b: list[Call]) -> float:
     pairs = [(x.tokens, y.tokens) for (_, _, ga), (_, _, gb) in zip(a, b) for xa, xb in zip(ga, gb)
              for x, y in zip(xa, xb)]
     return sum(x == y for x, y in pairs) / max(1, len(pairs))
-
-
-def _model(config: RolloutBenchConfig) -> torch.nn.Module:
-    if config.model_path:
-        return build_model(path=config.model_path, dtype=getattr(torch, config.dtype), device=config.device).eval()
-    return build_model(shape=config.shape, vocab_size=config.vocab_size, dtype=getattr(torch, config.dtype),
-                       device=config.device, seed=config.seed).eval()
 
 
 def rollout_markdown(rows: list[dict]) -> str:
