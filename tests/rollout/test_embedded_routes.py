@@ -4,6 +4,7 @@ which are the model's own routing of the whole sequence, and which replayed give
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from treerl.engine import DfsEngine
@@ -17,10 +18,14 @@ from treerl.testing import model_outputs, relative_error
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12]]  # different lengths: the shorter is left-padded in the prefill
 
 
-def test_sampled_routes_are_the_models_own_and_replay_its_forward():
+@pytest.mark.parametrize("calls", [1, 2])
+def test_sampled_routes_are_the_models_own_and_replay_its_forward(calls):
+    """One call, and a second one on the same sampler whose prompts' routes come from its prefix cache."""
     model = build_model(shape="tiny-qwen3-moe", vocab_size=64, seed=0)
-    groups = EmbeddedSampler(model, return_routed_experts=True).generate(
-        PROMPTS, SamplingParams(n=3, max_new_tokens=6, seed=0, stop_token_ids=(3, 4, 5)))
+    sampler = EmbeddedSampler(model, return_routed_experts=True)
+    for _ in range(calls):
+        groups = sampler.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=6, seed=0, stop_token_ids=(3, 4, 5)))
+    assert (sampler.counts.cached_tokens > 0) == (calls == 2)
     sequences = [model_call_sequence(p, c, {}, f"{i}/{j}") for i, (p, g) in enumerate(zip(PROMPTS, groups))
                  for j, c in enumerate(g)]
     assert len({len(s) for s in sequences}) > 1  # some rows stopped early
