@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from treerl.rollout import Rollout, build_sampler
+from treerl.rollout import EmbeddedSampler, Rollout, build_sampler
 from treerl.trainer.core.config import Config, trained_algo
 from treerl.trainer.core.precision import autocast_dtype
 from treerl.trainer.core.run import Run
@@ -74,6 +74,8 @@ def train_step(run: Run, rollout: Rollout, reference: Reference | None, step: in
     """One step: collect, prepare, update; returns its metrics."""
     started = time.perf_counter()
     batch = collect(run, rollout, step)
+    if isinstance(rollout.sampler, EmbeddedSampler):  # the update changes the weights: its K/V are never read again
+        rollout.sampler.cache.clear()
     metrics = learn(run, batch, reference, step)
     rollout.sampler.version = step + 1
     if isinstance(rollout.sampler, ServerSampler):
