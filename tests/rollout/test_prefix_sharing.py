@@ -51,7 +51,8 @@ def tries(draw):
     stop = tuple(draw(st.sets(st.integers(0, VOCAB - 1), min_size=0, max_size=10)))
     params = SamplingParams(n=n, max_new_tokens=draw(st.integers(1, 7)), stop_token_ids=stop,
                             seed=draw(st.integers(0, 2**31)), temperature=draw(st.sampled_from([1.0, 0.7])))
-    return prompts, params, draw(st.sampled_from([256, n, 2 * n + 1])), draw(st.sampled_from([0, 8, 256]))
+    return (prompts, params, draw(st.sampled_from([256, n, 2 * n + 1])), draw(st.sampled_from([0, 8, 256])),
+            draw(st.sampled_from([4096, 3])))
 
 
 @pytest.mark.slow
@@ -59,11 +60,13 @@ def tries(draw):
 @given(tries())
 def test_random_tries_sample_what_the_padded_path_samples(case):
     """Without the cache, with it cold, and with it warm (every prompt's prefix computed by the call before); short
-    shared stretches read in place or copied into their rows' own buffers (COPIED_TOKENS)."""
-    prompts, params, max_rows, copied = case
+    shared stretches read in place or copied into their rows' own buffers (COPIED_TOKENS); prefill calls of at most
+    3 tokens (PREFILL_TOKENS: long nodes as chains, a wave over several calls)."""
+    prompts, params, max_rows, copied, prefill = case
     model = tiny_model("tiny-qwen3", vocab_size=VOCAB)
     expected = padded(model, prompts, params, max_rows=max_rows)
-    with mock.patch.object(prefix_sharing, "COPIED_TOKENS", copied):
+    with mock.patch.object(prefix_sharing, "COPIED_TOKENS", copied), \
+            mock.patch.object(prefix_sharing, "PREFILL_TOKENS", prefill):
         assert_same(expected, EmbeddedSampler(model, max_rows=max_rows, prefix_cache_tokens=0).generate(prompts,
                                                                                                         params))
         cached = EmbeddedSampler(model, max_rows=max_rows)

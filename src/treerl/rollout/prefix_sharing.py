@@ -158,8 +158,8 @@ def _probe(model: PreTrainedModel, mixers: Mixers) -> str | None:
 # ---------------------------------------------------------------------------------------------- the trie
 
 
-def call_trie(prompts: list[list[int]], cache: PrefixCache, needs_states: bool,
-              chunk: int = PREFILL_TOKENS) -> tuple[list[CallNode], list[CallNode]]:
+def call_trie(prompts: list[list[int]], cache: PrefixCache,
+              needs_states: bool) -> tuple[list[CallNode], list[CallNode]]:
     """The call's trie of what the cache does not hold: its nodes in preorder (the runs any node reads are those of
     a contiguous stretch of nodes), and the node each prompt ends in. Each prompt's last token is always computed
     (its logits start the sampling)."""
@@ -171,7 +171,8 @@ def call_trie(prompts: list[list[int]], cache: PrefixCache, needs_states: bool,
     ends: list[CallNode | None] = [None] * len(prompts)
     for key in sorted(groups, key=lambda k: tuple(i for pair in k for i in pair)):
         cached, members = groups[key]
-        _grow([(i, prompts[i][cached.depth :]) for i in members], cached.depth, None, cached, chunk, nodes, ends)
+        _grow([(i, prompts[i][cached.depth :]) for i in members], cached.depth, None, cached, PREFILL_TOKENS, nodes,
+              ends)
     return nodes, ends  # type: ignore[return-value]
 
 
