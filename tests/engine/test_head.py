@@ -130,3 +130,35 @@ def test_a_bfloat16_weight_is_never_copied_to_float32():
     assert logprobs.dtype == entropy.dtype == torch.float32
     assert _vocab_sized(lambda: (logprobs.sum() + entropy.sum()).backward(), weight) == []
     assert weight.grad.dtype == torch.bfloat16
+
+
+def test_a_large_vocabulary_gets_fewer_rows_a_chunk_with_the_same_outputs(monkeypatch):
+    """PolicyHead bounds a chunk's logits (CHUNK_LOGITS), not only its rows: Gemma 3's 262,144-token head runs 256 rows
+    a chunk. Here a 64-token head under a bound of 192 logits: 3 rows a chunk, the outputs and gradients unchanged."""
+    from support import tiny_model
+
+    from treerl.engine import head as head_module
+    from treerl.engine.head import PolicyHead
+
+    model = tiny_model("tiny-qwen3", vocab_size=64)
+    hidden = torch.randn(10, model.config.hidden_size, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 64, (10,))
+    seen = []
+    chunked = head_module.logprobs_and_entropy
+
+    def spy(*args, **kwargs):
+        seen.append(args[6])
+        return chunked(*args, **kwargs)
+
+    def run(bound: int) -> tuple[torch.Tensor, ...]:
+        monkeypatch.setattr(head_module, "CHUNK_LOGITS", bound)
+        out = PolicyHead()(model, hidden, targets)
+        weight = model.get_output_embeddings().weight
+        grads = torch.autograd.grad((out["logprobs"] * 1.3 + out["entropy"]).sum(), (hidden, weight))
+        return (out["logprobs"], out["entropy"], *grads)
+
+    monkeypatch.setattr(head_module, "logprobs_and_entropy", spy)
+    bounded, whole = run(192), run(1 << 26)
+    assert seen == [3, 1024]
+    for a, b in zip(bounded, whole, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -62,7 +62,7 @@ class LoraConfig:
 class ModelConfig:
     """The policy: a local transformers checkpoint, or a named shape with random weights."""
 
-    path: str | None = None  # local checkpoint directory (config + weights, e.g. a save_pretrained dir), a GGUF file (or a directory of them), or a packaged model (smollm2-135m-instruct); never downloaded
+    path: str | None = None  # local checkpoint directory (config + weights, e.g. a save_pretrained dir), a GGUF file (or a directory of them), or a packaged model (smollm2-135m-instruct, gemma3-270m); never downloaded
     gguf_file: str | None = None  # model.path is a directory holding several GGUF files: the one to load (converted once, cached; docs/training.md#real-checkpoints-and-gguf-files)
     shape: str = "tiny-qwen3"  # when path is null: a shape of treerl.models.SHAPES, randomly initialised
     tokenizer_path: str | None = None  # null: the tokenizer saved with model.path; with no path, the built-in one
@@ -97,7 +97,7 @@ class EngineConfig:
     memory_budget_bytes: int | None = None  # dfs: instead, bytes held at once (autograd graph and the path's K/V, measured from the model)
     memory_budget_tokens: int | None = None  # dfs: instead, tokens of autograd graph held at once (set at most one of the two)
     max_tokens: int = 8192  # flat: tokens per packed row (no padding); packed: unique tokens per pack; dfs: the micro-batch its memory contract is measured against
-    head_chunk_rows: int = 1024  # rows of the LM head computed at once (no [tokens, vocab] logits tensor)
+    head_chunk_rows: int = 1024  # rows of the LM head computed at once (no [tokens, vocab] logits tensor); fewer where a chunk would exceed 2^26 logits (256 rows of a 262,144-token vocabulary)
 
 
 @dataclass
