@@ -132,8 +132,8 @@ def bench(
     weight_push: str | None = typer.Option(None, "--weight-push", help="URL of a running inference server: the time "
                                            "of one weight push (write + load) through /dev/shm and disk instead"),
     model_path: str | None = typer.Option(None, help="a checkpoint to measure instead of --shape: a local directory, a "
-                                          "GGUF file or a packaged model (smollm2-135m-instruct); --weight-push, "
-                                          "--mismatch: the model the server serves"),
+                                          "GGUF file or a packaged model (smollm2-135m-instruct, gemma3-270m); "
+                                          "--weight-push, --mismatch: the model the server serves"),
     mismatch: str | None = typer.Option(None, "--mismatch", help="URL of a running inference server: its log-probs "
                                         "against the trainer's recomputation (--dtype) at the same weights instead "
                                         "(--model-path is pushed to it first, as version 0)"),

@@ -20,7 +20,8 @@ def export(
                                        "--model-path, OUT alone", show_default=False),
     shape: str = typer.Option(None, help=f"write this random-init shape instead of a checkpoint ({', '.join(SHAPES)})"),
     model_path: str = typer.Option(None, "--model-path", help="write this model instead of a checkpoint: a GGUF file "
-                                   "(dequantized), a directory of them, or a packaged model (smollm2-135m-instruct)"),
+                                   "(dequantized), a directory of them, or a packaged model (smollm2-135m-instruct, "
+                                   "gemma3-270m)"),
     gguf_file: str = typer.Option(None, "--gguf-file", help="--model-path holds several GGUF files: this one"),
     seed: int = typer.Option(0, help="with --shape: the seed of its random weights"),
     dtype: str = typer.Option(None, help="cast the weights: float32, bfloat16, float16, float64 (default: as trained)"),

@@ -19,7 +19,7 @@ from treerl.rollout.server import PROTOCOLS
 
 def serve(
     model_path: str = typer.Option(None, "--model-path", help="local checkpoint, GGUF file or packaged model "
-                                   "(smollm2-135m-instruct) (default: random-init --shape)"),
+                                   "(smollm2-135m-instruct, gemma3-270m) (default: random-init --shape)"),
     gguf_file: str = typer.Option(None, "--gguf-file", help="--model-path holds several GGUF files: this one"),
     shape: str = typer.Option("tiny-qwen3", help="model shape when no --model-path (see treerl.models.SHAPES)"),
     tokenizer_path: str = typer.Option(
