@@ -569,6 +569,11 @@ MUTATIONS = [
              (("tests/engine/test_real_gemma.py::"
                "test_flat_is_the_cut_models_own_forward_and_dfs_equals_it_in_float64"),),
              "a sliding window of 512 sees 513 keys in the tree engines: Gemma 3's tokens past 512 read one key too many"),
+    Mutation("head-chunks-by-rows-only", "src/treerl/engine/head.py",
+             "        rows = min(self.chunk_rows, max(1, CHUNK_LOGITS // lm_head.weight.shape[0]))",
+             "        rows = self.chunk_rows",
+             (("tests/engine/test_head.py::test_a_large_vocabulary_gets_fewer_rows_a_chunk_with_the_same_outputs"),),
+             "Gemma 3's 262,144-token head computes 1024 rows a chunk: 1 GiB of logits each, 5.8 GiB at its peak"),
     # ------------------------------------------------------------------ the embedding's gradient by rows (issue 45)
     Mutation("embedding-rows-padding-trained", "src/treerl/engine/embedding_rows.py",
              "        if self.module.padding_idx is not None:", "        if False:",
