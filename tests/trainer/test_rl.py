@@ -248,14 +248,15 @@ def test_a_step_whose_samples_all_fail_is_skipped_not_fatal(tiny_config, tmp_pat
 
 
 def test_the_skipped_step_count_goes_on_after_a_resume(tiny_config, tmp_path, user_task):
-    """The loop state (here: skipped steps) is saved with the checkpoint and restored from it."""
+    """The loop state (here: skipped steps) is saved with the checkpoint and restored from it; a run that trains no
+    step writes no checkpoint (its weights are those it started from)."""
+    train(tiny_config(*user_task, "rollout.reward_fn=my_rewards_for_trainer_test:down_at_first", "trainer.steps=2"))
     broken = (*user_task, "rollout.reward_fn=my_rewards_for_trainer_test:broken")
-    with pytest.raises(TrainingStopped, match="no step of this run trained: every sample of step 0 was dropped"):
-        train(tiny_config(*broken, "trainer.steps=1"))
-    with pytest.raises(TrainingStopped, match="no step of this run trained: every sample of step 1 was dropped"):
-        train(tiny_config(*broken, "trainer.steps=2", "trainer.resume=auto"))
-    (row,) = [r for r in metrics_rows(tmp_path / "run") if r["step"] == 1 and "trainer/skipped_steps" in r]
+    with pytest.raises(TrainingStopped, match="no step of this run trained: every sample of step 2 was dropped"):
+        train(tiny_config(*broken, "trainer.steps=3", "trainer.resume=auto"))
+    (row,) = [r for r in metrics_rows(tmp_path / "run") if r["step"] == 2 and "trainer/skipped_steps" in r]
     assert row["trainer/skipped_steps"] == 2
+    assert latest_checkpoint(tmp_path / "run") == checkpoint_dir(tmp_path / "run", 2)
 
 
 @pytest.mark.parametrize("reward, reason, text", [("exits", "reward_raised", "raised SystemExit: exit called on"),

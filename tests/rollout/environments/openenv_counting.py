@@ -87,6 +87,17 @@ class CountingEnv(Environment[SayAction, SayObservation, State]):
         return self._state
 
 
+class NoResetEnv(Environment[SayAction, SayObservation, State]):
+    """An Environment without reset: abstract, so it cannot even be built."""
+
+    def step(self, action: SayAction, timeout_s=None, **kwargs) -> SayObservation:
+        return SayObservation(prompt="", done=True)
+
+    @property
+    def state(self) -> State:
+        return State(step_count=0)
+
+
 class CopyableCountingEnv(CountingEnv):
     SUPPORTS_DEEPCOPY = True
 

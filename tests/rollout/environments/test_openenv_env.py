@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from recorded import Recording, check_recorded, reply_of
+from refusals import refused_before_sampling
 from support import free_port
 
 from treerl.errors import UserError
@@ -180,6 +181,10 @@ def test_failures_are_dropped_or_refused_before_sampling(tokenizer, scripted):
         Rollout(config("openenv:openenv_counting_missing:CountingEnv"), tokenizer, scripted(says))
     with pytest.raises(UserError, match="is not an OpenEnv Environment class"):
         Rollout(config("openenv:openenv_counting:SayAction"), tokenizer, scripted(says))
+    sampler = scripted(says)
+    refused_before_sampling(lambda: Rollout(config("openenv:openenv_counting:NoResetEnv"), tokenizer, sampler),
+                            sampler, "NoResetEnv(**env_args).reset(seed=0) raised TypeError: Can't instantiate "
+                                     "abstract class NoResetEnv")
 
 
 @contextlib.contextmanager
