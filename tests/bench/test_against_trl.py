@@ -137,4 +137,5 @@ def test_trl_settings_are_treerls_own():
     assert settings["loss_type"] == "grpo" and settings["group_size"] == settings["micro_batch"] == 4
     assert settings["lr"] == 1e-5 and settings["seed"] == 3 and settings["max_completion_length"] == 16
     assert trl_settings(config, "short", 3, 1)["micro_batch"] == 4 * 4  # the whole batch in one forward
+    assert trl_settings(config, "multi_turn", 3, 1)["micro_batch"] == 4  # a group: 32 episodes would not fit
     assert trl_settings(base_config(None, []), "short", 0, 1)["loss_type"] == "dapo"  # token_mean, TRL's default

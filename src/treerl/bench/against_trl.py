@@ -180,9 +180,10 @@ def trl_settings(config: Config, workload: str, seed: int, threads: int) -> dict
 
 
 def micro_batch(config: Config, workload: str) -> int:
-    """Completions in one forward and backward of TRL's: the whole batch (one optimizer step, exact entropy mean),
-    one group under long_system's 600-token prompts (the whole batch's activations would not fit in 24 GB)."""
-    return config.rollout.group_size * (1 if workload == "long_system" else config.rollout.prompts_per_step)
+    """Completions in one forward and backward of TRL's: short's whole batch (one optimizer step, exact entropy mean);
+    one group under long_system's 650-token prompts and multi_turn's 400-token episodes (a whole batch of 32 of them
+    would not fit in 24 GB: TRL's first multi_turn run was killed out of memory)."""
+    return config.rollout.group_size * (config.rollout.prompts_per_step if workload == "short" else 1)
 
 
 def max_new_tokens(config: Config, workload: str) -> int:
