@@ -232,6 +232,7 @@ def test_a_model_that_attends_in_its_own_code_is_generated_the_padded_way():
     assert sampler.counts.unshared_calls == 1
 
 
+@pytest.mark.slow
 def test_multi_turn_episodes_that_branch_are_the_padded_paths(tokenizer):
     """guess_number episodes forking at turn 1: each turn's prompt extends the last; the shared sampler reads the
     history from its cache, and the step's counters say how much."""
