@@ -44,7 +44,7 @@ from treerl.bench.precision import VARIANTS as PRECISION_VARIANTS
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "CONTRIBUTING.md"]
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.+?)\s*-->")
-NOT_RUN_LIMIT = 14  # 14: a verifiers taskset of your own (its venv; the tests run in-memory ones)
+NOT_RUN_LIMIT = 15  # 14: a verifiers taskset of your own (its venv; the tests run in-memory ones); 15: treerl bench --against trl (minutes a TRL step; tests/bench/test_against_trl.py runs one)
 
 TRAIN_SHRINK = ["trainer.steps=2", "trainer.eval_prompts=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
                 "sft.conversations_per_step=2", "sft.eval_conversations=2", "trainer.progress=false"]
@@ -316,7 +316,7 @@ def test_every_table_row_has_the_headers_cells():
 
 # Written by treerl itself (bench outputs, tests/zoo.py's table), not documents to read.
 OUTPUT_FILES = {"bench.md", "balance.md", "async_compare.md", "precision.md", "profile.md", "table.md", "weight_push.md",
-                "context_parallel.md"}
+                "context_parallel.md", "against_trl.md"}
 
 
 def test_every_cited_document_exists():
