@@ -472,11 +472,13 @@ def plot(runs: list[Run], path: Path) -> None:
     workloads = list(dict.fromkeys(r.workload for r in runs))
     fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.2), squeeze=False)
     colors = {"trl": "tab:orange", "treerl": "tab:blue"}
+    seeds = sorted({r.seed for r in runs})
+    styles = ["-", "--", ":", "-."]
     for ax, workload in zip(axes[0], workloads):
         for r in (r for r in runs if r.workload == workload):
             curve = smoothed(r.steps)
             ax.plot([t for t, _ in curve], [v for _, v in curve], color=colors[r.trainer], marker=".",
-                    label=f"{r.version} (seed {r.seed})")
+                    linestyle=styles[seeds.index(r.seed) % len(styles)], label=f"{r.version} (seed {r.seed})")
         ax.set_title(workload)
         ax.set_xlabel("training seconds (sum of step times)")
         ax.set_ylabel(f"reward (mean of {WINDOW} steps)")
