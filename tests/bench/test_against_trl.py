@@ -110,6 +110,7 @@ def test_no_trl_where_it_is_looked_for_is_one_line(tmp_path):
         compare(None, [], ["tau2"], [0], sys.executable, 1, None, tmp_path)
 
 
+@pytest.mark.slow
 def test_a_model_trl_cannot_load_is_one_line_before_anything_trains(tmp_path, trl_python):
     broken = tmp_path / "broken"
     broken.mkdir()
