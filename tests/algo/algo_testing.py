@@ -68,10 +68,12 @@ def add_critic_fields(critic: torch.nn.Module, batch: list[TokenSequence], seed:
 
 
 def counted_by_hand(batch: list[TokenSequence]) -> LossNormalizer:
-    """The flat reference's normaliser, counted here from the masks (not by `LossNormalizer.from_sequences`)."""
+    """The flat reference's normaliser, counted here from the masks (not by `LossNormalizer.from_sequences`): the
+    trained tokens, and the sequences that had one before a rollout-correction preset rejected any (verl's count)."""
     masks = [seq.fields["loss_mask"] for seq in batch]
+    sampled = [seq.fields.get("sampled_loss_mask", seq.fields["loss_mask"]) for seq in batch]
     return LossNormalizer(tokens=float(sum(int(torch.count_nonzero(m)) for m in masks)),
-                          sequences=sum(1 for m in masks if bool(m.any())))
+                          sequences=sum(1 for m in sampled if bool(m.any())))
 
 
 def counted_per_part(parts: list[list[TokenSequence]]) -> LossNormalizer:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from treerl.algo import AlgoConfig
+from treerl.algo import AlgoConfig, correct_rollout
 from treerl.algo.mismatch import correction_metrics, measured_tokens, mismatch_metrics
 from treerl.tree import TokenSequence
 
@@ -58,7 +58,14 @@ def test_nothing_measured_is_said_not_made_up() -> None:
 
 
 def test_what_a_preset_did() -> None:
-    """decoupled_token_rs at R = 2 drops the token whose ratio is 4, keeps the one at 1.1."""
+    """decoupled_token_rs at R = 2 drops the token whose ratio is 4, keeps the one at 1.1; the mismatch is measured on
+    both (verl's measures read the mask before its rejection)."""
     a = sequence([0.0, -2.0, -1.0], [0.0, -2.0 + math.log(4.0), -1.0 + math.log(1.1)], [0, 1, 1], [-1, 0, 0])
-    got = correction_metrics(AlgoConfig(rollout_correction="decoupled_token_rs"), [a])
-    assert got == {"rollout_correction/weight_mean": 0.5, "rollout_correction/dropped": 0.5}
+    correct_rollout(AlgoConfig(rollout_correction="decoupled_token_rs"), [a])
+    assert a.fields["loss_mask"].tolist() == [0, 0, 1]
+    assert correction_metrics([a]) == {"rollout_correction/weight_mean": 0.5, "rollout_correction/dropped": 0.5}
+    assert measured_tokens(a, version=0).tolist() == [False, True, True]
+    b = sequence([0.0, -2.0, -1.0], [0.0, -2.0 + math.log(1.5), -1.0 + math.log(1.1)], [0, 1, 1], [-1, 0, 0])
+    correct_rollout(AlgoConfig(rollout_correction="decoupled_token_is"), [b])  # min(r, 2): nothing dropped
+    assert correction_metrics([b]) == {"rollout_correction/weight_mean": pytest.approx(1.3),
+                                       "rollout_correction/dropped": 0.0}

@@ -15,6 +15,9 @@ Field conventions (all per-token fields are aligned with the tokens, same length
     values         the critic's values when the batch was made: values[t] = V(tokens[:t]), the
                    value of the state in which token t was chosen (`fill_fields` with a ValueHead engine).
     returns        the critic's regression targets (written by GAE).
+    rollout_weight a decoupled `algo.rollout_correction` preset's importance weight, written with its
+                   rejection (into loss_mask; the mask before it in `sampled_loss_mask`) by
+                   `correct_rollout` after the proximal log-probs (docs/mismatch.md).
 Per-sequence `info`:
     reward         a number (outcome), or a list with one reward per turn (a turn = a maximal run
                    of loss_mask > 0) for a sequence holding a multi-turn episode.
@@ -34,6 +37,7 @@ from treerl.algo.advantages import (
 )
 from treerl.algo.checks import validate_batch
 from treerl.algo.config import AlgoConfig
+from treerl.algo.correction import correct_rollout
 from treerl.algo.critic import build_critic, build_value_loss
 from treerl.algo.fields import fill_fields
 from treerl.algo.loss import build_loss
@@ -46,6 +50,7 @@ __all__ = [
     "build_loss",
     "build_value_loss",
     "compute_advantages",
+    "correct_rollout",
     "fill_fields",
     "gae",
     "group_advantages",

@@ -16,10 +16,12 @@ from collections.abc import Sequence
 
 import torch
 
-from treerl.algo.config import AlgoConfig, uses_proximal
+from treerl.algo.config import AlgoConfig, corrects_rollout, uses_proximal
 from treerl.tree import BatchError, TokenSequence, validate_sequences
 
 LOGPROB_FIELDS = ("old_logprobs", "prox_logprobs", "ref_logprobs")
+ROLLOUT_WEIGHT = "rollout_weight"  # a decoupled preset's importance weight per token (treerl.algo.correct_rollout)
+SAMPLED_MASK = "sampled_loss_mask"  # the loss mask before a preset's rejection zeroed tokens in `loss_mask`
 MAX_ABS_REWARD = 1e9  # larger rewards overflow the group statistics and the float32 loss (1e308 raised OverflowError)
 
 
@@ -33,6 +35,8 @@ def required_fields(config: AlgoConfig, critic: bool = False) -> list[str]:
         needed += ["advantages", "old_logprobs"]
     if uses_proximal(config):
         needed.append("prox_logprobs")
+    if corrects_rollout(config):
+        needed.append(ROLLOUT_WEIGHT)
     if config.kl_coef > 0 and not config.kl_in_reward:
         needed.append("ref_logprobs")
     return needed
@@ -75,7 +79,8 @@ def check_sequence(config: AlgoConfig, seq: TokenSequence, index: int, critic: b
     """Everything the loss of `config` needs from one sequence (lengths and NaN/inf: validate_sequences)."""
     purpose = "needed by the value loss" if critic else f"needed by {loss_setting(config)}"
     for name in required_fields(config, critic):
-        require_field(seq, index, name, purpose)
+        written = "; treerl.algo.correct_rollout(config, batch) writes it" if name == ROLLOUT_WEIGHT else ""
+        require_field(seq, index, name, purpose + written)
     check_mask_and_logprobs(seq, index)
 
 

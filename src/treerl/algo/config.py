@@ -22,9 +22,15 @@ DECOUPLABLE = ("ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp")  # losses with 
 # preset weights or drops tokens by r = pi_prox / pi_behav, the trainer's recomputation over the sampler's.
 ROLLOUT_CORRECTIONS = ("none", "bypass_ppo_clip", "decoupled_token_is", "decoupled_seq_is", "decoupled_geo_is",
                        "decoupled_token_rs", "decoupled_geo_rs", "decoupled_seq_is_rs")
-IMPORTANCE_WEIGHTED = ("decoupled_token_is", "decoupled_seq_is", "decoupled_geo_is", "decoupled_seq_is_rs")
-REJECTION_DEFAULTS = {"decoupled_token_rs": 2.0, "decoupled_geo_rs": 1.001, "decoupled_seq_is_rs": 2.0}
-REJECTING = tuple(REJECTION_DEFAULTS)
+# The log-ratio each preset's importance weight is the exp of, and the one its rejection reads (verl's rollout_is
+# "token" / "sequence", rollout_rs "token_k1" / "seq_sum_k1" / "seq_mean_k1"): a token's own, or the sum or mean over
+# its trajectory (treerl.algo.correction).
+IMPORTANCE_LEVEL = {"decoupled_token_is": "token", "decoupled_seq_is": "sum", "decoupled_geo_is": "mean",
+                    "decoupled_seq_is_rs": "sum"}
+REJECTION_LEVEL = {"decoupled_token_rs": "token", "decoupled_geo_rs": "mean", "decoupled_seq_is_rs": "sum"}
+IMPORTANCE_WEIGHTED = tuple(IMPORTANCE_LEVEL)
+REJECTING = tuple(REJECTION_LEVEL)
+REJECTION_DEFAULTS = {"decoupled_token_rs": 2.0, "decoupled_geo_rs": 1.001, "decoupled_seq_is_rs": 2.0}  # R
 
 # The usual settings of each loss (AReaL, verl, TRL, OpenRLHF); a key set in the config wins.
 LOSS_DEFAULTS: dict[str, dict[str, object]] = {
@@ -152,7 +158,12 @@ def uses_proximal(algo: AlgoConfig) -> bool:
     takes the behaviour log-probs as the old policy instead)."""
     if algo.rollout_correction == "bypass_ppo_clip":
         return False
-    return algo.loss == "decoupled_ppo" or algo.rollout_correction.startswith("decoupled_")
+    return algo.loss == "decoupled_ppo" or corrects_rollout(algo)
+
+
+def corrects_rollout(algo: AlgoConfig) -> bool:
+    """Whether a decoupled `rollout_correction` preset weighs or rejects tokens (`treerl.algo.correct_rollout`)."""
+    return algo.rollout_correction.startswith("decoupled_")
 
 
 def decoupled(algo: AlgoConfig) -> AlgoConfig:

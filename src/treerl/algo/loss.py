@@ -8,23 +8,23 @@ Step 5 (docs/architecture.md): the loss_fn an engine calls on each sequence's ou
 r_t is pi/pi_old per token (ppo, grpo, dr_grpo, rloo, reinforce_pp), pi/pi_prox (decoupled_ppo,
 with the constant w_t = pi_prox/pi_behav, 0 above the cap; w_t = 1 otherwise), or GSPO's
 sequence ratio. A decoupled `rollout_correction` preset takes any policy loss's ratio against
-pi_prox and sets w_t from pi_prox/pi_behav by its own rule (`policy.rollout_weight`). The sequence's share of the batch loss is `normalizer.aggregate(l, loss_mask)`,
-so summing over sequences in any split gives the same batch loss. The returned metrics use the
-same aggregation, so their sums over sequences are batch means.
+pi_prox, and w_t is its field `rollout_weight` (`correct_rollout` wrote it, and its rejection into
+the loss mask, before the update). The sequence's share of the batch loss is
+`normalizer.aggregate(l, loss_mask)`, so summing over sequences in any split gives the same batch
+loss. The returned metrics use the same aggregation, so their sums over sequences are batch means.
 """
 
 from __future__ import annotations
 
 import torch
 
-from treerl.algo.checks import check_sequence
+from treerl.algo.checks import ROLLOUT_WEIGHT, check_sequence
 from treerl.algo.config import AlgoConfig, uses_proximal
 from treerl.algo.normalizer import LossNormalizer
 from treerl.algo.policy import (
     behaviour_weight,
     clipped_surrogate,
     kl_penalty,
-    rollout_weight,
     sequence_ratio,
     token_ratio,
 )
@@ -78,13 +78,15 @@ def policy_token_loss(config: AlgoConfig, view: SequenceView, mask: torch.Tensor
     ratio = (sequence_ratio if config.loss == "gspo" else token_ratio)(logp, anchor, mask)
     loss, clipped = clipped_surrogate(ratio, advantages, config.clip_eps, config.clip_eps_high, config.dual_clip)
     if uses_proximal(config):
-        loss = loss * behaviour_correction(config, anchor, old, mask)
+        loss = loss * behaviour_correction(config, view, anchor, old, mask)
     return loss, clipped
 
 
-def behaviour_correction(config: AlgoConfig, prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The constant weight that corrects pi_prox towards the sampler's pi_behav: the rollout_correction preset's, or
-    (with none) decoupled PPO's pi_prox / pi_behav, dropped above behav_imp_weight_cap."""
+def behaviour_correction(config: AlgoConfig, view: SequenceView, prox: torch.Tensor, behav: torch.Tensor,
+                         mask: torch.Tensor) -> torch.Tensor:
+    """The constant weight that corrects pi_prox towards the sampler's pi_behav: the rollout_correction preset's
+    (its field, fixed for the batch), or (with none) decoupled PPO's pi_prox / pi_behav, dropped above
+    behav_imp_weight_cap."""
     if config.rollout_correction == "none":
         return behaviour_weight(prox, behav, mask, config.behav_imp_weight_cap)
-    return rollout_weight(config.rollout_correction, prox, behav, mask, *config.correction_thresholds())
+    return field(view, ROLLOUT_WEIGHT, prox)

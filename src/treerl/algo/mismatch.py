@@ -21,8 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from treerl.algo.config import AlgoConfig
-from treerl.algo.policy import rollout_weight
+from treerl.algo.checks import ROLLOUT_WEIGHT, SAMPLED_MASK
 from treerl.tree import TokenSequence
 
 QUANTILES = {"p01": 0.01, "p05": 0.05, "p50": 0.5, "p95": 0.95, "p99": 0.99}
@@ -30,8 +29,9 @@ PREFIX = "mismatch/"
 
 
 def measured_tokens(seq: TokenSequence, version: int | None) -> torch.Tensor:
-    """Trained tokens sampled by the policy `version` (all trained tokens when the sequence has no `versions`)."""
-    measured = seq.fields["loss_mask"] > 0
+    """Trained tokens sampled by the policy `version` (all trained tokens when the sequence has no `versions`), a
+    rollout-correction preset's rejected ones included (verl's mismatch metrics read the mask before its rejection)."""
+    measured = seq.fields.get(SAMPLED_MASK, seq.fields["loss_mask"]) > 0
     if version is not None and "versions" in seq.fields:
         measured = measured & (seq.fields["versions"] == version)
     return measured
@@ -60,17 +60,19 @@ def mismatch_metrics(train: Sequence[torch.Tensor], behaviour: Sequence[torch.Te
     return {PREFIX + key: value for key, value in metrics.items()}
 
 
-def correction_metrics(config: AlgoConfig, sequences: Sequence[TokenSequence]) -> dict[str, float]:
-    """What a decoupled `rollout_correction` preset did to the batch: its mean weight over the trained tokens and the
-    share of them it dropped (weight 0)."""
-    weights = []
+def correction_metrics(sequences: Sequence[TokenSequence]) -> dict[str, float]:
+    """What a decoupled `rollout_correction` preset did to the batch (`correct_rollout`): the mean weight over the
+    trained tokens (a rejected token weighs 0) and the share of them it rejected."""
+    weights, rejected = [], []
     for seq in sequences:
-        mask = seq.fields["loss_mask"].double()
-        weight = rollout_weight(config.rollout_correction, seq.fields["prox_logprobs"].double(),
-                                seq.fields["old_logprobs"].double(), mask, *config.correction_thresholds())
-        weights.append(weight[mask > 0])
+        if ROLLOUT_WEIGHT not in seq.fields:
+            continue
+        sampled = seq.fields.get(SAMPLED_MASK, seq.fields["loss_mask"]) > 0
+        kept = seq.fields["loss_mask"] > 0
+        weights.append(torch.where(kept, seq.fields[ROLLOUT_WEIGHT].double(), 0.0)[sampled])
+        rejected.append((~kept)[sampled])
     weight = torch.cat(weights) if weights else torch.zeros(0, dtype=torch.float64)
     if weight.numel() == 0:
         return {}
     return {"rollout_correction/weight_mean": float(weight.mean()),
-            "rollout_correction/dropped": float((weight == 0).double().mean())}
+            "rollout_correction/dropped": float(torch.cat(rejected).double().mean())}

@@ -13,7 +13,9 @@ micro-batches, or spread over data-parallel ranks:
     seq_sum               sum_s sum_t m_st l_st / (N_sequences * seq_sum_scale)
 
 N_tokens = sum of every loss mask, N_sequences = number of sequences with a trained token
-(a sequence whose mask is all zero adds 0 to the loss and to the counts). Both counts are sums
+(a sequence whose mask is all zero adds 0 to the loss and to the counts; one whose every token a
+rollout-correction preset rejected adds 0 to the loss and still counts, as in verl, from its
+`sampled_loss_mask`: `treerl.algo.correct_rollout`). Both counts are sums
 over sequences: data-parallel ranks all-reduce (SUM) `[tokens, sequences]` of their local
 normalisers, or add them with `+`. A batch with no trained token at all has loss 0.
 """
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treerl.algo.checks import check_loss_mask
+from treerl.algo.checks import SAMPLED_MASK, check_loss_mask
 from treerl.tree import TokenSequence, validate_sequences
 
 
@@ -43,9 +45,9 @@ class LossNormalizer:
         tokens, count = 0.0, 0
         for i, seq in enumerate(sequences):
             check_loss_mask(seq, i)
-            trained = float(seq.fields["loss_mask"].sum())
-            tokens += trained
-            count += int(trained > 0)
+            tokens += float(seq.fields["loss_mask"].sum())
+            sampled = float(seq.fields.get(SAMPLED_MASK, seq.fields["loss_mask"]).sum())
+            count += int(sampled > 0)
         return cls(tokens=tokens, sequences=count)
 
     def __add__(self, other: LossNormalizer) -> LossNormalizer:

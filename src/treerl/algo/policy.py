@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from treerl.algo.config import IMPORTANCE_LEVEL, REJECTION_LEVEL
+
 
 def masked_log_ratio(logp: torch.Tensor, other: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log(pi / pi_other) on trained tokens, 0 elsewhere (so exp() of it is finite everywhere)."""
@@ -80,27 +82,28 @@ def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, estima
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
-def rollout_weight(preset: str, prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor, is_threshold: float,
-                   rs_threshold: float) -> torch.Tensor:
-    """A decoupled `algo.rollout_correction` preset's constant weight per token, from r_t = pi_prox / pi_behav of one
-    sequence: truncated importance weights (token, product or geometric mean) and 0 on rejected tokens or sequences."""
-    log_r = masked_log_ratio(prox, behav, mask)
-    log_seq = log_r.sum().expand_as(log_r)
-    log_geo = mean_log_ratio(log_r, mask).expand_as(log_r)
-    log_c, log_band = math.log(is_threshold), math.log(rs_threshold)
-    weights = {
-        "decoupled_token_is": lambda: torch.exp(log_r.clamp(max=log_c)),
-        "decoupled_seq_is": lambda: torch.exp(log_seq.clamp(max=log_c)),
-        "decoupled_geo_is": lambda: torch.exp(log_geo.clamp(max=log_c)),
-        "decoupled_token_rs": lambda: inside_band(log_r, log_band),
-        "decoupled_geo_rs": lambda: inside_band(log_geo, log_band),
-        "decoupled_seq_is_rs": lambda: torch.exp(log_seq.clamp(max=log_c)) * inside_band(log_seq, log_band),
-    }
-    if preset not in weights:
-        raise ValueError(f"algo.rollout_correction={preset!r} has no importance weight")
-    return weights[preset]().detach()
+SAFETY_BOUND = 20.0  # verl's rollout_corr_helper clamps log-ratios to +-20 before exp and in its rejection statistics
 
 
-def inside_band(log_ratio: torch.Tensor, log_band: float) -> torch.Tensor:
-    """1 where the ratio lies in [1/R, R] (|log r| <= log R), 0 where it is rejected."""
-    return (log_ratio.abs() <= log_band).to(log_ratio.dtype)
+def rollout_weight(preset: str, log_r: torch.Tensor, log_sum: torch.Tensor, log_mean: torch.Tensor,
+                   is_threshold: float) -> torch.Tensor:
+    """A decoupled preset's truncated importance weight per token (1 for a preset that only rejects), as verl's
+    compute_rollout_correction_weights: exp of the token's log r (token), of its trajectory's sum (sequence) or mean
+    (geometric), clamped to +-20, then truncated at C."""
+    if preset not in IMPORTANCE_LEVEL:
+        return torch.ones_like(log_r)
+    level = {"token": log_r, "sum": log_sum, "mean": log_mean}[IMPORTANCE_LEVEL[preset]]
+    return torch.exp(level.clamp(-SAFETY_BOUND, SAFETY_BOUND)).clamp(max=is_threshold).expand_as(log_r).detach()
+
+
+def rollout_kept(preset: str, log_r: torch.Tensor, clamped_sum: torch.Tensor, clamped_mean: torch.Tensor,
+                 rs_threshold: float) -> torch.Tensor:
+    """1 where a rejecting preset keeps the token, 0 where it rejects it (1 everywhere for the others), as verl's
+    compute_rollout_rejection_mask: its K1 statistic -log r (log r clamped to +-20) per token (token_k1), summed
+    (seq_sum_k1) or averaged (seq_mean_k1) over the trajectory, kept in [log(1/R), log R]."""
+    if preset not in REJECTION_LEVEL:
+        return torch.ones_like(log_r)
+    statistic = {"token": -log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND), "sum": -clamped_sum,
+                 "mean": -clamped_mean}[REJECTION_LEVEL[preset]]
+    lower, upper = math.log(1.0 / rs_threshold), math.log(rs_threshold)
+    return ((statistic >= lower) & (statistic <= upper)).to(log_r.dtype).expand_as(log_r)

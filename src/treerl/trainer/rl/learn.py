@@ -34,10 +34,11 @@ from treerl.algo import (
     build_loss,
     build_value_loss,
     compute_advantages,
+    correct_rollout,
     fill_fields,
     validate_batch,
 )
-from treerl.algo.config import uses_proximal
+from treerl.algo.config import corrects_rollout, uses_proximal
 from treerl.algo.mismatch import correction_metrics, measured_tokens, mismatch_metrics
 from treerl.algo.policy import kl_penalty
 from treerl.distributed import Assignment
@@ -162,7 +163,9 @@ def learn(run: Run, batch: RolloutBatch, reference: Reference | None, step: int,
 
     `proximal_in_loss` (decoupled PPO with one optimizer step per batch): the proximal policy is the
     very policy the update differentiates, so its log-probs are taken, detached, from the update's
-    own forward instead of an extra no-grad pass over the batch (see `policy_loss`).
+    own forward instead of an extra no-grad pass over the batch (see `policy_loss`); each rank then
+    shares those of its sequences. A decoupled `rollout_correction` preset fixes its weights and
+    rejections before the update, so it takes the pass.
     """
     metrics = batch.stats.metrics() | environment_metrics(batch.sequences)
     report_dropped(run, step, batch.stats)
@@ -171,12 +174,15 @@ def learn(run: Run, batch: RolloutBatch, reference: Reference | None, step: int,
         run.failed_steps.clear()
         metrics.update(tree_metrics(batch.sequences))
         algo = run.config.algo.resolved()
-        proximal_in_loss = proximal_in_loss and uses_proximal(algo)
+        proximal_in_loss = proximal_in_loss and uses_proximal(algo) and not corrects_rollout(algo)
         prepared = time.perf_counter()
         behaviour = prepare(run, batch.sequences, reference, proximal_in_loss)
         metrics["time/logprobs"] = time.perf_counter() - prepared
+        computed: list[TokenSequence] = []  # with proximal_in_loss: the sequences whose loss ran on this rank
         metrics.update(update(run, batch.sequences, step,
-                              lambda minibatch: policy_loss(algo, minibatch, proximal_in_loss)))
+                              lambda minibatch: policy_loss(algo, minibatch, proximal_in_loss, computed)))
+        if proximal_in_loss:
+            share_computed(batch.sequences, computed, ["prox_logprobs"])
         if behaviour is not None:  # after the update: with proximal_in_loss its forward gave the trainer's log-probs
             metrics.update(step_mismatch(run.config, batch.sequences, behaviour, step))
         if run.critic is not None:
@@ -445,6 +451,7 @@ def prepare(run: Run, sequences: list[TokenSequence], reference: Reference | Non
         for seq in sequences:
             seq.fields["prox_logprobs"] = seq.fields["old_logprobs"].clone()
     compute_advantages(algo, sequences)
+    correct_rollout(algo, sequences)  # after the advantages: they read the loss mask as sampled
     validate_batch(algo, sequences)
     return behaviour
 
@@ -458,8 +465,8 @@ def step_mismatch(config: Config, sequences: list[TokenSequence], behaviour: lis
     name = "old_logprobs" if recomputed else "prox_logprobs"  # a missing pass fails here, never measures 0
     metrics = mismatch_metrics([seq.fields[name] for seq in sequences], behaviour,
                                [measured_tokens(seq, version) for seq in sequences])
-    if uses_proximal(algo) and algo.rollout_correction != "none":
-        metrics.update(correction_metrics(algo, sequences))
+    if corrects_rollout(algo):
+        metrics.update(correction_metrics(sequences))
     return metrics
 
 
@@ -496,13 +503,20 @@ def share_fields(sequences: list[TokenSequence], filled: list[int], names: list[
             sequences[i].fields.update(values)
 
 
+def share_computed(sequences: list[TokenSequence], computed: list[TokenSequence], names: list[str]) -> None:
+    """Fields this rank's losses wrote into `computed` (some of `sequences`), afterwards on every rank for all."""
+    index = {id(seq): i for i, seq in enumerate(sequences)}
+    share_fields(sequences, sorted({index[id(seq)] for seq in computed}), names)
+
+
 # ---------------------------------------------------------------------- the loss
-def policy_loss(algo: AlgoConfig, minibatch: list[TokenSequence], proximal_in_loss: bool = False) -> LossFn:
+def policy_loss(algo: AlgoConfig, minibatch: list[TokenSequence], proximal_in_loss: bool = False,
+                computed: list[TokenSequence] | None = None) -> LossFn:
     """The algorithm's loss normalised over the whole (global) minibatch, plus `approx_kl` to the old policy.
 
     `proximal_in_loss`: decoupled PPO's proximal log-probs are the current ones, detached (valid
     only when the minibatch is the whole batch and its only update: then the proximal policy is
-    the policy being differentiated).
+    the policy being differentiated); each sequence given them is appended to `computed`.
     """
     normalizer = LossNormalizer.from_sequences(minibatch)
     loss_fn = build_loss(algo, normalizer)
@@ -510,6 +524,8 @@ def policy_loss(algo: AlgoConfig, minibatch: list[TokenSequence], proximal_in_lo
     def with_approx_kl(view: SequenceView):
         if proximal_in_loss:
             view.fields["prox_logprobs"] = view.logprobs.detach()
+            if computed is not None:
+                computed.append(view.sequence)
         loss, metrics = loss_fn(view)
         logp = view.logprobs.detach()
         mask = view.fields["loss_mask"].to(logp)
