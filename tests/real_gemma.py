@@ -4,7 +4,9 @@ packages, installed by the `test` extra), and plain-text trees (a base model: no
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from functools import lru_cache
 
 import torch
@@ -94,3 +96,19 @@ def trimmed(model, sequences: dict[str, list[TokenSequence]], layers: tuple[int,
     moved = {name: [TokenSequence(remap[s.tokens], s.fields, name=s.name) for s in batch]
              for name, batch in sequences.items()}
     return small, moved
+
+
+@contextlib.contextmanager
+def window(model, tokens: int) -> Iterator[None]:
+    """The model's sliding-window layers attending over `tokens` for the block."""
+    attentions = [m for m in model.modules() if getattr(m, "sliding_window", None)]
+    before = model.config.sliding_window
+    for module in attentions:
+        module.sliding_window = tokens
+    model.config.sliding_window = tokens
+    try:
+        yield
+    finally:
+        for module in attentions:
+            module.sliding_window = before
+        model.config.sliding_window = before

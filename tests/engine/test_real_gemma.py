@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from real_gemma import GRPO_PROMPT, WINDOW, gemma_dir, plain_trees, trimmed
+from real_gemma import GRPO_PROMPT, WINDOW, gemma_dir, plain_trees, trimmed, window
 from support import as_close_as_flat, exact_norms
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -90,12 +90,9 @@ def test_the_window_binds_on_the_cut_models_sliding_layer(cut):
     trees reach the code path the tests claim."""
     _, high, batch, _ = cut
     assert high.config.layer_types == ["sliding_attention", "full_attention"]
-    wide = copy.deepcopy(high)
-    wide.config.sliding_window = 4096
-    for module in wide.modules():
-        if getattr(module, "sliding_window", None):
-            module.sliding_window = 4096
-    windowed, whole = (model_outputs(m, batch[1])["logprobs"] for m in (high, wide))
+    windowed = model_outputs(high, batch[1])["logprobs"]
+    with window(high, 4096):
+        whole = model_outputs(high, batch[1])["logprobs"]
     assert torch.allclose(windowed[:WINDOW], whole[:WINDOW], rtol=0, atol=1e-12)
     assert (windowed[WINDOW + 1:] - whole[WINDOW + 1:]).abs().max() > 1e-3
 

@@ -4,11 +4,9 @@ lie past it (a 530-token one), where sampling without the window would read othe
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from real_gemma import WINDOW, gemma_dir, plain_trees
+from real_gemma import WINDOW, gemma_dir, plain_trees, window
 from transformers import AutoModelForCausalLM
 
 from treerl.engine import DfsEngine, PolicyHead
@@ -17,25 +15,9 @@ from treerl.tree import TokenSequence
 
 pytestmark = pytest.mark.slow
 
-# float32 behaviour log-probs against DfsEngine's recomputation (measured: at most 3e-5 over 6 samples of 24 tokens;
-# vLLM's CPU server against the same recomputation: 2.2e-5); reading without the window moves them by more than 0.01
+# float32 behaviour log-probs against DfsEngine's recomputation (SmolLM2's: 2.2e-5 apart; vLLM's CPU server against
+# this recomputation on Gemma: 2.2e-5); reading without the window moves them by more than 0.01
 LOGPROB_ATOL = 2e-4
-
-
-@contextlib.contextmanager
-def window(model, tokens: int):
-    """The model's sliding-window layers attending over `tokens` for the block."""
-    attentions = [m for m in model.modules() if getattr(m, "sliding_window", None)]
-    before = model.config.sliding_window
-    for module in attentions:
-        module.sliding_window = tokens
-    model.config.sliding_window = tokens
-    try:
-        yield
-    finally:
-        for module in attentions:
-            module.sliding_window = before
-        model.config.sliding_window = before
 
 
 def test_embedded_sampler_logprobs_are_dfs_engines_recomputation_across_the_window():

@@ -360,8 +360,7 @@ def test_gemma_exported_and_served_samples_with_the_trainers_logprobs_across_the
     server, stopped at the end: its memory is not held beside the module's other servers); plain-text prompts of 500
     and 530 tokens, so the samples cross or lie past the 512-token sliding window: the server's log-probs are the
     trainer's DfsEngine recomputation, and not the recomputation without the window."""
-    from real_gemma import WINDOW, plain_trees
-    from test_real_gemma_rollouts import window
+    from real_gemma import WINDOW, plain_trees, window
 
     from treerl.engine import PolicyHead
 
