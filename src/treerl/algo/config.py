@@ -61,7 +61,7 @@ class AlgoConfig:
     behav_imp_weight_cap: float | None = None  # decoupled_ppo: tokens with pi_prox/pi_behav above it are dropped
 
     # Training-inference mismatch (docs/mismatch.md): r = pi_prox / pi_behav, the trainer's log-probs at the rollout's weights over the sampler's.
-    rollout_correction: str = "none"  # none | bypass_ppo_clip (the sampler's log-probs are the old policy) | decoupled_token_is (weight min(r, C)) | decoupled_seq_is (min(prod r, C)) | decoupled_geo_is (min(geometric mean of r, C)) | decoupled_token_rs (drop tokens with r outside [1/R, R]) | decoupled_geo_rs (drop sequences whose geometric-mean r is outside [1/R, R]) | decoupled_seq_is_rs (seq_is, and drop sequences whose prod r is outside [1/R, R])
+    rollout_correction: str = "none"  # none | bypass_ppo_clip (the sampler's log-probs are the old policy) | decoupled_token_is (weight min(r, C)) | decoupled_seq_is (min(prod r, C)) | decoupled_geo_is (min(geometric mean of r, C)) | decoupled_token_rs (drop tokens with r outside [1/R, R]) | decoupled_geo_rs (drop trajectories whose geometric-mean r is outside [1/R, R]) | decoupled_seq_is_rs (seq_is, and drop trajectories whose prod r is outside [1/R, R]); products and means over a trajectory's calls, dropped tokens out of every term and token count
     rollout_is_threshold: float | None = None  # C >= 1: the importance weights of the *_is presets are truncated at it; null: 2
     rollout_rs_threshold: float | None = None  # R > 1: the *_rs presets keep [1/R, R]; null: the preset's usual (token_rs 2, geo_rs 1.001, seq_is_rs 2)
 
