@@ -124,7 +124,8 @@ class PrefixCache:
     def insert(self, tokens: list[int], kv_of: Callable[[int, int], KVRun], states: dict[int, States] | None = None,
                routes_of: Callable[[int, int], torch.Tensor | None] | None = None) -> None:
         """Store `tokens` (their K/V for positions [a, b) from `kv_of(a, b)`, a copy the cache may keep); `states`:
-        a hybrid's recurrent states after some of its tokens (depth -> states). Then evict down to the bounds."""
+        a hybrid's recurrent states after some of its tokens (depth -> states). `evict` after a batch of them brings the
+        cache back within its bounds."""
         if self.max_tokens <= 0 or not tokens:
             return
         states = states or {}
@@ -153,7 +154,6 @@ class PrefixCache:
                 child.states = states[depth]
                 self.bytes += sum(s.nbytes for s in child.states.values())
             node = child
-        self.evict()
 
     def evict(self) -> None:
         """Least recently used leaves out until the cache is within its bounds."""

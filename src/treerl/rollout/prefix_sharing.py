@@ -370,12 +370,15 @@ class SharedDecoding:
             for run, used in path:
                 readers[(id(run), used)] = readers.get((id(run), used), 0) + 1
         own: list[KVRun | None] = []
+        copies: dict[tuple, KVRun] = {}  # the rows of one prompt share their tail: joined once
         for i, path in enumerate(units):
             cut = len(path)
             while cut and (readers[(id(path[cut - 1][0]), path[cut - 1][1])] - 1) * path[cut - 1][1] <= COPIED_TOKENS:
                 cut -= 1
-            tail = [run.piece(run.start, run.start + used) for run, used in path[cut:]]
-            own.append(joined(tail) if tail else None)
+            key = tuple((id(run), used) for run, used in path[cut:])
+            if key and key not in copies:
+                copies[key] = joined([run.piece(run.start, run.start + used) for run, used in path[cut:]])
+            own.append(copies.get(key))
             units[i] = path[:cut]
         return units, own
 
@@ -423,9 +426,7 @@ class SharedDecoding:
 
     def _keep_finished(self, places: list[int]) -> None:
         for i in places:
-            run = self.kv.run(i, len(self.prompts[self.row_prompt[i]]))
-            run = KVRun(run.start, run.length, {s: k.clone() for s, k in run.keys.items()},
-                        {s: v.clone() for s, v in run.values.items()})
+            run = self.kv.run(i, len(self.prompts[self.row_prompt[i]]))  # views: the cache copies what it keeps
             states = {key: s[i : i + 1].clone() for key, s in self.states.items()} if self.states is not None else None
             self.finished[int(self.call_rows[i])] = (run, states)
 
@@ -450,6 +451,7 @@ class SharedDecoding:
                 more = {len(tokens): row_states} if row_states is not None else {}
                 self.cache.insert(tokens, _slicer([*runs, (own, own.length)]), {**states, **more},
                                   _route_slicer(completion.routed_experts))
+        self.cache.evict()
 
 
 def _slicer(runs: list[tuple[KVRun, int]]):
