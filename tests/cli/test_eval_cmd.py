@@ -106,8 +106,8 @@ def test_a_trained_run_against_its_base_on_the_same_prompts(tmp_path, base):
     (["rollout.task=nope"], "error: rollout.task: unknown task 'nope'"),
     (["eval.samples=2"], r"error: eval.k=[1, 8]: pass@k needs each k in 1..eval.samples=2"),
     (["--compare", "/no/such/run"], "error: --compare='/no/such/run' does not exist"),
-    (["rollout.env=reasoning_gym:no_such_dataset"], "error: rollout.env='reasoning_gym:no_such_dataset': "
-                                                    "reasoning-gym has no dataset 'no_such_dataset'"),
+    (["rollout.env=reasoning_gym:no_such_dataset"], ("error: rollout.env='reasoning_gym:no_such_dataset': "
+                                                    "reasoning-gym has no dataset 'no_such_dataset'")),
     (["trainer.eval_prompts=0"], "error: treerl eval asks trainer.eval_prompts held-out prompts"),
 ], ids=["missing-model", "unknown-task", "samples-below-k", "missing-compare", "unknown-env", "no-prompts"])
 def test_bad_input_is_one_line_before_any_sampling(tmp_path, args, message):
@@ -142,3 +142,34 @@ def test_against_treerl_serve(tmp_path, base):
     result = CliRunner().invoke(app, ["eval", f"rollout.server_url={url}", "--compare", str(base), *SMALL,
                                       f"trainer.output_dir={tmp_path / 'no'}"])
     assert result.exit_code == 2 and "--compare samples both models in this process" in result.output
+
+
+@pytest.mark.slow  # ~90 s: the real model through the recipe's three commands, each cut to a step or two
+def test_the_reasoning_gym_recipe_chains_sft_grpo_and_eval(tmp_path, monkeypatch):
+    """README's recipe as packaged (smollm2_reasoning_sft, smollm2_reasoning), cut short: format conversations of the
+    training items, SFT, GRPO from the SFT checkpoint, then the trained run against the base on held-out items."""
+    import importlib.util
+
+    monkeypatch.chdir(tmp_path)  # the configs' runs/ paths, as a user runs them
+    spec = importlib.util.spec_from_file_location("format_sft_data", Path(__file__).parents[2] / "examples" /
+                                                  "format_sft_data.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    data = tmp_path / "runs" / "smollm2_reasoning_format.jsonl"
+    data.parent.mkdir()
+    data.write_text("".join(json.dumps(r) + "\n" for r in example.conversations("smollm2_reasoning", 16)))
+    quick = ["trainer.progress=false", "trainer.tensorboard=false"]
+    sft = CliRunner().invoke(app, ["sft", "smollm2_reasoning_sft", "trainer.steps=2", "sft.eval_conversations=2",
+                                   *quick])
+    assert sft.exit_code == 0, sft.output
+    checkpoint = tmp_path / "runs" / "smollm2_reasoning_sft" / "checkpoints" / "step_000002"
+    grpo = CliRunner().invoke(app, ["train", "smollm2_reasoning", f"model.path={checkpoint}", "trainer.steps=1",
+                                    "rollout.prompts_per_step=2", "rollout.group_size=2", "trainer.eval_prompts=2",
+                                    *quick])
+    assert grpo.exit_code == 0, grpo.output
+    assert "evaluation asks items of seeds 100 on (training's: 0 to 99)" in grpo.output
+    _, report, _ = evaluate("runs/smollm2_reasoning", "--compare", "smollm2-135m-instruct", "trainer.eval_prompts=2",
+                            "eval.samples=2", "eval.k=[1,2]", *quick, f"trainer.output_dir={tmp_path / 'eval'}")
+    trained, base = report["models"]
+    assert trained["kind"] == "checkpoint" and base["kind"] == "packaged" and report["held_out"]["held_out"]
+    assert base["metrics"]["answered"] == 0.0  # the base never writes the answer tags
