@@ -81,6 +81,7 @@ class RowKV:
         self.keys: dict[Slot, torch.Tensor] = {}
         self.values: dict[Slot, torch.Tensor] = {}
         self.visible: torch.Tensor | None = None  # [rows, width]: which of the first `width` columns a row holds
+        self._mask: torch.Tensor | None = None
         if self.width:
             lengths = torch.tensor([run.length if run is not None else 0 for run in own])
             self.visible = torch.arange(self.width)[None, :] >= (self.width - lengths)[:, None]
@@ -112,6 +113,7 @@ class RowKV:
         self.own = [self.own[r] for r in rows_cpu]
         if self.visible is not None:
             self.visible = self.visible[rows_cpu]
+        self._mask = None
 
     def run(self, row: int, start: int) -> KVRun:
         """Row `row`'s generated tokens (those run so far) as a run at positions from `start` (views)."""
@@ -120,11 +122,13 @@ class RowKV:
                      {s: v[row : row + 1, :, cols] for s, v in self.values.items()})
 
     def mask(self, columns: int, device: torch.device) -> torch.Tensor | None:
-        """`[rows, columns]`: the filled columns each row holds (None: all of them)."""
+        """`[rows, columns]`: the filled columns each row holds (None: all of them); made once a step, not a layer."""
         if self.visible is None:
             return None
-        tail = torch.ones(self.rows, columns - self.width, dtype=torch.bool)
-        return torch.cat([self.visible, tail], dim=1).to(device)
+        if self._mask is None or self._mask.shape[1] != columns:
+            tail = torch.ones(self.rows, columns - self.width, dtype=torch.bool)
+            self._mask = torch.cat([self.visible, tail], dim=1).to(device)
+        return self._mask
 
 
 class PrefixCall:
