@@ -1045,22 +1045,6 @@ MUTATIONS = [
              "        while leaves and (self.tokens > limit_tokens", "        while leaves and (self.tokens > 2 * limit_tokens",
              ("tests/rollout/test_prefix_sharing.py::test_the_cache_stays_within_its_bounds_and_what_cannot_fit_is_recomputed",),
              "the prefix cache holds up to twice rollout.prefix_cache_tokens"),
-    # ------------------------------------------------------------------ treerl bench --against trl (issue 56)
-    Mutation("against-trl-loss-type-swapped", "src/treerl/bench/against_trl.py",
-             'LOSS_TYPES = {("grpo", "token_mean"): "dapo", ("grpo", "seq_mean_token_mean"): "grpo"}',
-             'LOSS_TYPES = {("grpo", "token_mean"): "grpo", ("grpo", "seq_mean_token_mean"): "dapo"}',
-             ("tests/bench/test_against_trl.py::test_trl_settings_are_treerls_own",),
-             "TRL trains a per-sequence mean where treerl trains the batch's token mean: the curves compared are of "
-             "two objectives"),
-    Mutation("against-trl-unmatched-setting-accepted", "src/treerl/bench/against_trl.py",
-             "        if value != expected and not (expected is None and value in (None, [])):",
-             "        if False:",
-             ("tests/bench/test_against_trl.py::test_a_setting_trl_cannot_match_is_refused_in_one_line_before_anything_runs",),
-             "a KL penalty, several epochs or bf16 run on treerl's side only: TRL is timed on less work, unsaid"),
-    Mutation("against-trl-update-counts-generation", "src/treerl/bench/trl_runner.py",
-             '"update": timers["training_step"] - rollout,', '"update": timers["training_step"],',
-             ("tests/bench/test_against_trl.py::test_one_step_of_each_trainer_on_every_workload",),
-             "TRL's update time includes its generation (the time split adds up to more than the step)"),
 ]
 
 
