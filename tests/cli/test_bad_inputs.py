@@ -542,7 +542,7 @@ CHECKPOINTS = [
     Case("steps already done", checkpoint(None, "trainer.steps=2"),
          r"trainer.steps=2, but checkpoint .*step_000002 has already done 2 steps: set trainer.steps above 2"),
     Case("fresh run over a run", fresh_run_in,
-         r"trainer.output_dir='.*out' already holds a run \(checkpoints, metrics.jsonl, summary.json, curves.png\): "
+         r"trainer.output_dir='.*out' already holds a run \(checkpoints, metrics.jsonl, summary.json, samples.jsonl, curves.png\): "
          r"continue it with "
          r"trainer.resume=auto, or replace it with trainer.overwrite=true"),
     Case("resume=auto, only a broken checkpoint", checkpoint(

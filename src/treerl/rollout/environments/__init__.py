@@ -36,7 +36,7 @@ The contract every adapter keeps (parts A and B of issue 46 build on it):
 - Failures: a reset, step or score that raises, times out (rollout.env_timeout) or gives a reward or metric that is
   not a finite number drops that episode or sample, counted as rollout/dropped_env_<kind> (env_raised, env_timeout,
   env_not_a_number, env_not_finite, env_too_large) and reported with its prompt (dropped.jsonl).
-- Episode ends and limits are the library's (DESIGN.md invariant 9): an episode a bound of treerl's cuts first
+- Episode ends and limits are the library's (docs/environments.md): an episode a bound of treerl's cuts first
   (rollout.max_turns, rollout.max_context_tokens) is dropped as env_truncated, its reason naming the library's limit
   (an Environment's optional `limit`), never trained on the reward it had so far.
 - Branching: an Environment is deep-copied only where the library's class says copies are independent
