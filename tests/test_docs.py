@@ -57,6 +57,8 @@ ASYNC_SHRINK = ["--seeds", "0", *(f"--set={o}" for o in TRAIN_SHRINK)]
 PROFILE_SHRINK = ["--workloads", "grpo", "--engines", "flat,dfs", *BENCH_SHRINK]  # the profiler is slow
 PRECISION_SHRINK = ["--prompt-tokens", "24", "--response-tokens", "4", "--samples", "2", "--variants",
                     ",".join(PRECISION_VARIANTS), *TINY_MODEL]
+ROLLOUT_SHRINK = ["--workloads", "grpo_long_system", "--system-tokens", "32", "--repeats", "1", "--threads", "1",
+                  *TINY_MODEL]  # a --model-path given stays: the real model, on the small workload
 CP_SHRINK = ["--cp", "2", "--cp-tokens", "256", "--cp-paths", "sharded", "--cp-mixers", "side-by-side", "--no-memory",
              *TINY_MODEL]  # last wins
 
@@ -171,7 +173,7 @@ def shrunk(words: list[str]) -> list[str]:
         rest = rest + TRAIN_SHRINK
     elif command == "bench":
         shrink = {"--async": ASYNC_SHRINK, "--balance": BALANCE_SHRINK, "--profile": PROFILE_SHRINK,
-                  "--precision": PRECISION_SHRINK, "--cp": CP_SHRINK}
+                  "--precision": PRECISION_SHRINK, "--cp": CP_SHRINK, "--rollout": ROLLOUT_SHRINK}
         options = next((options for flag, options in shrink.items() if flag in rest), BENCH_SHRINK)
         if any(w in " ".join(rest) for w in IMAGE_WORKLOADS):  # images need a vision-language shape: the tiny one
             options = options[: -len(TINY_MODEL)] + ["--shape", "tiny-qwen2.5-vl"] \
@@ -317,7 +319,7 @@ def test_every_table_row_has_the_headers_cells():
 
 # Written by treerl itself (bench outputs, tests/zoo.py's table), not documents to read.
 OUTPUT_FILES = {"bench.md", "balance.md", "async_compare.md", "precision.md", "profile.md", "table.md", "weight_push.md",
-                "context_parallel.md", "against_trl.md"}
+                "context_parallel.md", "against_trl.md", "rollout.md"}
 
 
 def test_every_cited_document_exists():
