@@ -9,7 +9,7 @@ import json
 import threading
 from collections.abc import Iterator
 
-from treerl.rollout.client import VLLM_RL_ROUTES
+from treerl.rollout.sampling.client import VLLM_RL_ROUTES
 
 
 @contextlib.contextmanager

@@ -155,3 +155,53 @@ def test_every_module_docstring_says_where_it_sits_in_a_training_step():
         if "docs/architecture.md" not in (ast.get_docstring(ast.parse(path.read_text())) or ""):
             missing.append(name)
     assert not missing, f"no line placing them in docs/architecture.md's training step: {missing}"
+
+
+# Inside rollout: its rooms, lowest first (docs/architecture.md draws them); a room imports only the rooms below it.
+# `config.py` and `collect.py` (one step's rollout) sit above every room. Two imports reach up, by design: a room's
+# builder names `RolloutConfig`, the section it is built from, and `tasks.build_task` loads `environments` (inside the
+# function) when `rollout.env` names a library.
+ROLLOUT_ROOMS = ["conversations", "rewards", "tasks", "sampling", "serving", "workflows", "agents", "environments"]
+ROLLOUT_UP = {("tasks", "config"), ("environments", "config"), ("tasks", "environments")}
+
+
+def rollout_room(module: str) -> str:
+    """`treerl.rollout.sampling.client` -> `sampling`; `treerl.rollout.config` -> `config`; `treerl.rollout` -> ``."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else ""
+
+
+def rollout_violations(package: Path = PACKAGE) -> list[str]:
+    """Every import of a room of rollout that reaches a room above its own (or the package), as `file:line imports module`."""
+    out = []
+    for path in sorted((package / "rollout").rglob("*.py")):
+        importer = rollout_room(".".join(("treerl", *path.relative_to(package).with_suffix("").parts)))
+        if importer not in ROLLOUT_ROOMS:
+            continue
+        for line, module in imports(path, package):
+            imported = rollout_room(module)
+            if not (module == "treerl.rollout" or module.startswith("treerl.rollout.")) or imported == importer:
+                continue
+            below = imported in ROLLOUT_ROOMS and ROLLOUT_ROOMS.index(imported) < ROLLOUT_ROOMS.index(importer)
+            if not below and (importer, imported) not in ROLLOUT_UP:
+                out.append(f"{path.relative_to(package.parent)}:{line} imports {module}")
+    return out
+
+
+def test_rollout_rooms_import_only_the_rooms_below_them():
+    assert {p.name for p in (PACKAGE / "rollout").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(
+        ROLLOUT_ROOMS)
+    assert rollout_violations() == []
+
+
+def test_the_rollout_check_sees_a_room_importing_one_above_it(tmp_path):
+    """The control: the sampler importing the agent proxy, or the package's front door, is reported."""
+    sampling = tmp_path / "treerl" / "rollout" / "sampling"
+    sampling.mkdir(parents=True)
+    (sampling / "client.py").write_text("def f():\n    from treerl.rollout.agents.proxy import ChatProxy\n"
+                                        "from treerl.rollout.sampling.sampler import Completion\n"
+                                        "from treerl.rollout.tasks.base import rng_for\n")
+    (sampling / "embedded.py").write_text("from treerl.rollout import Rollout\n")
+    assert rollout_violations(tmp_path / "treerl") == [
+        "treerl/rollout/sampling/client.py:2 imports treerl.rollout.agents.proxy",
+        "treerl/rollout/sampling/embedded.py:1 imports treerl.rollout"]

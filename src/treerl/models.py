@@ -96,7 +96,7 @@ SHAPES: dict[str, tuple[str, dict]] = {
 
 
 def shows_images(shape: str) -> bool:
-    """A vision-language shape: its tokenizer needs the image tokens (treerl.rollout.tokenizer.VISION_TOKENS)."""
+    """A vision-language shape: its tokenizer needs the image tokens (treerl.rollout.conversations.tokenizer.VISION_TOKENS)."""
     return shape in SHAPES and "vision_config" in SHAPES[shape][1]
 
 

@@ -2,7 +2,7 @@
 nothing written or lost (every file under the test's directory is byte for byte what it was).
 
 Classes: config, model, data, reward, SFT, inspect, checkpoint (resume and output_dir), serve. The serve
-HTTP limits are in tests/rollout/test_server_guard.py.
+HTTP limits are in tests/rollout/serving/test_server_guard.py.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from treerl.cli.main import app
 from treerl.errors import UserError
 from treerl.models import build_model
 from treerl.rollout import builtin_tokenizer
-from treerl.rollout.images import png_bytes
+from treerl.rollout.conversations.images import png_bytes
 
 LEGS = "rollout.env=reasoning_gym:leg_counting"
 TRAIN = ["trainer.steps=2", "trainer.progress=false", "trainer.eval_prompts=0", "rollout.prompts_per_step=2",

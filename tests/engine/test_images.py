@@ -332,8 +332,8 @@ def test_gemma3s_sampler_prefills_images_both_ways_as_the_flat_reference_trains_
     """The embedded sampler prefills a Gemma 3 image prompt with the model's own masks (left-padded beside a longer
     prompt): each sampled token's behaviour log-prob is what FlatEngine recomputes."""
     from treerl.engine import PolicyHead
-    from treerl.rollout.embedded import EmbeddedSampler
-    from treerl.rollout.sampler import SamplingParams
+    from treerl.rollout.sampling.embedded import EmbeddedSampler
+    from treerl.rollout.sampling.sampler import SamplingParams
 
     model = _gemma3()
     prompts = [s for s in _gemma3_batch() if len(s.images) < 2][:1] + _gemma3_batch()[3:]

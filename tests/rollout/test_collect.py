@@ -23,7 +23,7 @@ from treerl.rollout import (
     tool_format_warning,
 )
 from treerl.rollout.collect import server_client
-from treerl.rollout.tokenizer import BUILTIN_CHAT_TEMPLATE, PLAIN_CHAT_TEMPLATE
+from treerl.rollout.conversations.tokenizer import BUILTIN_CHAT_TEMPLATE, PLAIN_CHAT_TEMPLATE
 from treerl.tree import PrefixTree, validate_sequences
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from treerl.errors import TrainingStopped
 from treerl.rollout import builtin_tokenizer
-from treerl.rollout.tokenizer import PLAIN_CHAT_TEMPLATE
+from treerl.rollout.conversations.tokenizer import PLAIN_CHAT_TEMPLATE
 from treerl.trainer import train
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agent_tools_agent.py"

@@ -18,7 +18,7 @@ from support import treerl_serve, treerl_serve_process
 from treerl.errors import ServerError
 from treerl.models import read_weights
 from treerl.rollout import Completion, EmbeddedSampler, SamplingParams
-from treerl.rollout.client import Server
+from treerl.rollout.sampling.client import Server
 from treerl.trainer import train
 from treerl.trainer.core import checkpoint
 from treerl.trainer.core.build import load_policy

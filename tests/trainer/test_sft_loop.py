@@ -125,8 +125,8 @@ def test_sft_on_conversations_that_show_images(tiny_config, tmp_path):
     from PIL import Image
 
     from treerl.models import model_config
-    from treerl.rollout.images import ImageProcessor
-    from treerl.rollout.tokenizer import builtin_tokenizer
+    from treerl.rollout.conversations.images import ImageProcessor
+    from treerl.rollout.conversations.tokenizer import builtin_tokenizer
 
     for seed in (0, 1):
         pixels = np.random.default_rng(seed).integers(0, 256, (32, 32, 3), dtype=np.uint8)

@@ -1,6 +1,6 @@
 """Attention of generation over stored prefixes: each prefix's K/V read once by every query below it.
 
-Step 1 (docs/architecture.md): the embedded sampler's attention (treerl.rollout.prefix_sharing).
+Step 1 (docs/architecture.md): the embedded sampler's attention (treerl.rollout.sampling.prefix_sharing).
 
 The sampler keeps the K/V of every prefix it has computed as *runs*: a run holds the K/V of a stretch of tokens at
 consecutive positions (a trie node of the call's prompts, or a node of the cross-call prefix cache), per attention

@@ -38,7 +38,7 @@ from typing import Any
 
 from treerl.bench.async_compare import time_to
 from treerl.errors import UserError
-from treerl.rollout.rewards import import_object
+from treerl.rollout.rewards.functions import import_object
 from treerl.rollout.tasks.base import rng_for
 from treerl.trainer.core.config import Config, load_config, to_yaml
 from treerl.trainer.core.optim import lr_factor

@@ -39,7 +39,7 @@ import torch
 
 from treerl.bench.engines import bench_model
 from treerl.rollout import EmbeddedSampler, SamplingParams
-from treerl.rollout.sampler import Completion
+from treerl.rollout.sampling.sampler import Completion
 
 WORKLOADS = ("grpo_long_system", "agent_tree", "episode")
 PATHS = ("padded", "shared")

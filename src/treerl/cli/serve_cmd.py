@@ -12,9 +12,9 @@ import typer
 from treerl.cli.options import check_positive
 from treerl.errors import UserError
 from treerl.models import DTYPES
-from treerl.rollout.client import API_KEY_ENV
-from treerl.rollout.prefix_cache import DEFAULT_TOKENS
-from treerl.rollout.server import PROTOCOLS
+from treerl.rollout.sampling.client import API_KEY_ENV
+from treerl.rollout.sampling.prefix_cache import DEFAULT_TOKENS
+from treerl.rollout.serving.server import PROTOCOLS
 
 
 def serve(
@@ -56,9 +56,9 @@ def serve(
 
     from treerl.gguf_checkpoint import local_checkpoint
     from treerl.models import build_model, check_device, check_model_dir
-    from treerl.rollout.embedded import EmbeddedSampler
-    from treerl.rollout.server import Guard, run_server
-    from treerl.rollout.tokenizer import load_tokenizer
+    from treerl.rollout.conversations.tokenizer import load_tokenizer
+    from treerl.rollout.sampling.embedded import EmbeddedSampler
+    from treerl.rollout.serving.server import Guard, run_server
 
     if protocol not in PROTOCOLS:
         raise UserError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")

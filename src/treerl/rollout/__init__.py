@@ -8,19 +8,19 @@ Samplers (`EmbeddedSampler` in process, `CompletionsClient` for vLLM / SGLang /
 the chat proxy) and the `Rollout` the trainer calls once per step.
 """
 
-from treerl.rollout.agent import AgentWorkflow, load_agent
-from treerl.rollout.chat import ChatFormat
-from treerl.rollout.client import CompletionsClient, ServerError
+from treerl.rollout.agents.agent import AgentWorkflow, load_agent
+from treerl.rollout.agents.proxy import ChatProxy
 from treerl.rollout.collect import Rollout, RolloutBatch, build_sampler, tool_format_warning
 from treerl.rollout.config import RolloutConfig
-from treerl.rollout.embedded import EmbeddedSampler
-from treerl.rollout.multi_turn import MultiTurnWorkflow
-from treerl.rollout.proxy import ChatProxy
-from treerl.rollout.rewards import load_reward_fn
-from treerl.rollout.sampler import Completion, Sampler, SamplingParams
-from treerl.rollout.single_turn import SingleTurnWorkflow
-from treerl.rollout.stats import DroppedSample, RolloutStats
-from treerl.rollout.tokenizer import builtin_tokenizer, load_tokenizer
+from treerl.rollout.conversations.chat import ChatFormat
+from treerl.rollout.conversations.tokenizer import builtin_tokenizer, load_tokenizer
+from treerl.rollout.rewards.functions import load_reward_fn
+from treerl.rollout.sampling.client import CompletionsClient, ServerError
+from treerl.rollout.sampling.embedded import EmbeddedSampler
+from treerl.rollout.sampling.sampler import Completion, Sampler, SamplingParams
+from treerl.rollout.workflows.multi_turn import MultiTurnWorkflow
+from treerl.rollout.workflows.single_turn import SingleTurnWorkflow
+from treerl.rollout.workflows.stats import DroppedSample, RolloutStats
 
 __all__ = [
     "AgentWorkflow", "ChatFormat", "ChatProxy", "Completion", "CompletionsClient", "DroppedSample", "EmbeddedSampler",

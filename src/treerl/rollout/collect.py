@@ -25,23 +25,23 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treerl.errors import UserError
-from treerl.rollout.agent import AgentWorkflow, agent_of
-from treerl.rollout.chat import ChatFormat, template_shows_tools
-from treerl.rollout.client import API_KEY_ENV, CompletionsClient
+from treerl.rollout.agents.agent import AgentWorkflow, agent_of
+from treerl.rollout.agents.proxy import ChatProxy
+from treerl.rollout.agents.tool_parsers import detect_tool_parser, no_parser_hint
 from treerl.rollout.config import AGENT_TASKS, RolloutConfig
-from treerl.rollout.embedded import EmbeddedSampler
+from treerl.rollout.conversations.chat import ChatFormat, template_shows_tools
+from treerl.rollout.conversations.images import ImageProcessor
 from treerl.rollout.environments.spec import PROXIED, parse_env_specs
-from treerl.rollout.images import ImageProcessor
-from treerl.rollout.multi_turn import MultiTurnWorkflow
-from treerl.rollout.prefix_sharing import PrefixCounts
-from treerl.rollout.proxy import ChatProxy
-from treerl.rollout.rewards import UserCode, load_reward_fn
-from treerl.rollout.sampler import Sampler, SamplingParams
-from treerl.rollout.single_turn import SingleTurnWorkflow
-from treerl.rollout.stats import RolloutStats
+from treerl.rollout.rewards.functions import UserCode, load_reward_fn
+from treerl.rollout.sampling.client import API_KEY_ENV, CompletionsClient
+from treerl.rollout.sampling.embedded import EmbeddedSampler
+from treerl.rollout.sampling.prefix_sharing import PrefixCounts
+from treerl.rollout.sampling.sampler import Sampler, SamplingParams
 from treerl.rollout.tasks import AgentTask, SingleTurnTask, build_task
 from treerl.rollout.tasks.base import Prompt, rng_for
-from treerl.rollout.tool_parsers import detect_tool_parser, no_parser_hint
+from treerl.rollout.workflows.multi_turn import MultiTurnWorkflow
+from treerl.rollout.workflows.single_turn import SingleTurnWorkflow
+from treerl.rollout.workflows.stats import RolloutStats
 from treerl.tree import TokenSequence
 
 

@@ -10,12 +10,12 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from treerl.rollout.client import SERVER_TYPES
+from treerl.rollout.agents.tool_parsers import PARSER_NAMES
 from treerl.rollout.environments.spec import parse_env_specs
-from treerl.rollout.prefix_cache import DEFAULT_TOKENS
+from treerl.rollout.sampling.client import SERVER_TYPES
+from treerl.rollout.sampling.prefix_cache import DEFAULT_TOKENS
 from treerl.rollout.tasks.heldout import check_fraction
 from treerl.rollout.tasks.shapes import MAX_SHAPES
-from treerl.rollout.tool_parsers import PARSER_NAMES
 from treerl.tree.io import MAX_LINE_BYTES
 
 TASKS = ("arithmetic", "arithmetic_chat", "shapes", "guess_number", "dataset", "agent", "agent_tools", "env")

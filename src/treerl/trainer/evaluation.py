@@ -10,7 +10,7 @@ it is what the server serves (model.path gives the tokenizer). It answers `train
 held-out items (`held_out_prompts`: the items a training run of the same config never draws), `eval.samples`
 independent samples each (multi-turn episodes are not branched), `eval.prompts_per_call` prompts a sampler call, each
 call with its own seed from `rollout.seed`. `compare` runs a second model the same way on the same prompts and seeds.
-Scores: `treerl.rollout.scores`. Outputs, in `trainer.output_dir`: eval.json and eval_samples.jsonl (every
+Scores: `treerl.rollout.rewards.scores`. Outputs, in `trainer.output_dir`: eval.json and eval_samples.jsonl (every
 trajectory, and every dropped sample the rollout kept, with its reason).
 """
 
@@ -30,11 +30,11 @@ from treerl.errors import UserError
 from treerl.gguf_checkpoint import PACKAGED_MODELS, local_checkpoint
 from treerl.models import check_device
 from treerl.rollout import Rollout, RolloutStats, build_sampler
-from treerl.rollout.images import image_processor
-from treerl.rollout.scores import PromptScore, by_environment, paired, prompt_scores, summarise
+from treerl.rollout.conversations.images import image_processor
+from treerl.rollout.rewards.scores import PromptScore, by_environment, paired, prompt_scores, summarise
 from treerl.rollout.tasks.base import Prompt, rng_for
 from treerl.rollout.tasks.heldout import HeldOut
-from treerl.rollout.trajectories import sample_rows
+from treerl.rollout.workflows.trajectories import sample_rows
 from treerl.trainer.core.build import load_policy, policy_images, policy_tokenizer
 from treerl.trainer.core.checkpoint import CONFIG_FILE, MANIFEST, latest_checkpoint, step_dirs
 from treerl.trainer.core.config import Config, ConfigError, load_config

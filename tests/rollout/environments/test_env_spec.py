@@ -12,9 +12,9 @@ from treerl.errors import UserError
 from treerl.rollout import SamplingParams, SingleTurnWorkflow
 from treerl.rollout.environments import EnvSpec, Member, Routed, import_library, parse_env_specs
 from treerl.rollout.environments.mixture import MultiTurnMixture, SingleTurnMixture, mixture
-from treerl.rollout.rewards import Scored
-from treerl.rollout.stats import RolloutStats, environment_metrics
+from treerl.rollout.rewards.functions import Scored
 from treerl.rollout.tasks import Arithmetic, GuessNumber
+from treerl.rollout.workflows.stats import RolloutStats, environment_metrics
 from treerl.trainer.core.config import ConfigError, load_config
 from treerl.trainer.core.metrics import summarise_environments
 

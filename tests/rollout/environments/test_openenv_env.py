@@ -25,7 +25,7 @@ from support import free_port
 
 from treerl.errors import UserError
 from treerl.rollout import Rollout, RolloutConfig
-from treerl.rollout.embedded import EmbeddedSampler
+from treerl.rollout.sampling.embedded import EmbeddedSampler
 
 HERE = Path(__file__).resolve().parent
 ENV = "openenv:openenv_counting:CountingEnv"

@@ -12,7 +12,7 @@ from refusals import refused_before_sampling
 
 from treerl.errors import UserError
 from treerl.rollout import Rollout, RolloutConfig
-from treerl.rollout.stats import environment_metrics
+from treerl.rollout.workflows.stats import environment_metrics
 
 REPLIES = ("<answer>{answer}</answer>", "<answer>{answer}0</answer>", "{answer}")  # right; wrong; right, no tags
 

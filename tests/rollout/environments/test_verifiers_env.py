@@ -18,8 +18,8 @@ from refusals import refused_before_sampling
 from vf_scoring import brief, correct, counted, spelled
 
 from treerl.rollout import Rollout, RolloutConfig
-from treerl.rollout.embedded import EmbeddedSampler
-from treerl.rollout.stats import environment_metrics
+from treerl.rollout.sampling.embedded import EmbeddedSampler
+from treerl.rollout.workflows.stats import environment_metrics
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]

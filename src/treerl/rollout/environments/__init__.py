@@ -32,7 +32,7 @@ The contract every adapter keeps (parts A and B of issue 46 build on it):
   carries `metrics` (the trajectory keeps each name's latest value), an agent episode may return {"reward": r,
   "metrics": {...}}. Every sample's sequences carry info["env"] (the environment's name, `EnvSpec.name`) and
   info["env_metrics"]; the trainer logs env/<name>/reward_mean, env/<name>/samples and env/<name>/<metric> per step
-  (`treerl.rollout.stats.environment_metrics`; metrics.jsonl, TensorBoard, summary.json's "environments").
+  (`treerl.rollout.workflows.stats.environment_metrics`; metrics.jsonl, TensorBoard, summary.json's "environments").
 - Failures: a reset, step or score that raises, times out (rollout.env_timeout) or gives a reward or metric that is
   not a finite number drops that episode or sample, counted as rollout/dropped_env_<kind> (env_raised, env_timeout,
   env_not_a_number, env_not_finite, env_too_large) and reported with its prompt (dropped.jsonl).

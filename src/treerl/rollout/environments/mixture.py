@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from treerl.errors import UserError
-from treerl.rollout.agent import agent_of
+from treerl.rollout.agents.agent import agent_of
 from treerl.rollout.environments.spec import EnvSpec
 from treerl.rollout.tasks.base import Environment, Prompt, rng_for
 from treerl.rollout.tasks.heldout import HeldOut

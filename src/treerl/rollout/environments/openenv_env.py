@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from treerl.errors import UserError
-from treerl.rollout.chat import Message
 from treerl.rollout.config import RolloutConfig
+from treerl.rollout.conversations.chat import Message
 from treerl.rollout.environments.extras import import_library, say_once
 from treerl.rollout.environments.replay import (
     COPY_OPT_IN,
@@ -51,7 +51,7 @@ from treerl.rollout.environments.replay import (
     close_quietly,
     copy_opt_in,
 )
-from treerl.rollout.rewards import RewardFailure, UserCode, import_object
+from treerl.rollout.rewards.functions import RewardFailure, UserCode, import_object
 from treerl.rollout.tasks.base import EnvReply, Prompt, rng_for
 from treerl.rollout.tasks.heldout import EVAL_FRACTION, SeededEpisodes
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from treerl.errors import UserError
 from treerl.rollout.environments.extras import import_library
-from treerl.rollout.rewards import Scored
+from treerl.rollout.rewards.functions import Scored
 from treerl.rollout.tasks.base import Prompt
 from treerl.rollout.tasks.heldout import HeldOut
 

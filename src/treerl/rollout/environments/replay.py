@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from treerl.errors import UserError
-from treerl.rollout.chat import Message
 from treerl.rollout.config import RolloutConfig
-from treerl.rollout.rewards import NamedFailure
+from treerl.rollout.conversations.chat import Message
+from treerl.rollout.rewards.functions import NamedFailure
 from treerl.rollout.tasks.base import EnvReply
 
 REASON = "replay_diverged"

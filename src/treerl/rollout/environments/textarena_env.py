@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from treerl.errors import UserError
-from treerl.rollout.chat import Message
+from treerl.rollout.conversations.chat import Message
 from treerl.rollout.environments.extras import import_library, say_once
 from treerl.rollout.environments.replay import COPY_OPT_IN, branches, copy_opt_in
 from treerl.rollout.tasks.base import EnvReply, Prompt, rng_for
@@ -105,7 +105,7 @@ class TextArenaGame:
     def own_random(self) -> Iterator[None]:
         """Run the game's code with its own state of Python's global `random`, and keep what it leaves.
 
-        Environment calls run one at a time (`treerl.rollout.rewards.UserCode`), so no lock is needed, and none is
+        Environment calls run one at a time (`treerl.rollout.rewards.functions.UserCode`), so no lock is needed, and none is
         taken: a call abandoned after rollout.env_timeout may still be running when the next one starts, and would
         hold a lock for as long as it hangs. The latest call owns the generator; one that finds, at its end, that a
         later call took it over leaves the global state to that one (its own episode was dropped)."""

@@ -44,7 +44,7 @@ from typing import Any
 
 from treerl.errors import UserError
 from treerl.rollout.config import RolloutConfig
-from treerl.rollout.rewards import NamedFailure, check_reward, import_object
+from treerl.rollout.rewards.functions import NamedFailure, check_reward, import_object
 from treerl.rollout.tasks.dataset import DatasetTask, FromRows, agent_rows
 
 OWN_KEYS = ("rows",)  # treerl's; the other env_args go to the class's constructor

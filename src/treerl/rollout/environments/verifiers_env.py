@@ -48,7 +48,7 @@ from typing import Any
 from treerl.errors import UserError
 from treerl.rollout.config import RolloutConfig
 from treerl.rollout.environments.trl_env import EnvCallFailed
-from treerl.rollout.rewards import check_metrics, check_reward
+from treerl.rollout.rewards.functions import check_metrics, check_reward
 from treerl.rollout.tasks.dataset import DatasetTask, FromRows
 
 OWN_KEYS = ("python", "tasks")  # treerl's; the other env_args go to verifiers' config

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from treerl.rollout.rewards import RewardFn
+from treerl.rollout.rewards.functions import RewardFn
 from treerl.rollout.tasks.agent_tools import AgentTools
 from treerl.rollout.tasks.arithmetic import Arithmetic, ArithmeticChat
 from treerl.rollout.tasks.base import AgentTask, Environment, EnvReply, Prompt, SingleTurnTask

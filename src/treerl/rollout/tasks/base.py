@@ -9,8 +9,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from treerl.rollout.chat import Message
-from treerl.rollout.rewards import RewardFn
+from treerl.rollout.conversations.chat import Message
+from treerl.rollout.rewards.functions import RewardFn
 
 
 @dataclass

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from treerl.errors import DataError, UserError
-from treerl.rollout.chat import Message
-from treerl.rollout.images import IMAGE_PARTS, image_parts, load_image, part_image
-from treerl.rollout.rewards import RewardFn, check_reward_fn
+from treerl.rollout.conversations.chat import Message
+from treerl.rollout.conversations.images import IMAGE_PARTS, image_parts, load_image, part_image
+from treerl.rollout.conversations.tokenizer import ROLES
+from treerl.rollout.rewards.functions import RewardFn, check_reward_fn
 from treerl.rollout.tasks.base import Prompt, rng_for
 from treerl.rollout.tasks.heldout import EVAL_FRACTION, HeldOut, content_key, split_rows
-from treerl.rollout.tokenizer import ROLES
 from treerl.tree.io import MAX_LINE_BYTES, json_lines
 
 DATASETS_FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json"}

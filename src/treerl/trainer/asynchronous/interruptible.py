@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from treerl.rollout import Completion, EmbeddedSampler, SamplingParams
-from treerl.rollout.prefix_sharing import PrefixCounts
+from treerl.rollout.sampling.prefix_sharing import PrefixCounts
 from treerl.rollout.tasks.base import rng_for
 from treerl.tree import ImageSpan
 

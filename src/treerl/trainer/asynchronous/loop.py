@@ -19,7 +19,7 @@ old weights; `interrupt` pauses with `keep` (SGLang: `retract`): they are frozen
 new weights, and their later tokens carry the new version.
 
 Agent tasks (`rollout.task=agent`, `agent_tools`) run the same way: each worker serves its own recording
-proxy (`treerl.rollout.proxy`) and plays a task's `group_size` episodes as one group, under the same
+proxy (`treerl.rollout.agents.proxy`) and plays a task's `group_size` episodes as one group, under the same
 admission, staleness bound and counters; a worker beats its heartbeat every second while its episodes run.
 
 Only the source of the batch differs from the synchronous loop (`treerl.trainer.rl.sync`): preparation,

@@ -48,9 +48,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from treerl.rollout import RolloutBatch, RolloutStats
-from treerl.rollout.stats import REPORTED_SAMPLES
 from treerl.rollout.tasks import AgentTask, SingleTurnTask
 from treerl.rollout.tasks.base import Prompt
+from treerl.rollout.workflows.stats import REPORTED_SAMPLES
 from treerl.trainer.asynchronous.weights import SharedWeights
 from treerl.trainer.asynchronous.worker_set import Finished, WorkerSet
 from treerl.trainer.asynchronous.workers import Job

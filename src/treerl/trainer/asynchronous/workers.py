@@ -42,7 +42,7 @@ import torch
 from treerl.errors import ServerError, UserError
 from treerl.rollout import EmbeddedSampler, Rollout, RolloutStats
 from treerl.rollout.collect import server_client
-from treerl.rollout.prefix_sharing import PrefixCounts
+from treerl.rollout.sampling.prefix_sharing import PrefixCounts
 from treerl.rollout.tasks.base import Prompt, rng_for
 from treerl.trainer.asynchronous.interruptible import InterruptibleSampler
 from treerl.trainer.asynchronous.weights import SharedWeights

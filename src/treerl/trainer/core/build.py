@@ -26,7 +26,7 @@ from treerl.engine.support import check_no_dropout
 from treerl.gguf_checkpoint import PACKAGED_MODELS, local_checkpoint
 from treerl.models import add_lora, build_model, check_model_dir, policy_config, shows_images
 from treerl.rollout import load_tokenizer
-from treerl.rollout.images import ImageProcessor, image_processor
+from treerl.rollout.conversations.images import ImageProcessor, image_processor
 from treerl.trainer.core.balancer import Balancer
 from treerl.trainer.core.config import Config, ConfigError, EngineConfig, ModelConfig, TrainerConfig
 from treerl.trainer.core.learner import Learner, NonfiniteGuard

@@ -288,7 +288,7 @@ def check_choices(config: Config) -> None:
 def check_truncated_sampling(config: Config) -> None:
     """Samples drawn with top_p / top_k / min_p come from a cut-down distribution, not the policy the trainer
     differentiates: their behaviour log-probs are off-policy on purpose, and only decoupled PPO's weight
-    pi_prox / pi_behav corrects for that (treerl.rollout.sampler). Refuse a run that would train on them otherwise."""
+    pi_prox / pi_behav corrects for that (treerl.rollout.sampling.sampler). Refuse a run that would train on them otherwise."""
     rollout = config.rollout
     if not rollout.truncates:
         return

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from treerl.errors import UserError
 from treerl.gguf_checkpoint import local_checkpoint
 from treerl.models import DTYPES, base_fingerprint, is_lora
-from treerl.rollout.images import image_processor
+from treerl.rollout.conversations.images import image_processor
 from treerl.trainer.core.build import load_policy
 from treerl.trainer.core.checkpoint import (
     CONFIG_FILE,

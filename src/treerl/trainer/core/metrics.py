@@ -128,7 +128,7 @@ def summarise_mismatch(steps: list[dict[str, float]]) -> dict[str, float]:
     return summary
 
 
-ENV_METRICS = ("env/", "metrics/")  # the prefixes of `treerl.rollout.stats.environment_metrics`
+ENV_METRICS = ("env/", "metrics/")  # the prefixes of `treerl.rollout.workflows.stats.environment_metrics`
 
 
 def summarise_environments(steps: list[dict[str, float]], evaluated: dict[str, dict[str, float]]

@@ -36,7 +36,7 @@ from treerl.engine import AutocastEngine, DfsEngine, FlatEngine
 from treerl.engine.base import check_model
 from treerl.engine.routing import RoutingReplayEngine
 from treerl.models import base_fingerprint, check_device, is_lora
-from treerl.rollout.images import ImageProcessor
+from treerl.rollout.conversations.images import ImageProcessor
 from treerl.trainer.core.balancer import Balancer
 from treerl.trainer.core.build import build_critic_learner, build_policy_learner, load_policy, policy_images
 from treerl.trainer.core.checkpoint import (

@@ -35,7 +35,7 @@ from pathlib import Path
 from treerl.errors import ServerError
 from treerl.rollout import Completion, CompletionsClient, SamplingParams, build_sampler
 from treerl.rollout.collect import server_client
-from treerl.rollout.sampler import images_kwarg
+from treerl.rollout.sampling.sampler import images_kwarg
 from treerl.trainer.core.checkpoint import full_weights, write_pretrained_atomically
 from treerl.trainer.core.config import Config, ConfigError
 from treerl.trainer.core.run import Run, on_main

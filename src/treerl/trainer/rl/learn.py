@@ -46,8 +46,8 @@ from treerl.engine import LossFn, SequenceView
 from treerl.errors import ServerError, TrainingStopped
 from treerl.models import is_lora
 from treerl.rollout import Rollout, RolloutBatch, RolloutStats, Sampler, tool_format_warning
-from treerl.rollout.stats import environment_metrics
-from treerl.rollout.trajectories import sample_rows
+from treerl.rollout.workflows.stats import environment_metrics
+from treerl.rollout.workflows.trajectories import sample_rows
 from treerl.trainer.core.build import load_policy
 from treerl.trainer.core.config import Config, measures_mismatch
 from treerl.trainer.core.learner import Learner

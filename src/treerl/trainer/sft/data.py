@@ -20,7 +20,7 @@ One JSON object per line, a conversation:
 
 A user or tool message may show images: its content a list of parts, `{"type": "text", "text": ...}` and
 `{"type": "image", "image": "shots/1.png"}` (a local path, a base64 data URL, or OpenAI's `image_url` part), for a
-vision-language model (treerl.rollout.images). A conversation that shows images is rendered again each time a step
+vision-language model (treerl.rollout.conversations.images). A conversation that shows images is rendered again each time a step
 reads it: its pixels are not held between steps (a dataset of screenshots would not fit in memory), only its token
 counts are.
 
@@ -31,7 +31,7 @@ assistant message as untrained context). Paths share their common beginning toke
 the tree engine computes it once; its gradient counts once per path, exactly as if each path
 were a separate example.
 
-Rendering follows the rollout (treerl.rollout.chat): the messages before the first assistant
+Rendering follows the rollout (treerl.rollout.conversations.chat): the messages before the first assistant
 reply are rendered with the chat template and its generation prompt; an assistant reply is its
 tokens plus the stop token, as the model would generate it; what follows a reply (tool results,
 user turns, the next generation prompt) is the template's own continuation. So SFT sequences look
@@ -50,11 +50,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from treerl.errors import DataError, UserError
-from treerl.rollout.chat import ChatFormat, Message
-from treerl.rollout.images import ImageProcessor, image_parts
+from treerl.rollout.conversations.chat import ChatFormat, Message
+from treerl.rollout.conversations.images import ImageProcessor, image_parts
+from treerl.rollout.conversations.tokenizer import plain_template
 from treerl.rollout.tasks.base import rng_for
 from treerl.rollout.tasks.dataset import is_content, located_rows
-from treerl.rollout.tokenizer import plain_template
 from treerl.tree import TokenSequence
 from treerl.tree.io import MAX_LINE_BYTES
 
