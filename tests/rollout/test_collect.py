@@ -165,3 +165,13 @@ def test_an_agent_task_whose_template_has_no_tool_call_format_is_warned_about():
     assert tool_format_warning(RolloutConfig(env="textarena:GuessTheNumber-v0"), tokenizer(PLAIN_CHAT_TEMPLATE)) is None
 
 
+
+
+def test_rollout_prefix_sharing_false_samples_the_same_through_the_padded_path(tokenizer, policy):
+    config = RolloutConfig(task="arithmetic", prompts_per_step=4, group_size=4, seed=1)
+    shared = Rollout(config, tokenizer, build_sampler(config, policy)).collect(0)
+    padded = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(config), {"prefix_sharing": False}))
+    sampler = build_sampler(padded, policy)
+    batch = Rollout(padded, tokenizer, sampler).collect(0)
+    assert not sampler.prefix_sharing and _same(batch.sequences, shared.sequences)
+    assert 0 < shared.stats.prefill_tokens < shared.stats.prompt_tokens and batch.stats.prefill_tokens == 0

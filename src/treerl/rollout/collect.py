@@ -66,7 +66,7 @@ def build_sampler(config: RolloutConfig, model: PreTrainedModel | None = None,
     if model is None:
         raise ValueError("rollout: no rollout.server_url, so the embedded sampler needs the model")
     return EmbeddedSampler(model, autocast=autocast, return_routed_experts=config.return_routed_experts,
-                           prefix_cache_tokens=config.prefix_cache_tokens)
+                           prefix_sharing=config.prefix_sharing, prefix_cache_tokens=config.prefix_cache_tokens)
 
 
 def server_client(config: RolloutConfig) -> CompletionsClient:

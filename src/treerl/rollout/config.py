@@ -43,6 +43,7 @@ class RolloutConfig:
     min_p: float = 0.0  # sample among tokens at least min_p x the most likely one's probability (0: all; truncated as top_p)
     stop_tokens: list[str] = field(default_factory=list)  # extra tokens that end a reply (besides the eos token)
     prefix_cache_tokens: int = DEFAULT_TOKENS  # the embedded sampler (and treerl serve) keeps the K/V of prefixes it computed, up to this many tokens (least recently used out first; never more than a quarter of free memory; emptied at each weight update), so a multi-turn episode's next turn, a branch's sibling or an agent's next request prefills only its new tokens; 0: none (the prompts of one call still share their prefixes)
+    prefix_sharing: bool = True  # the embedded sampler computes each prefix its prompts share once (a trie prefilled node by node, shared-prefix decoding); false: each prompt prefilled whole in a left-padded batch, its cache repeated n-fold (the same tokens and log-probs: the tests' reference; cheaper on a tiny model and short prompts)
     return_routed_experts: bool = False  # an MoE policy: record the experts each layer routed every token to, with each sample (for trainer.routing_replay; the embedded sampler)
 
     # Multi-turn episodes.

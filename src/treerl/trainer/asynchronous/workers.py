@@ -143,6 +143,7 @@ def embedded_rollout(config: Config, weights: SharedWeights | None,
     embedded = EmbeddedSampler(model, version=weights.pull(model, have=-1),
                                autocast=autocast_dtype(config.trainer.precision),
                                return_routed_experts=config.rollout.return_routed_experts,
+                               prefix_sharing=config.rollout.prefix_sharing,
                                prefix_cache_tokens=config.rollout.prefix_cache_tokens)
 
     def refresh() -> None:
