@@ -79,8 +79,8 @@ def test_a_rubric_scores_what_was_sampled_and_its_failures_drop_their_episodes(t
         return FAILING.get(word, word if word == "apple" else f"surely it is {word}")
 
     recording = Recording(scripted(speller))
-    batch = collect(tokenizer, recording, "verifiers:vf_spelling", python, prompts_per_step=5, env_timeout=2,
-                    max_new_tokens=40)
+    batch = collect(tokenizer, recording, "verifiers:vf_spelling", python, prompts_per_step=5, env_timeout=8,
+                    max_new_tokens=40, eval_fraction=0)  # all five words, each once
     check_recorded(batch, recording)
     for seq in batch.sequences:  # apple and grass, two episodes each
         reply = text_of(tokenizer, seq)

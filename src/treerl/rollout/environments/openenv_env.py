@@ -59,7 +59,7 @@ OWN_KEYS = ("action_field", "observation_field", "action_class")  # treerl's; th
 SHOWN_EXCLUDES = {"done", "reward", "metadata"}  # what an OpenEnv server never puts in the observation it sends
 MAX_TURNS = 8
 MAX_NEW_TOKENS = 64
-CONNECT_SECONDS = 10.0
+CONNECT_SECONDS = 30.0  # a busy server answers the handshake late (10 s timed out at load 8); a dead one refuses
 
 
 @dataclass(frozen=True)
