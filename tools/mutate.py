@@ -1045,6 +1045,11 @@ MUTATIONS = [
              "        while leaves and (self.tokens > limit_tokens", "        while leaves and (self.tokens > 2 * limit_tokens",
              ("tests/rollout/sampling/test_prefix_sharing.py::test_the_cache_stays_within_its_bounds_and_what_cannot_fit_is_recomputed",),
              "the prefix cache holds up to twice rollout.prefix_cache_tokens"),
+    Mutation("unread-call-stores-no-chunk", "src/treerl/rollout/sampling/embedded.py",
+             "store = not (self._unread and lo + per_chunk >= len(prompts))", "store = not self._unread",
+             ("tests/rollout/sampling/test_prefix_sharing.py::test_an_unread_call_stores_only_the_chunks_a_later_chunk_can_read",),
+             "a call whose K/V nothing after it reads stores no chunk: its later chunks prefill a shared system prompt "
+             "again"),
 ]
 
 

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from treerl.cli.main import app
 from treerl.errors import CheckpointError, TrainingStopped, UserError
 from treerl.rollout import CompletionsClient, Rollout, SamplingParams, build_sampler
+from treerl.rollout.sampling.prefix_cache import PrefixCache
 from treerl.testing import relative_error
 from treerl.trainer import ConfigError, train
 from treerl.trainer.core.checkpoint import checkpoint_dir, latest_checkpoint, read_weights
@@ -174,6 +175,20 @@ def test_multi_turn_batches_share_prefixes(tiny_config, tmp_path):
     evaluations = {r["step"]: r["eval/reward_mean"] for r in metrics_rows(tmp_path / "run") if "eval/reward_mean" in r}
     assert evaluations == {0: result.reward_start, 1: result.reward_end}
     assert result.train_reward_first == result.train_reward_last == row["rollout/reward_mean"]
+
+
+@pytest.mark.parametrize("task, stores", [("arithmetic", False), ("guess_number", True)])
+def test_a_single_turn_step_stores_nothing_in_the_prefix_cache_a_multi_turn_one_does(tiny_config, tmp_path, monkeypatch,
+                                                                                      task, stores):
+    """Synchronous training empties the cache after each rollout: a single-turn rollout's one call stores nothing
+    (nothing reads it), a multi-turn episode's turns store what the next turn reads."""
+    inserts = []
+    insert = PrefixCache.insert
+    monkeypatch.setattr(PrefixCache, "insert", lambda self, tokens, *a, **k: (inserts.append(tokens),
+                                                                                insert(self, tokens, *a, **k))[1])
+    train(tiny_config("trainer.steps=1", f"rollout.task={task}"))
+    row = step_row(tmp_path / "run", 0)
+    assert bool(inserts) == stores and (row["rollout/cached_tokens"] > 0) == stores
 
 
 REWARDS = '''

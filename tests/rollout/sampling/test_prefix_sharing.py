@@ -114,6 +114,27 @@ def test_a_conversation_prefills_only_its_new_tokens_from_the_cache():
     assert sampler.counts.cached_tokens == len(first) + len(reply.tokens) - 1
 
 
+def test_an_unread_call_stores_only_the_chunks_a_later_chunk_can_read():
+    """Inside `unread()` (synchronous single-turn training: the cache is emptied after its one call) the last chunk
+    puts nothing in the cache, an earlier one still does (the next chunk reads the system prompt from it); the
+    samples are the padded path's, and outside `unread()` a call stores again."""
+    model = tiny_model("tiny-qwen3", vocab_size=VOCAB)
+    system = list(range(8, 30))
+    prompts = [system + [40 + i] for i in range(4)]
+    params = SamplingParams(n=2, max_new_tokens=3, seed=2)
+    one_chunk = EmbeddedSampler(model)
+    with one_chunk.unread():
+        assert_same(padded(model, prompts, params), one_chunk.generate(prompts, params))
+    assert one_chunk.cache.tokens == 0 and one_chunk.counts.cached_tokens == 0
+    one_chunk.generate(prompts[:1], params)
+    assert one_chunk.cache.tokens > 0
+    chunks = EmbeddedSampler(model, max_rows=2 * params.n)  # two prompts a chunk
+    with chunks.unread():
+        assert_same(padded(model, prompts, params, max_rows=2 * params.n), chunks.generate(prompts, params))
+    assert chunks.counts.cached_tokens == len(system) and chunks.cache.counts.stored_tokens == chunks.cache.tokens > 0
+    assert chunks.cache.match(prompts[3], len(prompts[3]), False).depth == len(system)  # not the last chunk's
+
+
 @pytest.mark.parametrize("bump_version", [True, False])
 def test_a_weight_update_empties_the_cache(bump_version):
     """After an optimizer-like in-place update the cached K/V are never read: the samples are those of the new

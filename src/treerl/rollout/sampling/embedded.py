@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -69,6 +69,18 @@ class EmbeddedSampler:
             raise ValueError(f"prefix_cache_tokens must be >= 0 (0: no cache), got {self.prefix_cache_tokens}")
         self.cache = PrefixCache(self.prefix_cache_tokens)
         self._lock = threading.Lock()  # the cache's: generate may run in several threads
+        self._unread = False  # inside `unread()`
+
+    @contextlib.contextmanager
+    def unread(self) -> Iterator[None]:
+        """Calls whose K/V no later call reads (synchronous single-turn training empties the cache right after its
+        one call): their last chunk puts nothing in the prefix cache (an earlier chunk still does, for the later ones),
+        which would only cost host time. The same tokens are sampled."""
+        self._unread = True
+        try:
+            yield
+        finally:
+            self._unread = False
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  cancelled: Callable[[], bool] | None = None,
@@ -98,7 +110,8 @@ class EmbeddedSampler:
                 for lo in range(0, len(prompts), per_chunk):
                     chunk = prompts[lo : lo + per_chunk]
                     chunk_images = shown[lo : lo + per_chunk] if shown is not None else None
-                    results.extend(self._generate(chunk, params, generator, cancelled, chunk_images, shared))
+                    store = not (self._unread and lo + per_chunk >= len(prompts))
+                    results.extend(self._generate(chunk, params, generator, cancelled, chunk_images, shared, store))
             return results
         finally:
             self.model.train(was_training)
@@ -128,15 +141,15 @@ class EmbeddedSampler:
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
                   cancelled: Callable[[], bool] | None, images: list[tuple[ImageSpan, ...]] | None,
-                  shared: bool) -> list[list[Completion]]:
-        """One chunk: prefill, then decode until every row stops."""
+                  shared: bool, store: bool = True) -> list[list[Completion]]:
+        """One chunk: prefill, then decode until every row stops (the prefix cache keeps its K/V if `store`)."""
         model = self.model
         with recording_routes(model) if self.return_routed_experts else contextlib.nullcontext() as record:
             if shared:
                 key = self.cache.key
                 decoding = SharedDecoding(model, prompts, params.n, params.max_new_tokens, self.cache,
-                                          find_mixers(model), record, self.counts, store=self.cache.max_tokens > 0,
-                                          lock=self._lock)
+                                          find_mixers(model), record, self.counts,
+                                          store=store and self.cache.max_tokens > 0, lock=self._lock)
             else:
                 decoding = PaddedDecoding(model, prompts, params.n, generator.device, images, record)
             completions = self._decode(decoding, len(prompts), params, generator, cancelled, record)

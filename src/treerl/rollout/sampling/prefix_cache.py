@@ -3,7 +3,8 @@
 Step 1 (docs/architecture.md): what generation has computed, kept across calls so that no prefix is computed twice.
 
 Every prompt and every completion the sampler generates is inserted (a completion's tokens but its last, which no
-forward ran); a later call reads the longest cached prefix of each prompt and prefills only the rest: a multi-turn
+forward ran; not the last chunk of a call its caller says nothing reads after, `EmbeddedSampler.unread()`); a later
+call reads the longest cached prefix of each prompt and prefills only the rest: a multi-turn
 episode's next turn, a branch's sibling, an agent's next request, a GRPO group whose system prompt the previous call
 computed. A node holds the K/V of its tokens once (`KVRun`), a hybrid model's recurrent states after its last token
 (a cached prefix of a hybrid is usable only up to a node end that holds them) and, when the sampler records an MoE

@@ -17,10 +17,12 @@ policy version is pushed to the servers before its first sample (`treerl.trainer
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 
 from treerl.rollout import EmbeddedSampler, Rollout, build_sampler
+from treerl.rollout.workflows.single_turn import SingleTurnWorkflow
 from treerl.trainer.core.config import Config, trained_algo
 from treerl.trainer.core.precision import autocast_dtype
 from treerl.trainer.core.run import Run
@@ -73,9 +75,12 @@ def train_sync(config: Config) -> TrainResult:
 def train_step(run: Run, rollout: Rollout, reference: Reference | None, step: int) -> dict[str, float]:
     """One step: collect, prepare, update; returns its metrics."""
     started = time.perf_counter()
-    batch = collect(run, rollout, step)
-    if isinstance(rollout.sampler, EmbeddedSampler):  # the update changes the weights: its K/V are never read again
-        rollout.sampler.cache.clear()
+    embedded = rollout.sampler if isinstance(rollout.sampler, EmbeddedSampler) else None
+    one_call = embedded is not None and isinstance(rollout.workflow, SingleTurnWorkflow)
+    with embedded.unread() if one_call else contextlib.nullcontext():  # type: ignore[union-attr]
+        batch = collect(run, rollout, step)
+    if embedded is not None:  # the update changes the weights: its K/V are never read again
+        embedded.cache.clear()
     metrics = learn(run, batch, reference, step)
     rollout.sampler.version = step + 1
     if isinstance(rollout.sampler, ServerSampler):
