@@ -1008,6 +1008,11 @@ MUTATIONS = [
              ("tests/bench/test_against_trl.py::test_trl_settings_are_treerls_own",),
              "TRL trains a per-sequence mean where treerl trains the batch's token mean: the curves compared are of "
              "two objectives"),
+    Mutation("against-trl-practice-game-misanswered", "src/treerl/bench/against_trl.py",
+             'PRACTICE = (((3, "higher"), (5, "correct")),', 'PRACTICE = (((3, "lower"), (5, "correct")),',
+             ("tests/bench/test_against_trl.py::test_multi_turn_opens_with_games_the_environment_would_answer",),
+             "multi_turn's opening shows the guess tool answering what HiddenNumber never would: the model is taught "
+             "a game other than the one it plays"),
     Mutation("against-trl-unmatched-setting-accepted", "src/treerl/bench/against_trl.py",
              "        if value != expected and not (expected is None and value in (None, [])):",
              "        if False:",

@@ -87,6 +87,25 @@ def test_the_long_system_prompt_is_shared_by_every_prompt_and_about_600_tokens()
     assert all(r["prompt"][0] == {"role": "system", "content": AGENT_INSTRUCTIONS} for r in long)
 
 
+def test_multi_turn_opens_with_games_the_environment_would_answer():
+    from treerl.bench.against_trl import GAME, PRACTICE, base_config, game_opening, rows
+    from treerl.bench.trl_guess_env import HiddenNumber
+
+    opening = game_opening()
+    assert opening[0] == {"role": "system", "content": GAME}
+    assert opening[-1] == {"role": "user", "content": "Find the hidden number."}
+    assert [r["prompt"] for r in rows(base_config(None, ["trainer.steps=2"]), "multi_turn")] == [opening] * 8
+    for game in PRACTICE:  # each practice game is one HiddenNumber plays: its answers, ending on "correct"
+        env = HiddenNumber()
+        env.reset(secret=game[-1][0])
+        assert [env.guess(number) for number, _ in game] == [answer for _, answer in game]
+        assert game[-1][1] == "correct" and env.get_reward() == 1.0
+    calls = [m["tool_calls"][0]["function"] for m in opening if m.get("tool_calls")]
+    shown = [m["content"] for m in opening if m["role"] == "tool"]
+    assert calls == [{"name": "guess", "arguments": {"number": n}} for game in PRACTICE for n, _ in game]
+    assert shown == [answer for game in PRACTICE for _, answer in game]
+
+
 @pytest.mark.parametrize(("overrides", "said"), [
     (["algo.kl_coef=0.1"], "algo.kl_coef=0.1 has no matched setting in TRL's GRPOTrainer"),
     (["trainer.ppo_epochs=2"], "trainer.ppo_epochs=2 has no matched setting"),

@@ -48,10 +48,12 @@ WINDOW = 3  # steps the reward is smoothed over for the time to a reward
 REWARD = "treerl.rollout.tasks.arithmetic:last_number_reward"
 TOOL_TEMPLATE = "qwen2_5"  # TRL's chat template file that writes tools and whose tool calls TRL parses
 TOOL_RESULT_TOKENS = 24  # multi_turn: TRL's completion budget per tool result (a result's chat wrapping and text)
-# The multi-turn game's instructions; the example call is what the hermes format (and TRL's qwen parser) reads.
+# The multi-turn game's instructions, then three practice games played with the tool (PRACTICE: each game's guesses
+# and answers): SmolLM2-135M-Instruct called the tool in 0 of 32 samples after the instructions alone (with an example
+# call written in them too), in 25 of 32 after this opening (probed with TRL's Qwen2.5 template, temperature 0.7).
 GAME = ("You play a guessing game. A whole number from 1 to 5 is hidden. Call the tool guess with your number; it "
-        "answers higher, lower or correct. To guess 3, reply exactly: "
-        '<tool_call>{"name": "guess", "arguments": {"number": 3}}</tool_call>')
+        "answers higher, lower or correct.")
+PRACTICE = (((3, "higher"), (5, "correct")), ((2, "correct"),), ((4, "lower"), (1, "correct")))
 # long_system's shared system prompt (~600 tokens with SmolLM2's tokenizer): instructions an agent is given.
 AGENT_INSTRUCTIONS = """You are Ledger, the arithmetic assistant of a small accounting team. You work inside a \
 chat tool that the team uses every day to check sums, totals and balances before they are written into the books. \
@@ -198,8 +200,7 @@ def rows(config: Config, workload: str) -> list[dict[str, Any]]:
     count = config.trainer.steps * config.rollout.prompts_per_step
     if workload == "multi_turn":
         secrets = [rng_for("against_trl", config.rollout.seed, i).randint(1, 5) for i in range(count)]
-        return [{"prompt": [{"role": "system", "content": GAME}, {"role": "user", "content": "Find the hidden number."}],
-                 "secret": s} for s in secrets]
+        return [{"prompt": game_opening(), "secret": s} for s in secrets]
     task = ArithmeticChat(max_operand=config.rollout.max_operand, seed=config.rollout.seed)
     system = [{"role": "system", "content": AGENT_INSTRUCTIONS}] if workload == "long_system" else []
     out = []
@@ -207,6 +208,20 @@ def rows(config: Config, workload: str) -> list[dict[str, Any]]:
         for prompt in task.prompts(step, config.rollout.prompts_per_step):
             out.append({"prompt": system + prompt.messages, "question": prompt.text, "answer": prompt.answer})
     return out
+
+
+def game_opening() -> list[dict[str, Any]]:
+    """multi_turn's prompt: the instructions, the practice games (tool calls and results), then a new game."""
+    ask = {"role": "user", "content": "Find the hidden number."}
+    messages: list[dict[str, Any]] = [{"role": "system", "content": GAME}]
+    for game in PRACTICE:
+        messages.append(ask)
+        for number, answer in game:
+            messages.append({"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "guess", "arguments": {"number": number}}}]})
+            messages.append({"role": "tool", "name": "guess", "content": answer})
+        messages.append({"role": "assistant", "content": f"Found it: {game[-1][0]}."})
+    return [*messages, ask]
 
 
 def treerl_config(config: Config, workload: str, data: list[dict[str, Any]], seed: int, threads: int,
