@@ -484,6 +484,15 @@ def ordinary_ids(model: PreTrainedModel, shape: tuple[int, ...], seed: int) -> t
     return ordinary[torch.randint(0, len(ordinary), shape, generator=generator)]
 
 
+def own_logprobs(model: PreTrainedModel, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """The completion's log-probs by the model's own forward on prompt + completion alone (float64): what a sampler's
+    recorded log-probs must equal."""
+    sequence = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=sequence, use_cache=False).logits[0, len(prompt) - 1 : -1].double()
+    return torch.log_softmax(logits, -1).gather(-1, sequence[0, len(prompt) :, None])[:, 0]
+
+
 def _special_ids(config: PretrainedConfig) -> set[int]:
     """Every id a config (or its sub-configs) names as a special token."""
     ids: set[int] = set()

@@ -307,7 +307,7 @@ def test_families_the_padded_path_gets_wrong_are_exact_when_shared(family):
     """A pure Mamba model (the padded path's left padding runs into its state: log-probs off by ~1.6) and Gemma 2
     (soft-capping and a sliding window that binds; the padded path's left padding leaves rows with no visible key:
     NaN): the shared path's log-probs are the model's own forward on each prompt and completion alone."""
-    from zoo import build_tiny, ordinary_ids
+    from zoo import build_tiny, ordinary_ids, own_logprobs
 
     model = build_tiny(family, dtype=torch.float64)
     assert refusal(model) is None
@@ -316,8 +316,5 @@ def test_families_the_padded_path_gets_wrong_are_exact_when_shared(family):
     groups = EmbeddedSampler(model).generate(prompts, SamplingParams(n=3, max_new_tokens=6, seed=0))
     for prompt, group in zip(prompts, groups):
         for completion in group:
-            sequence = torch.tensor([prompt + completion.tokens])
-            with torch.no_grad():
-                logits = model(input_ids=sequence, use_cache=False).logits[0, len(prompt) - 1 : -1].double()
-            own = torch.log_softmax(logits, -1).gather(-1, sequence[0, len(prompt) :, None])[:, 0]
+            own = own_logprobs(model, prompt, completion.tokens)
             torch.testing.assert_close(torch.tensor(completion.logprobs, dtype=torch.float64), own, rtol=0, atol=1e-6)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from zoo import CAUSAL_LM_TYPES, build_tiny, ordinary_ids
+from zoo import CAUSAL_LM_TYPES, build_tiny, ordinary_ids, own_logprobs
 
 from treerl.rollout import EmbeddedSampler, SamplingParams
 from treerl.rollout.sampling.prefix_sharing import refusal
@@ -46,9 +46,6 @@ def test_the_shared_path_samples_the_models_own_forward_or_refuses(model_type):
     groups = EmbeddedSampler(model).generate(prompts, SamplingParams(n=2, max_new_tokens=3, seed=0))
     for prompt, group in zip(prompts, groups):
         for completion in group:
-            sequence = torch.tensor([prompt + completion.tokens])
-            with torch.no_grad():
-                logits = model(input_ids=sequence, use_cache=False).logits[0, len(prompt) - 1 : -1].double()
-            own = torch.log_softmax(logits, -1).gather(-1, sequence[0, len(prompt) :, None])[:, 0]
+            own = own_logprobs(model, prompt, completion.tokens)
             off = (torch.tensor(completion.logprobs, dtype=torch.float64) - own).abs().max()
             assert off <= TOLERANCE, (model_type, float(off))
