@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from treerl.engine.head import GRAD_LOCK
+
 
 def rows_apply(module: nn.Module) -> bool:
     """Whether this input embedding's gradient can be added by rows (see the module docstring)."""
@@ -87,6 +89,7 @@ class EmbeddingRows:
         dtype = torch.promote_types(grad_rows.dtype, torch.float32)  # bf16 rows summed in float32, float64 as it is
         sums = torch.zeros(len(tokens), grad_rows.shape[-1], dtype=dtype, device=grad_rows.device)
         sums.index_add_(0, where, grad_rows.to(dtype))
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        weight.grad.index_add_(0, tokens, sums.to(weight.grad.dtype))
+        with GRAD_LOCK:  # two threads' backward passes (or the tied head's) add into the same .grad
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            weight.grad.index_add_(0, tokens, sums.to(weight.grad.dtype))

@@ -147,7 +147,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         if ctx.needs_input_grad[1] and target is None:
             grad_weight = target = torch.zeros_like(weight)
         grad_bias = torch.zeros_like(bias, dtype=dtype) if bias is not None and ctx.needs_input_grad[2] else None
-        lock = _LOCK if target is not None and grad_weight is None else contextlib.nullcontext()
+        lock = GRAD_LOCK if target is not None and grad_weight is None else contextlib.nullcontext()
         with _no_autocast(hidden):
             w, b = weight.to(compute), None if bias is None else bias.to(compute)
             for lo in range(0, hidden.shape[0], chunk_rows):
@@ -204,7 +204,7 @@ def _no_autocast(x: torch.Tensor):
     return torch.autocast(x.device.type, enabled=False)
 
 
-_LOCK = threading.Lock()  # in-place accumulation into a .grad from several threads' backward passes
+GRAD_LOCK = threading.Lock()  # in-place accumulation into a .grad from several threads' backward passes (head, embedding)
 
 
 def _grad_target(weight: torch.Tensor) -> torch.Tensor | None:
@@ -224,7 +224,7 @@ def _grad_target(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     if not accumulates:
         return None
-    with _LOCK:
+    with GRAD_LOCK:
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
     return weight.grad
