@@ -7,10 +7,12 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import types
 import urllib.request
 from collections.abc import Iterator
+from typing import BinaryIO
 from dataclasses import dataclass
 
 import torch
@@ -244,6 +246,19 @@ def treerl_serve(*args: str) -> Iterator[str]:
         yield url
 
 
+def child_log() -> BinaryIO:
+    """Where a child process that outlives a call writes its output: a file. A pipe that nobody reads while the child
+    runs blocks it once 64 KiB wait there (an OpenEnv server's disconnect tracebacks stopped its event loop mid-test)."""
+    return tempfile.TemporaryFile()
+
+
+def read_log(log: BinaryIO, chars: int | None = 3000) -> str:
+    """What a child wrote to `log` (its last `chars` characters; None: all of it)."""
+    log.seek(0)
+    text = log.read().decode(errors="replace")
+    return text if chars is None else text[-chars:]
+
+
 @contextlib.contextmanager
 def treerl_serve_process(*args: str) -> Iterator[tuple[subprocess.Popen, str]]:
     """`treerl_serve`, yielding the server process too."""
@@ -252,13 +267,14 @@ def treerl_serve_process(*args: str) -> Iterator[tuple[subprocess.Popen, str]]:
     src = os.path.join(os.path.dirname(__file__), "..", "src")
     env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "treerl.cli.main", "serve", "--port", str(port), *args]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = child_log()
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"treerl serve exited with {process.returncode}: {process.stdout.read().decode()}")
+                raise RuntimeError(f"treerl serve exited with {process.returncode}: {read_log(log)}")
             try:
                 urllib.request.urlopen(url + "/health", timeout=1).close()
                 break
@@ -274,6 +290,7 @@ def treerl_serve_process(*args: str) -> Iterator[tuple[subprocess.Popen, str]]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        log.close()
 
 
 # ---------------------------------------------------------------------------------------------- the real model

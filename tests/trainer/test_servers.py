@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from stub_servers import stub_server, vllm_stub
-from support import treerl_serve, treerl_serve_process
+from support import child_log, read_log, treerl_serve, treerl_serve_process
 
 from treerl.errors import ServerError
 from treerl.models import read_weights
@@ -129,15 +129,17 @@ def test_a_server_killed_during_async_training_stops_the_run_with_one_line_and_a
                    "trainer.steps=200", "trainer.progress=false", "trainer.tensorboard=false", "trainer.eval_prompts=0",
                    "rollout.prompts_per_step=2", "rollout.group_size=2", f"trainer.output_dir={out}",
                    "rollout.request_timeout=30"]
-        trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        log = child_log()
+        trainer = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log,
                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
         metrics, deadline = out / "metrics.jsonl", time.monotonic() + 120
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-            assert trainer.poll() is None, trainer.communicate()[1][-3000:]
+            assert trainer.poll() is None, read_log(log)
             assert time.monotonic() < deadline, "the run did not train two steps in 120 s"
             time.sleep(0.1)
         server.kill()
-        _, stderr = trainer.communicate(timeout=120)
+        trainer.wait(timeout=120)
+        stderr = read_log(log, None)
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert trainer.returncode == ServerError.exit_code and len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
     assert url in errors[0] and "continue with trainer.resume=auto" in errors[0]  # a worker's request or the push:

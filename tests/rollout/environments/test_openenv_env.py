@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from recorded import Recording, check_recorded, reply_of
 from refusals import refused_before_sampling
-from support import free_port
+from support import child_log, free_port, read_log
 
 from treerl.errors import UserError
 from treerl.rollout import Rollout, RolloutConfig
@@ -191,13 +191,14 @@ def test_failures_are_dropped_or_refused_before_sampling(tokenizer, scripted):
 def served(cls: str = "CountingEnv"):
     """OpenEnv's own app for `cls` of openenv_counting.py under uvicorn on a free loopback port; stopped by its PID."""
     port = free_port()
+    log = child_log()  # not a pipe: OpenEnv's server logs a traceback per client that closes, and would block on it
     process = subprocess.Popen([sys.executable, str(HERE / "openenv_counting.py"), str(port), cls],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                               stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
         while True:
-            assert process.poll() is None, process.stderr.read().decode()
+            assert process.poll() is None, read_log(log)
             try:
                 urllib.request.urlopen(url + "/health", timeout=1).close()
                 break
@@ -208,6 +209,7 @@ def served(cls: str = "CountingEnv"):
     finally:
         process.kill()
         process.wait()
+        log.close()
 
 
 def test_a_served_environment_is_driven_by_its_client_branches_replay_and_a_lost_server_drops_its_episodes(

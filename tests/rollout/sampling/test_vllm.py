@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from support import child_log, read_log
 from transformers import AutoModelForCausalLM
 from vllm_server import ROOT, documented_server, walkthrough
 
@@ -480,15 +481,17 @@ def test_a_hung_then_killed_server_stops_the_run_with_one_line_and_a_resumable_c
     command = [sys.executable, "-m", "treerl.cli.main", "train", "shapes", *TRAIN, f"model.path={vl_dir}",
                f"rollout.server_url={vl_server.url}", "trainer.steps=50", f"trainer.output_dir={out}",
                "rollout.request_timeout=20"]
-    trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+    log = child_log()
+    trainer = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=cli_env())
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.exists() and sum(1 for _ in metrics.open()) >= 3):  # the eval line, then two steps
-        assert trainer.poll() is None, trainer.communicate()[1][-3000:]
+        assert trainer.poll() is None, read_log(log)
         assert time.monotonic() < deadline, "the run did not train two steps in 300 s"
         time.sleep(0.2)
     os.killpg(vl_server.process.pid, signal.SIGKILL)
-    _, stderr = trainer.communicate(timeout=300)
+    trainer.wait(timeout=300)
+    stderr = read_log(log, None)
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert trainer.returncode == ServerError.exit_code and len(errors) == 1, stderr[-3000:]
     assert vl_server.url in errors[0] and "rollout.server_type=vllm" in errors[0]

@@ -59,7 +59,8 @@ OWN_KEYS = ("action_field", "observation_field", "action_class")  # treerl's; th
 SHOWN_EXCLUDES = {"done", "reward", "metadata"}  # what an OpenEnv server never puts in the observation it sends
 MAX_TURNS = 8
 MAX_NEW_TOKENS = 64
-CONNECT_SECONDS = 30.0  # a busy server answers the handshake late (10 s timed out at load 8); a dead one refuses
+CONNECT_SECONDS = 30.0  # the handshake's limit (OpenEnv's own is 10 s): room for a server busy with many sessions;
+# a dead one refuses at once
 
 
 @dataclass(frozen=True)
