@@ -41,7 +41,7 @@ from treerl.engine.support import (
     model_name,
     placed_at,
 )
-from treerl.tree import Node, PrefixTree, TokenSequence, validate_sequences
+from treerl.tree import BatchError, Node, PrefixTree, TokenSequence, validate_sequences
 
 
 @dataclass
@@ -148,9 +148,12 @@ class OutputSlots:
     that child's first token (the fork row), so a node's first token is written by its parent; a
     sequence's very first token is predicted by nothing and its slot stays 0. Unshifted heads (a
     critic's values): row j gives token j.
+
+    `head_rows` (the engines' option): the name of a per-token field whose nonzero positions are the only ones any
+    consumer reads (`loss_mask`); a slot is read if any sequence through it reads it, and only read slots get a row.
     """
 
-    def __init__(self, tree: PrefixTree, shifted: bool) -> None:
+    def __init__(self, tree: PrefixTree, shifted: bool, head_rows: str | None = None) -> None:
         self.tree, self.shifted = tree, shifted
         self.base = [0] * len(tree.nodes)
         total = 0
@@ -158,25 +161,56 @@ class OutputSlots:
             self.base[node.index] = total
             total += node.length
         self.total = total
+        self.read = None if head_rows is None else self._read_slots(head_rows)
+
+    def _read_slots(self, head_rows: str) -> torch.Tensor:
+        """Which slots some sequence reads: a slot shared by several sequences is read if any of them reads it."""
+        read = torch.zeros(self.total, dtype=torch.bool)
+        for s, sequence in enumerate(self.tree.sequences):
+            read[self.sequence(s)[read_positions(sequence, head_rows)]] = True
+        return read
 
     def node_rows(self, node: Node, first_row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(rows, targets, slots) of `node`'s outputs when its first token's hidden state is row `first_row`."""
+        """(rows, targets, slots) of `node`'s outputs when its first token's hidden state is row `first_row`; with
+        `head_rows`, only those whose slot some sequence reads (the other slots stay 0)."""
         base = self.base[node.index]
         if not self.shifted:
-            return torch.arange(first_row, first_row + node.length), node.tokens, torch.arange(base, base + node.length)
-        children = node.children
-        rows = torch.cat([torch.arange(first_row, first_row + node.length - 1),
-                          torch.full((len(children),), first_row + node.length - 1)])
-        targets = torch.cat([node.tokens[1:], torch.stack([self.tree.nodes[c].tokens[0] for c in children])
-                             if children else torch.zeros(0, dtype=torch.long)])
-        slots = torch.cat([torch.arange(base + 1, base + node.length),
-                           torch.tensor([self.base[c] for c in children], dtype=torch.long)])
-        return rows, targets, slots
+            rows, targets, slots = (torch.arange(first_row, first_row + node.length), node.tokens,
+                                    torch.arange(base, base + node.length))
+        else:
+            children = node.children
+            rows = torch.cat([torch.arange(first_row, first_row + node.length - 1),
+                              torch.full((len(children),), first_row + node.length - 1)])
+            targets = torch.cat([node.tokens[1:], torch.stack([self.tree.nodes[c].tokens[0] for c in children])
+                                 if children else torch.zeros(0, dtype=torch.long)])
+            slots = torch.cat([torch.arange(base + 1, base + node.length),
+                               torch.tensor([self.base[c] for c in children], dtype=torch.long)])
+        if self.read is None:
+            return rows, targets, slots
+        keep = self.read[slots]
+        return rows[keep], targets[keep], slots[keep]
 
     def sequence(self, s: int) -> torch.Tensor:
         """Slot of each token of sequence `s` (its first token's slot holds 0 under a shifted head)."""
         pieces = [torch.arange(self.base[i], self.base[i] + self.tree.nodes[i].length) for i in self.tree.path(s)]
         return torch.cat(pieces)[: len(self.tree.sequences[s])]
+
+
+def read_positions(sequence: TokenSequence, head_rows: str) -> torch.Tensor:
+    """The positions of `sequence` whose outputs a consumer reads: where its field `head_rows` is nonzero (host)."""
+    return (sequence.fields[head_rows] != 0).cpu()
+
+
+def check_head_rows(sequences: Sequence[TokenSequence], head_rows: str | None) -> None:
+    """The engine's `head_rows` names a field every sequence has (None: every position is computed)."""
+    if head_rows is None:
+        return
+    if not isinstance(head_rows, str):
+        raise TypeError(f"head_rows must be a field name or None, got {type(head_rows).__name__}")
+    for i, sequence in enumerate(sequences):
+        if head_rows not in sequence.fields:
+            raise BatchError(f"{sequence.label(i)}: no field {head_rows!r}, which the engine's head_rows names as "
+                             "the positions to compute (set head_rows=None to compute every position)")
 
 
 def output_dtype(model: PreTrainedModel) -> torch.dtype:
@@ -191,12 +225,13 @@ def empty_outputs(model: PreTrainedModel, head: Head) -> dict[str, torch.Tensor]
 
 
 def check_batch(model: PreTrainedModel, head: Head, sequences: Sequence[TokenSequence], tree: bool,
-                carries_state: bool = False) -> None:
+                carries_state: bool = False, head_rows: str | None = None) -> None:
     """Every check that can fail, before any compute: the batch, then the model and its settings.
 
     `tree`: the engine computes shared prefixes once (DFS, packed), which needs more of the model
     than the flat reference does (see treerl.engine.support); `carries_state`: it hands a recurrent
-    state from each node to its children (DFS, see treerl.engine.recurrent).
+    state from each node to its children (DFS, see treerl.engine.recurrent); `head_rows`: the field the
+    engine's head reads its rows from (`check_head_rows`).
     """
     config = model.config.get_text_config()
     check_known_model(model)
@@ -205,6 +240,7 @@ def check_batch(model: PreTrainedModel, head: Head, sequences: Sequence[TokenSeq
         vocab_size=model.get_input_embeddings().num_embeddings,
         max_positions=getattr(config, "max_position_embeddings", None),
     )
+    check_head_rows(sequences, head_rows)
     check_images(model, sequences)
     check_model(model, head, tree, max(len(s) for s in sequences), carries_state)
     if tree and not carries_state and any(s.images for s in sequences):

@@ -102,6 +102,7 @@ class DfsEngine:
     memory_budget_tokens: int | None = None  # instead: tokens of autograd graph held at once (tests, experiments)
     plan_cost: PlanCost | None = None  # None: PlanCost.for_device
     context_parallel: ContextParallel | None = None  # split every call's rows (a recurrent model's: columns) over ranks
+    head_rows: str | None = None  # outputs computed only where this field is nonzero (loss_mask), 0 elsewhere
 
     def forward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> list[dict[str, torch.Tensor]]:
         tree = self._tree(model, sequences)
@@ -129,7 +130,7 @@ class DfsEngine:
 
     def _tree(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> PrefixTree:
         """Check everything, then merge the batch into a tree whose nodes are at most `chunk_tokens` long."""
-        check_batch(model, self.head, sequences, tree=True, carries_state=True)
+        check_batch(model, self.head, sequences, tree=True, carries_state=True, head_rows=self.head_rows)
         check_recompute(self.recompute)
         if self.batch_tokens < 0:
             raise ValueError(f"batch_tokens must be >= 0, got {self.batch_tokens}")
@@ -197,7 +198,8 @@ class _Walk:
         self.passing = StatePassing(model, self.cp) if self.cp is not None and self.mixers else None
         # sparse attention: the path's indexer keys
         self.index_path = PathIndexKeys(self.path.capacity, self.mixers.whole_row_topk) if self.mixers.indexed else None
-        slots = OutputSlots(tree, self.head.shifted)  # where each token's outputs land, the fork rows' included
+        # where each token's outputs land, the fork rows' included; with head_rows only the read ones
+        slots = OutputSlots(tree, self.head.shifted, engine.head_rows)
         device = _device(model)
         self.outputs = WalkOutputs(tree, self.head.outputs, slots, output_dtype(model), device, loss_fn)
         self.images = None  # the step's images through the vision tower once (treerl.engine.images)

@@ -38,6 +38,7 @@ from treerl.engine.base import (
     check_tree_engine,
     final_hidden,
     output_dtype,
+    read_positions,
     sum_losses,
     to_device,
 )
@@ -59,9 +60,10 @@ class FlatEngine:
     head: Head = field(default_factory=PolicyHead)
     max_tokens: int = 8192  # tokens per packed row (a longer sequence gets a row of its own)
     layout: Layout = "auto"  # packed rows | one call per sequence through the model's own attention | auto
+    head_rows: str | None = None  # outputs computed only where this field is nonzero (loss_mask), 0 elsewhere
 
     def forward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> list[dict[str, torch.Tensor]]:
-        check_batch(model, self.head, sequences, tree=self.layout == "packed")
+        check_batch(model, self.head, sequences, tree=self.layout == "packed", head_rows=self.head_rows)
         packed = self._packed(model, sequences)
         routes = tree_routes(model, sequences, self.head.shifted)  # MoE routing replay: each node's routing
         results: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
@@ -74,7 +76,7 @@ class FlatEngine:
         return results
 
     def forward_backward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence], loss_fn: LossFn) -> StepStats:
-        check_batch(model, self.head, sequences, tree=self.layout == "packed")
+        check_batch(model, self.head, sequences, tree=self.layout == "packed", head_rows=self.head_rows)
         packed = self._packed(model, sequences)
         routes = tree_routes(model, sequences, self.head.shifted)  # MoE routing replay: each node's routing
         stats = StepStats(sequences=len(sequences), flat_tokens=sum(len(s) for s in sequences))
@@ -170,7 +172,7 @@ class FlatEngine:
             hidden = final_hidden(model, **inputs, position_ids=positions)[0]
         else:
             hidden = final_hidden(model, input_ids=ids[None], position_ids=positions[None])[0]
-        outputs = self.head(model, hidden, targets)
+        outputs = self._head(model, batch, hidden, targets)
         results = []
         for name, pieces in ((name, out.split(lengths)) for name, out in outputs.items()):
             for i, piece in enumerate(pieces):
@@ -178,3 +180,14 @@ class FlatEngine:
                     results.append({})
                 results[i][name] = torch.cat([piece.new_zeros(shift), piece]) if shift else piece
         return results
+
+    def _head(self, model: PreTrainedModel, batch: list[TokenSequence], hidden: torch.Tensor, targets: torch.Tensor,
+              ) -> dict[str, torch.Tensor]:
+        """The head on the call's rows; with `head_rows` only on those some sequence reads, the others 0 (no graph)."""
+        shift = 1 if self.head.shifted else 0
+        keep = None if self.head_rows is None else torch.cat([read_positions(s, self.head_rows)[shift:] for s in batch])
+        if keep is None or bool(keep.all()):
+            return self.head(model, hidden, targets)
+        read = to_device(keep.nonzero()[:, 0], hidden.device)
+        outputs = self.head(model, hidden[read], targets[read])
+        return {name: out.new_zeros(len(targets)).index_copy(0, read, out) for name, out in outputs.items()}

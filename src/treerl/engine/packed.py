@@ -51,12 +51,13 @@ class PackedEngine:
     head: Head = field(default_factory=PolicyHead)
     max_tokens: int = 8192  # unique tokens per pack (a larger single top-level subtree is packed alone)
     flex_attention: bool = True  # on CUDA, use FlexAttention's block-sparse mask
+    head_rows: str | None = None  # outputs computed only where this field is nonzero (loss_mask), 0 elsewhere
 
     def forward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence]) -> list[dict[str, torch.Tensor]]:
-        check_batch(model, self.head, sequences, tree=True)
+        check_batch(model, self.head, sequences, tree=True, head_rows=self.head_rows)
         tree = PrefixTree.build(sequences)
         results: list[dict[str, torch.Tensor]] = [{} for _ in sequences]
-        layout = OutputSlots(tree, self.head.shifted)
+        layout = OutputSlots(tree, self.head.shifted, self.head_rows)
         routes = tree_routes(model, tree, self.head.shifted)  # MoE routing replay: each node's routing
         with torch.no_grad(), engine_attention(model):
             for pack in self.packs(tree):
@@ -65,12 +66,12 @@ class PackedEngine:
         return results
 
     def forward_backward(self, model: PreTrainedModel, sequences: Sequence[TokenSequence], loss_fn: LossFn) -> StepStats:
-        check_batch(model, self.head, sequences, tree=True)
+        check_batch(model, self.head, sequences, tree=True, head_rows=self.head_rows)
         started = time.perf_counter()
         tree = PrefixTree.build(sequences)
         stats = StepStats(sequences=len(sequences), flat_tokens=sum(len(s) for s in sequences))
         total = torch.zeros((), dtype=torch.float64, device=model.get_input_embeddings().weight.device)
-        layout = OutputSlots(tree, self.head.shifted)
+        layout = OutputSlots(tree, self.head.shifted, self.head_rows)
         routes = tree_routes(model, tree, self.head.shifted)  # MoE routing replay: each node's routing
         if routes is not None:
             stats.add_metrics(routes.metrics())

@@ -40,17 +40,20 @@ def build_train_engine(config: EngineConfig, temperature: float = 1.0, head: Pol
     """The engine `engine.name` names; its log-probs are those of softmax(logits / temperature) (or `head`'s outputs).
     Under trainer.precision=bf16-mixed every call of it runs under autocast; DfsEngine's calls split over
     `context_parallel`'s ranks; with `routing_replay` an MoE policy's routers replay the sampler's experts."""
+    # the policy's losses, its log-prob fields and their metrics read only loss_mask positions; a critic's values feed
+    # GAE beyond them (and are cheap): computed everywhere
+    head_rows = None if config.head_rows == "all" or isinstance(head, ValueHead) else config.head_rows
     head = head or PolicyHead(temperature=temperature, chunk_rows=config.head_chunk_rows)
     engine: Engine
     if config.name == "dfs":
         engine = DfsEngine(head=head, chunk_tokens=config.chunk_tokens, batch_tokens=config.batch_tokens,
                            recompute=config.recompute, memory=config.memory, max_tokens=config.max_tokens,  # type: ignore[arg-type]
                            memory_budget_tokens=config.memory_budget_tokens, memory_budget_bytes=config.memory_budget_bytes,
-                           context_parallel=context_parallel)
+                           context_parallel=context_parallel, head_rows=head_rows)
     elif config.name == "packed":
-        engine = PackedEngine(head=head, max_tokens=config.max_tokens)
+        engine = PackedEngine(head=head, max_tokens=config.max_tokens, head_rows=head_rows)
     else:
-        engine = FlatEngine(head=head, max_tokens=config.max_tokens)
+        engine = FlatEngine(head=head, max_tokens=config.max_tokens, head_rows=head_rows)
     compute = autocast_dtype(precision)
     engine = AutocastEngine(engine, compute) if compute is not None else engine
     return RoutingReplayEngine(engine) if routing_replay else engine

@@ -35,6 +35,7 @@ from treerl.trainer.core.precision import canonical, parameter_dtype
 from treerl.tree.io import MAX_LINE_BYTES
 
 ENGINES = ("dfs", "flat", "packed")
+HEAD_ROWS = ("loss_mask", "all")
 RECOMPUTE = ("auto", "always", "never")
 DATA_PARALLEL = ("auto", "none", "ddp", "fsdp2")
 LR_SCHEDULES = ("constant", "cosine")
@@ -98,6 +99,7 @@ class EngineConfig:
     memory_budget_tokens: int | None = None  # dfs: instead, tokens of autograd graph held at once (set at most one of the two)
     max_tokens: int = 8192  # flat: tokens per packed row (no padding); packed: unique tokens per pack; dfs: the micro-batch its memory contract is measured against
     head_chunk_rows: int = 1024  # rows of the LM head computed at once (no [tokens, vocab] logits tensor); fewer where a chunk would exceed 2^26 logits (256 rows of a 262,144-token vocabulary)
+    head_rows: str = "loss_mask"  # where the policy's LM head computes log-probs and entropy: loss_mask (only the positions the losses, log-prob fields and their metrics read; the others hold 0: a long prompt costs no head work) | all (every position)
 
 
 @dataclass
@@ -229,7 +231,7 @@ class Config:
 def check_choices(config: Config) -> None:
     """Options that take one of a few names."""
     choices = {
-        "engine.name": ENGINES, "engine.recompute": RECOMPUTE,
+        "engine.name": ENGINES, "engine.recompute": RECOMPUTE, "engine.head_rows": HEAD_ROWS,
         "trainer.data_parallel": DATA_PARALLEL, "trainer.lr_schedule": LR_SCHEDULES,
         "sft.chat_format": CHAT_FORMATS, "trainer.mode": MODES, "trainer.on_update": ON_UPDATE,
         "trainer.nonfinite": NONFINITE,
