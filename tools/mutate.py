@@ -1055,6 +1055,18 @@ MUTATIONS = [
              ("tests/rollout/sampling/test_prefix_sharing.py::test_an_unread_call_stores_only_the_chunks_a_later_chunk_can_read",),
              "a call whose K/V nothing after it reads stores no chunk: its later chunks prefill a shared system prompt "
              "again"),
+    Mutation("padded-chunk-on-a-cache-hit", "src/treerl/rollout/sampling/embedded.py",
+             'if self.prefix_sharing == "always" or store or any(node.cached.depth for node in nodes):',
+             'if self.prefix_sharing == "always" or store:',
+             ("tests/rollout/sampling/test_prefix_sharing.py::test_a_chunk_shares_where_the_cache_is_read_or_kept_or_enough_is_shared",),
+             "a chunk whose prompts extend what the prefix cache holds goes the padded way: a single-turn call's later "
+             "chunk prefills the system prompt an earlier chunk cached"),
+    Mutation("padded-chunk-where-padding-is-inexact", "src/treerl/rollout/sampling/embedded.py",
+             "if pays(self.model, prompts, nodes) or padded_refusal(self.model) is not None:",
+             "if pays(self.model, prompts, nodes):",
+             ("tests/rollout/sampling/test_prefix_sharing.py::test_families_the_padded_path_gets_wrong_are_exact_when_shared",),
+             "short single-turn prompts on Mamba or Gemma 2 go the padded way: left padding runs into the state "
+             "(log-probs off) or leaves windowed rows no key (NaN)"),
 ]
 
 

@@ -6,9 +6,9 @@ Step 1 (docs/architecture.md), measured: what the sampler's prefix sharing buys.
 
 Each workload is a sequence of `generate` calls, played once by the padded path (`prefix_sharing=False`: each prompt
 prefilled whole in a left-padded batch, its cache repeated n-fold, what the sampler did before issue 54) and once by
-the shared path (each shared prefix computed once, a prefix cache across calls), each with a fresh sampler, one
-after the other in the same process, every round (the median is reported). Replies are of fixed length (no stop
-token), so both paths run the same calls whatever they sample; with the same seed they sample the same tokens
+the shared path (`prefix_sharing="always"`: each shared prefix computed once, a prefix cache across calls), each
+with a fresh sampler, one after the other in the same process, every round (the median is reported). Replies are of
+fixed length (no stop token), so both paths run the same calls whatever they sample; with the same seed they sample the same tokens
 (`same_tokens`: the share of completions that agree). Workloads (random token ids; sizes as the issue measured):
 
 - grpo_long_system: 4 prompts x 8 samples x 16 new tokens, each prompt a shared system prompt (--system-tokens,
@@ -185,7 +185,7 @@ def floor_seconds(model: torch.nn.Module, calls: list[Call], prefill_tokens: int
 def play(model: torch.nn.Module, workload: str, path: str, config: RolloutBenchConfig
          ) -> tuple[float, float, list[Call], EmbeddedSampler]:
     """One workload on a fresh sampler of `path`: wall and CPU seconds, the calls, the sampler (its counters)."""
-    sampler = EmbeddedSampler(model, prefix_sharing=path == "shared")
+    sampler = EmbeddedSampler(model, prefix_sharing="always" if path == "shared" else False)
     generate, calls = _played(sampler.generate)
     tokens = _Tokens(model.get_input_embeddings().num_embeddings, config.seed)
     started, cpu = time.perf_counter(), time.process_time()
@@ -203,7 +203,7 @@ def rollout_rows(config: RolloutBenchConfig) -> list[dict]:
     model = bench_model(config)  # type: ignore[arg-type]  (the same fields)
     vocab = model.get_input_embeddings().num_embeddings
     for path in PATHS:  # warm-up: kernels, and the shared path's probe of the model
-        EmbeddedSampler(model, prefix_sharing=path == "shared").generate(
+        EmbeddedSampler(model, prefix_sharing="always" if path == "shared" else False).generate(
             [_Tokens(vocab, 1)(32)], SamplingParams(n=2, max_new_tokens=2, seed=0))
     speed = prefill_speed(model, _Tokens(vocab, config.seed))
     steps: dict[int, float] = {}

@@ -16,8 +16,9 @@ from support import fresh_model, tiny_model
 from treerl.rollout import EmbeddedSampler, Rollout, RolloutConfig, SamplingParams
 from treerl.rollout.agents.proxy import ChatProxy
 from treerl.rollout.sampling import prefix_sharing
+from treerl.rollout.sampling.embedded import padded_refusal
 from treerl.rollout.sampling.prefix_cache import PrefixCache
-from treerl.rollout.sampling.prefix_sharing import refusal
+from treerl.rollout.sampling.prefix_sharing import SHARING_COST, refusal
 
 VOCAB = 64
 
@@ -62,18 +63,21 @@ def tries(draw):
 def test_random_tries_sample_what_the_padded_path_samples(case):
     """Without the cache, with it cold, and with it warm (every prompt's prefix computed by the call before); short
     shared stretches read in place or copied into their rows' own buffers (COPIED_TOKENS); prefill calls of at most
-    3 tokens (PREFILL_TOKENS: long nodes as chains, a wave over several calls)."""
+    3 tokens (PREFILL_TOKENS: long nodes as chains, a wave over several calls); and each chunk on the path the
+    sampler picks (without the cache: these short prompts mostly go the padded way)."""
     prompts, params, max_rows, copied, prefill = case
     model = tiny_model("tiny-qwen3", vocab_size=VOCAB)
     expected = padded(model, prompts, params, max_rows=max_rows)
     with mock.patch.object(prefix_sharing, "COPIED_TOKENS", copied), \
             mock.patch.object(prefix_sharing, "PREFILL_TOKENS", prefill):
-        assert_same(expected, EmbeddedSampler(model, max_rows=max_rows, prefix_cache_tokens=0).generate(prompts,
-                                                                                                        params))
+        uncached = EmbeddedSampler(model, max_rows=max_rows, prefix_cache_tokens=0, prefix_sharing="always")
+        assert_same(expected, uncached.generate(prompts, params))
         cached = EmbeddedSampler(model, max_rows=max_rows)
         assert_same(expected, cached.generate(prompts, params))
         assert_same(expected, cached.generate(prompts, params))
-    assert cached.counts.unshared_calls == 0
+        assert_same(expected, EmbeddedSampler(model, max_rows=max_rows, prefix_cache_tokens=0).generate(prompts,
+                                                                                                        params))
+    assert cached.counts.unshared_calls == cached.counts.padded_chunks == uncached.counts.padded_chunks == 0
 
 
 def test_each_shared_prefix_is_prefilled_once_and_rows_leave_as_they_stop():
@@ -86,7 +90,7 @@ def test_each_shared_prefix_is_prefilled_once_and_rows_leave_as_they_stop():
     body = model.model
     rows = []
     hook = body.register_forward_pre_hook(lambda m, a, kw: rows.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
-    sampler = EmbeddedSampler(model, prefix_cache_tokens=0)
+    sampler = EmbeddedSampler(model, prefix_cache_tokens=0, prefix_sharing="always")  # 32 shared tokens pay too little
     stop = tuple(range(0, VOCAB, 5))
     try:
         groups = sampler.generate(prompts, SamplingParams(n=4, max_new_tokens=6, stop_token_ids=stop, seed=3))
@@ -122,7 +126,7 @@ def test_an_unread_call_stores_only_the_chunks_a_later_chunk_can_read():
     system = list(range(8, 30))
     prompts = [system + [40 + i] for i in range(4)]
     params = SamplingParams(n=2, max_new_tokens=3, seed=2)
-    one_chunk = EmbeddedSampler(model)
+    one_chunk = EmbeddedSampler(model, prefix_sharing="always")  # a short system prompt: would go the padded way
     with one_chunk.unread():
         assert_same(padded(model, prompts, params), one_chunk.generate(prompts, params))
     assert one_chunk.cache.tokens == 0 and one_chunk.counts.cached_tokens == 0
@@ -132,6 +136,7 @@ def test_an_unread_call_stores_only_the_chunks_a_later_chunk_can_read():
     with chunks.unread():
         assert_same(padded(model, prompts, params, max_rows=2 * params.n), chunks.generate(prompts, params))
     assert chunks.counts.cached_tokens == len(system) and chunks.cache.counts.stored_tokens == chunks.cache.tokens > 0
+    assert one_chunk.counts.padded_chunks == chunks.counts.padded_chunks == 0  # the last chunk reads the cache
     assert chunks.cache.match(prompts[3], len(prompts[3]), False).depth == len(system)  # not the last chunk's
 
 
@@ -302,6 +307,30 @@ def test_an_agent_through_the_proxy_records_the_padded_paths_samples(chat, token
     assert sampler.counts.cached_tokens >= len(recorded[True][1].prompt) - 1 > 0
 
 
+def test_a_chunk_shares_where_the_cache_is_read_or_kept_or_enough_is_shared():
+    """Short prompts sharing little, nothing cached, nothing kept (a synchronous single-turn call): the padded way,
+    counted; a long shared prefix, a cache hit and a call that stores: the shared way. The same samples each way."""
+    model = tiny_model("tiny-qwen3", vocab_size=VOCAB)
+    params = SamplingParams(n=3, max_new_tokens=4, seed=7, stop_token_ids=(3, 4, 5))
+    short = [[10, 11, 12 + i, 20] for i in range(4)]
+    enough = -(-SHARING_COST // sum(p.numel() for p in model.parameters()))  # tokens saved a wave that pay (2 waves)
+    system = [8 + (i * 7) % (VOCAB - 8) for i in range(enough)]  # saves 2 x its length
+    long = [system + [40 + i] for i in range(3)]
+    sampler = EmbeddedSampler(model)
+    with sampler.unread():
+        assert_same(padded(model, short, params), sampler.generate(short, params))
+        assert (sampler.counts.padded_chunks, sampler.counts.prefill_tokens) == (1, 16)
+        assert_same(padded(model, long, params), sampler.generate(long, params))
+        assert sampler.counts.padded_chunks == 1 and sampler.counts.prefill_tokens == 16 + len(system) + 3
+    sampler.generate(short[:1], params)  # stores: shared
+    assert sampler.counts.padded_chunks == 1 and sampler.cache.tokens > 0
+    with sampler.unread():
+        hit = [short[0] + [30], short[1]]  # one prompt extends what the cache holds
+        assert_same(padded(model, hit, params), sampler.generate(hit, params))
+    assert sampler.counts.padded_chunks == 1 and sampler.counts.cached_tokens == len(short[0])
+    assert EmbeddedSampler(model).generate(short, params) and sampler.counts.unshared_calls == 0
+
+
 @pytest.mark.parametrize("family", ["mamba", "gemma2"])
 def test_families_the_padded_path_gets_wrong_are_exact_when_shared(family):
     """A pure Mamba model (the padded path's left padding runs into its state: log-probs off by ~1.6) and Gemma 2
@@ -310,10 +339,12 @@ def test_families_the_padded_path_gets_wrong_are_exact_when_shared(family):
     from zoo import build_tiny, ordinary_ids, own_logprobs
 
     model = build_tiny(family, dtype=torch.float64)
-    assert refusal(model) is None
+    assert refusal(model) is None and padded_refusal(model) is not None
     ids = ordinary_ids(model, (12,), seed=1).tolist()
     prompts = [ids[:6], ids[:4] + ids[8:10], ids[:9], ids[10:11], ids[:6]]
-    groups = EmbeddedSampler(model).generate(prompts, SamplingParams(n=3, max_new_tokens=6, seed=0))
+    sampler = EmbeddedSampler(model, prefix_cache_tokens=0)  # short prompts, no cache: padded, were it exact
+    groups = sampler.generate(prompts, SamplingParams(n=3, max_new_tokens=6, seed=0))
+    assert sampler.counts.padded_chunks == 0
     for prompt, group in zip(prompts, groups):
         for completion in group:
             own = own_logprobs(model, prompt, completion.tokens)

@@ -7,7 +7,9 @@ is computed once, and so is any prefix an earlier call computed with the same we
 the prefix cache, each node prefilled once, and the rows decode over one copy of each prefix's K/V
 (treerl.rollout.sampling.prefix_sharing, treerl.rollout.sampling.prefix_cache). Where that cannot be exact (a model that attends in its
 own code, prompts that show images) or with `prefix_sharing=False`, each prompt is prefilled whole in a left-padded
-batch and its cache repeated n-fold (`PaddedDecoding`). Both decode in the same loop: one seeded draw a step over the
+batch and its cache repeated n-fold (`PaddedDecoding`); so is a chunk whose sharing would not pay for its extra model
+calls (nothing in the prefix cache to read or to keep for a later call, little shared: `prefix_sharing.pays`), where
+the padded path is exact for the model (`padded_refusal`). Both decode in the same loop: one seeded draw a step over the
 running rows in prompt-major order, so with a seed both sample the same tokens, their log-probs equal up to rounding.
 Finished rows are dropped as they stop.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -32,12 +35,12 @@ from treerl.engine import autocast
 from treerl.engine.base import final_hidden
 from treerl.engine.head import logit_transform
 from treerl.engine.images import ImageTable, body_positions, check_images, vision_family
-from treerl.engine.recurrent import cache_kwarg, find_mixers
+from treerl.engine.recurrent import Mixers, cache_kwarg, find_mixers
 from treerl.engine.routing import RouteRecord, recording_routes
 from treerl.engine.support import decoder_module
 from treerl.errors import TrainingStopped
 from treerl.rollout.sampling.prefix_cache import DEFAULT_TOKENS, PrefixCache
-from treerl.rollout.sampling.prefix_sharing import PrefixCounts, SharedDecoding, refusal
+from treerl.rollout.sampling.prefix_sharing import CallNode, PrefixCounts, SharedDecoding, call_trie, pays, refusal
 from treerl.rollout.sampling.sampler import Completion, SamplingParams, check_prompts, truncate_logits
 from treerl.tree import ImageSpan, TokenSequence
 
@@ -59,17 +62,22 @@ class EmbeddedSampler:
     max_rows: int = 256  # sampled rows decoded at once (prompts x n); more prompts are split into chunks
     autocast: torch.dtype | None = None  # compute under torch.autocast to this dtype (bf16-mixed); None: as stored
     return_routed_experts: bool = False  # an MoE model: each completion's routing (Completion.routed_experts)
-    prefix_sharing: bool = True  # every shared prefix computed once (treerl.rollout.sampling.prefix_sharing); False: each
-    # prompt prefilled whole in a left-padded batch and its cache repeated n-fold (the reference the tests compare to)
+    prefix_sharing: bool | str = True  # every shared prefix computed once (treerl.rollout.sampling.prefix_sharing) where
+    # that pays: a chunk that reads or keeps the prefix cache always, else where enough is shared (`pays`); "always":
+    # every chunk the model allows (the benchmark's and the tests' shared path); False: each prompt prefilled whole in
+    # a left-padded batch and its cache repeated n-fold (the reference the tests compare to)
     prefix_cache_tokens: int = DEFAULT_TOKENS  # K/V of computed prefixes kept across calls (0: none)
     counts: PrefixCounts = field(default_factory=PrefixCounts, init=False)
 
     def __post_init__(self) -> None:
+        if self.prefix_sharing not in (True, False, "always"):
+            raise ValueError(f"prefix_sharing must be True, False or 'always', got {self.prefix_sharing!r}")
         if self.prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0 (0: no cache), got {self.prefix_cache_tokens}")
         self.cache = PrefixCache(self.prefix_cache_tokens)
         self._lock = threading.Lock()  # the cache's: generate may run in several threads
         self._unread = False  # inside `unread()`
+        self._mixers: Mixers | None = None  # the model's stateful mixers, found at the first shared chunk
 
     @contextlib.contextmanager
     def unread(self) -> Iterator[None]:
@@ -131,6 +139,19 @@ class EmbeddedSampler:
             self.cache.sync(self._weights_key())
         return True
 
+    def _padded_instead(self, prompts: list[list[int]], nodes: list[CallNode], store: bool) -> bool:
+        """Whether a chunk that could share goes the padded way (counted): sharing where it pays (True), the prefix
+        cache neither read (no prompt's prefix cached) nor kept for a later call, `pays` says no, and the padded path
+        is exact for the model."""
+        if self.prefix_sharing == "always" or store or any(node.cached.depth for node in nodes):
+            return False
+        if pays(self.model, prompts, nodes) or padded_refusal(self.model) is not None:
+            return False
+        self.counts.padded_chunks += 1
+        self.counts.prompt_tokens += sum(len(p) for p in prompts)
+        self.counts.prefill_tokens += sum(len(p) for p in prompts)  # each prompt whole
+        return True
+
     def _weights_key(self) -> tuple:
         """What the cache's K/V were computed with: the policy version, every parameter's identity and in-place
         version counter (an update the version does not announce still empties it), the autocast dtype and whether
@@ -146,10 +167,15 @@ class EmbeddedSampler:
         model = self.model
         with recording_routes(model) if self.return_routed_experts else contextlib.nullcontext() as record:
             if shared:
-                key = self.cache.key
-                decoding = SharedDecoding(model, prompts, params.n, params.max_new_tokens, self.cache,
-                                          find_mixers(model), record, self.counts,
-                                          store=store and self.cache.max_tokens > 0, lock=self._lock)
+                if self._mixers is None:  # once: the sampler's model keeps its layers
+                    self._mixers = find_mixers(model)
+                mixers, store = self._mixers, store and self.cache.max_tokens > 0
+                with self._lock:
+                    key, trie = self.cache.key, call_trie(prompts, self.cache, bool(mixers))
+                shared = not self._padded_instead(prompts, trie[0], store)
+            if shared:
+                decoding = SharedDecoding(model, prompts, params.n, params.max_new_tokens, self.cache, mixers, record,
+                                          self.counts, store=store, trie=trie)
             else:
                 decoding = PaddedDecoding(model, prompts, params.n, generator.device, images, record)
             completions = self._decode(decoding, len(prompts), params, generator, cancelled, record)
@@ -287,6 +313,49 @@ class PaddedDecoding:
         hidden = final_hidden(self.model, **body)[:, -1]
         logits = logit_transform(self.model).apply(self.model.get_output_embeddings()(hidden))
         return logits, cache, mask, positions[:, :, -1] + 1
+
+
+_PADDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> None, or why its padded path is not exact
+WINDOW_FIELDS = ("sliding_window", "sliding_window_size", "attention_window_size", "window_size",
+                 "local_attention_window_len", "attention_chunk_size")  # a config's windows, when set
+
+
+def padded_refusal(model: PreTrainedModel) -> str | None:
+    """Why the padded path may not stand in for a shared one with `model` (None: it is exact). Its left padding runs
+    into a recurrent state (Mamba: log-probs off by ~1.6) and can leave a windowed layer's padded rows without a key
+    (Gemma 2: NaN), so any mixer or window refuses it; else a probe, once per model: prompts of 6 and 2 tokens, two
+    decoding steps, against the model's own forward on each alone."""
+    if model not in _PADDED:
+        _PADDED[model] = _padded_refusal(model)
+    return _PADDED[model]
+
+
+def _padded_refusal(model: PreTrainedModel) -> str | None:
+    config = model.config.get_text_config()
+    windows = [f for f in WINDOW_FIELDS if getattr(config, f, None)]
+    kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention"}
+    if find_mixers(model) or windows or kinds:
+        return f"{type(model).__name__}: left padding is not exact with recurrent or windowed layers"
+    try:
+        return _padded_probe(model)
+    except Exception as e:  # noqa: BLE001 - a padded path that fails the probe is never chosen
+        return f"{type(model).__name__}: the padded probe failed ({type(e).__name__}: {e})"
+
+
+@torch.inference_mode()
+def _padded_probe(model: PreTrainedModel) -> str | None:
+    device = model.get_input_embeddings().weight.device
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = ((torch.arange(10) * 7 + vocab // 3) % vocab).tolist()
+    prompts, fed = [ids[:6], ids[6:8]], torch.tensor([ids[8:10], ids[8:10]], device=device)
+    with torch.autocast(device.type, enabled=False):
+        decoding = PaddedDecoding(model, prompts, 1, device, None, None)
+        got = torch.stack([decoding.logits, decoding.step(fed[:, 0]), decoding.step(fed[:, 1])], dim=1).double()
+        own = torch.stack([model(input_ids=torch.tensor([p + ids[8:10]], device=device)).logits[0, -3:]
+                           for p in prompts]).double()
+    off = float((got - own).abs().max()) / float(own.abs().max().clamp_min(1e-30))
+    tolerance = 1e-3 if next(model.parameters()).element_size() >= 4 else 5e-2
+    return None if off <= tolerance else f"{type(model).__name__}: the padded path is off its own forward by {off:.2g}"
 
 
 class _RowRoutes:

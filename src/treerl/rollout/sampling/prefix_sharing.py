@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import weakref
 from dataclasses import dataclass
 
@@ -43,6 +42,8 @@ from treerl.rollout.sampling.sampler import Completion
 PREFILL_TOKENS = 4096  # most tokens of one prefill call (longer trie nodes become chains)
 COPIED_TOKENS = 256  # a stretch of a prompt that rows read, copied into each reader's own buffer when the copies
 # (readers - 1 of them) hold at most this many tokens: a kernel call a step costs more than reading those
+SHARING_COST = 20_000_000  # parameters x prefill tokens: what a wave of the trie's prefill costs beyond the padded
+# path's one call, in prefill the model could run instead (`pays`)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class PrefixCounts:
     prefill_tokens: int = 0  # tokens the prefills ran through the model
     cached_tokens: int = 0  # distinct prefix tokens whose K/V came from the prefix cache
     unshared_calls: int = 0  # generate calls that took the padded path (a model or images it cannot share; see log)
+    padded_chunks: int = 0  # chunks it could share but ran the padded way, sharing would not pay (`pays`)
 
     def __sub__(self, other: PrefixCounts) -> PrefixCounts:
         return PrefixCounts(*(a - b for a, b in zip(vars(self).values(), vars(other).values())))
@@ -153,6 +155,21 @@ def _probe(model: PreTrainedModel, mixers: Mixers) -> str | None:
         return (f"{model_name(model)}: generation over shared prefixes is off the model's own forward by "
                 f"{off:.2g} of the logits' scale")
     return None
+
+
+def pays(model: PreTrainedModel, prompts: list[list[int]], nodes: list[CallNode]) -> bool:
+    """Whether sharing this chunk's prefixes pays where the prefix cache is neither read nor kept: the shared path
+    prefills in one model call a trie level (a wave), the padded path in one call, and decodes with a kernel call a
+    run and layer: host work a tiny model does not earn back. It pays when the prefill tokens it saves (the padded
+    batch's, prompts x the longest, less the trie's) reach `SHARING_COST / parameters` a wave: ~230 for the 0.09 M
+    parameters of `treerl train`'s demo model (its 16 prompts of 8 tokens save 60-76 in 3 waves: padded), under one
+    for SmolLM2-135M (any shared token). Both paths measured side by side on both models (docs/benchmarks.md, "The
+    tiny demo model"): the tiny model's shared path breaks even at ~300 saved tokens a wave, SmolLM2-135M's at ~30;
+    the rule errs toward sharing, which every call took before."""
+    width = max(len(p) for p in prompts)
+    saved = len(prompts) * width - sum(len(node.tokens) for node in nodes)
+    waves = 1 + max(node.depth for node in nodes)
+    return saved * sum(p.numel() for p in model.parameters()) >= waves * SHARING_COST
 
 
 # ---------------------------------------------------------------------------------------------- the trie
@@ -266,13 +283,12 @@ class SharedDecoding:
 
     def __init__(self, model: PreTrainedModel, prompts: list[list[int]], n: int, max_new_tokens: int,
                  cache: PrefixCache, mixers: Mixers, record: RouteRecord | None, counts: PrefixCounts,
-                 store: bool = False, lock: threading.Lock | None = None):
+                 store: bool = False, trie: tuple[list[CallNode], list[CallNode]] | None = None):
         self.model, self.prompts, self.n, self.cache, self.mixers, self.record = model, prompts, n, cache, mixers, record
         self.device = model.get_input_embeddings().weight.device
         self.store = store  # keep each finished row's K/V for the cache
         self.layers = attention_layers(model, mixers.mixer_classes)
-        with lock or contextlib.nullcontext():  # the cache's (the prefill then computes without it)
-            self.nodes, self.ends = call_trie(prompts, cache, bool(mixers))
+        self.nodes, self.ends = trie or call_trie(prompts, cache, bool(mixers))  # `call_trie`, under the cache's lock
         counts.prompt_tokens += sum(len(p) for p in prompts)
         counts.prefill_tokens += sum(len(node.tokens) for node in self.nodes)
         counts.cached_tokens += _distinct_cached(self.nodes)

@@ -54,6 +54,7 @@ class RolloutStats:
     prefill_tokens: int = 0  # tokens its prefills ran (each shared prefix once)
     cached_tokens: int = 0  # distinct prefix tokens it read from its prefix cache instead
     unshared_calls: int = 0  # its calls that prefilled each prompt whole (a model or images it cannot share)
+    padded_chunks: int = 0  # its chunks that could share but prefilled each prompt whole: sharing would not pay
     seconds: float = 0.0
     rewards: list[float] = field(default_factory=list)  # one per kept trajectory
     dropped: Counter[str] = field(default_factory=Counter)  # reason -> count
@@ -73,6 +74,7 @@ class RolloutStats:
             self.prefill_tokens += counts.prefill_tokens
             self.cached_tokens += counts.cached_tokens
             self.unshared_calls += counts.unshared_calls
+            self.padded_chunks += counts.padded_chunks
 
     def drop(self, sample: DroppedSample, kind: str) -> None:
         """Count a lost sample under `kind` and report it (log warning, kept for the trainer)."""
@@ -142,7 +144,7 @@ class RolloutStats:
             out.update({"rollout/prompt_tokens": self.prompt_tokens, "rollout/prefill_tokens": self.prefill_tokens,
                         "rollout/cached_tokens": self.cached_tokens,
                         "rollout/prefix_hit_rate": self.cached_tokens / needed if needed else 0.0,
-                        "rollout/unshared_calls": self.unshared_calls})
+                        "rollout/unshared_calls": self.unshared_calls, "rollout/padded_chunks": self.padded_chunks})
         out.update({f"rollout/dropped_{kind}": count for kind, count in self.dropped.items()})
         return {k: float(v) for k, v in out.items()}
 
