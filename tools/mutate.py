@@ -1067,6 +1067,28 @@ MUTATIONS = [
              ("tests/rollout/sampling/test_prefix_sharing.py::test_families_the_padded_path_gets_wrong_are_exact_when_shared",),
              "short single-turn prompts on Mamba or Gemma 2 go the padded way: left padding runs into the state "
              "(log-probs off) or leaves windowed rows no key (NaN)"),
+    # ------------------------------------------------------------------ the head on read rows only (issue 54)
+    Mutation("head-rows-last-sequence-wins", "src/treerl/engine/base.py",
+             "            read[self.sequence(s)[read_positions(sequence, head_rows)]] = True",
+             "            read[self.sequence(s)] = read_positions(sequence, head_rows)",
+             ("tests/engine/test_head_rows.py::test_a_position_is_read_if_any_sequence_through_it_reads_it",),
+             "a shared prompt position one sequence trains on and a later one through it does not is left at 0: the "
+             "first sequence's loss reads a log-prob of 0 there"),
+    Mutation("head-rows-from-the-first-hidden-rows", "src/treerl/engine/base.py",
+             "        return rows[keep], targets[keep], slots[keep]",
+             "        return rows[: int(keep.sum())], targets[keep], slots[keep]",
+             ("tests/engine/test_head_rows.py::test_every_engine_computes_the_read_positions_exactly",),
+             "a tree engine computes a read token's log-prob from another position's hidden state"),
+    Mutation("flat-head-rows-off-by-one", "src/treerl/engine/flat.py",
+             "read_positions(s, self.head_rows)[shift:] for s in batch",
+             "read_positions(s, self.head_rows)[: len(s) - shift] for s in batch",
+             ("tests/engine/test_head_rows.py::test_every_engine_computes_the_read_positions_exactly",),
+             "FlatEngine computes the head at the position before each trained token: its log-prob is 0"),
+    Mutation("head-rows-not-built", "src/treerl/trainer/core/build.py",
+             'head_rows = None if config.head_rows == "all" or isinstance(head, ValueHead) else config.head_rows',
+             'head_rows = None',
+             ("tests/trainer/test_head_rows_train.py::test_the_policys_engine_computes_the_loss_mask_positions_a_critics_every_one",),
+             "engine.head_rows=loss_mask is ignored: the update computes the LM head on every prompt position again"),
 ]
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from support import float64_throughout, free_port, fresh_model
+from test_head_rows import reads
 from test_model_features import feature_model
 from zoo import build_tiny
 
@@ -88,7 +89,8 @@ def batch(vocab: int) -> list[TokenSequence]:
         lists.append(episode + draw(3))
         episode = episode + draw(5)
     lists.append(draw(70))
-    return [TokenSequence(t, {"advantages": torch.randn(len(t), generator=g, dtype=torch.float64)}) for t in lists]
+    return [TokenSequence(t, {"advantages": torch.randn(len(t), generator=g, dtype=torch.float64),
+                              "loss_mask": (torch.rand(len(t), generator=g) < 0.5).double()}) for t in lists]
 
 
 BF16 = ("tiny-qwen3", "tiny-qwen3.5")
@@ -101,6 +103,15 @@ def bf16_batch() -> list[TokenSequence]:
 
 def loss(view):
     return -(view.logprobs * view.fields["advantages"]).sum() - 0.1 * view.entropy.sum()
+
+
+def masked_loss(view):
+    """`loss` on the loss_mask positions alone: what DfsEngine(head_rows="loss_mask") computes the head for."""
+    mask = view.fields["loss_mask"]
+    return -(view.logprobs * view.fields["advantages"] * mask).sum() - 0.1 * (view.entropy * mask).sum()
+
+
+HEAD_ROWS = ("tiny-qwen3", "tiny-qwen3.5")  # on 2 ranks, small calls: each rank's head on its read rows only
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -131,6 +142,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         if world == 2 and name in REPLICATED:
             results[f"{name}/replicated"] = _summed_run(net, sequences, replace(cp, path="replicated"),
                                                         PLANS["small-calls"])
+        if world == 2 and name in HEAD_ROWS:
+            results[f"head-rows/{name}"] = _summed_run(net, sequences, cp,
+                                                       {**PLANS["small-calls"], "head_rows": "loss_mask"}, masked_loss)
         if world == 2 and name in IN_TURN:
             results[f"{name}/in-turn"] = _summed_run(net, sequences, replace(cp, mixers="in-turn"),
                                                      PLANS["small-calls"])
@@ -149,13 +163,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     exit_process(0)
 
 
-def _summed_run(net, sequences: list[TokenSequence], cp: ContextParallel, settings: dict) -> dict:
+def _summed_run(net, sequences: list[TokenSequence], cp: ContextParallel, settings: dict, loss_fn=None) -> dict:
     """A float64 run on these ranks, its gradients summed over them (each rank's is its rows' share), as plain tensors
     and dicts (what torch.load reads safely)."""
     import torch.distributed as dist
 
     with float64_throughout():
-        run = run_engine(DfsEngine(context_parallel=cp, **settings), net, sequences, loss)
+        run = run_engine(DfsEngine(context_parallel=cp, **settings), net, sequences, loss_fn or loss)
     for grad in run.grads.values():
         dist.all_reduce(grad)
     return vars(run)
@@ -209,6 +223,28 @@ def test_context_parallel_ranks_compute_the_flat_references_logprobs_and_gradien
             errors = {k: e for k, e in errors.items() if not k.startswith("grad.")}
         worst = max(errors, key=errors.get)
         assert errors[worst] <= TOL[name], (world, plan, worst, errors[worst])
+
+
+@pytest.mark.parametrize("name", HEAD_ROWS)
+def test_ranks_computing_the_head_on_loss_mask_rows_only_equal_the_flat_reference(ranks, name):
+    """DfsEngine(head_rows="loss_mask") split over 2 ranks: each rank's head on its read rows, gathered; log-probs and
+    entropy of the flat reference where a sequence through the position reads it, 0 elsewhere; the same gradients."""
+    world, results = ranks
+    if world != 2:
+        pytest.skip("on 2 ranks")
+    net = model(name)
+    sequences = batch(net.config.get_text_config().vocab_size)
+    with float64_throughout():
+        reference = run_engine(FlatEngine(layout="sequences"), net, sequences, masked_loss)
+    ours = results[f"head-rows/{name}"]
+    for s, outputs in enumerate(ours.outputs):
+        where = reads(sequences, s, shared=True)
+        for key, value in outputs.items():
+            assert bool((value[~where] == 0).all()), (s, key)
+            reference.outputs[s][key] = torch.where(where, reference.outputs[s][key], 0.0)
+    errors = compare_runs(ours, reference)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL[name], (worst, errors[worst])
 
 
 @pytest.mark.parametrize("shape", BF16)
