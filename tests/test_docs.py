@@ -44,8 +44,10 @@ from treerl.bench.precision import VARIANTS as PRECISION_VARIANTS
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "CONTRIBUTING.md"]
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.+?)\s*-->")
-NOT_RUN_LIMIT = 16  # 14: a verifiers taskset of your own (its venv; the tests run in-memory ones); 15: treerl bench --against trl (minutes a TRL step; tests/bench/test_against_trl.py runs one); 16: the reasoning-gym
-# recipe (README: its steps build on each other; tests/cli/test_eval_cmd.py runs them cut short)
+NOT_RUN_LIMIT = 17  # 14: a verifiers taskset of your own (its venv; the tests run in-memory ones); 15: treerl bench --against trl (minutes a TRL step; tests/bench/test_against_trl.py runs one); 16: the reasoning-gym
+# recipe (README: its steps build on each other; tests/cli/test_eval_cmd.py runs them cut short); 17: issue 54's
+# long-system-prompt step with engine.head_rows both ways (four ~90 s runs of the real model; tests/trainer/
+# test_head_rows_train.py runs the two settings on the tiny model)
 
 TRAIN_SHRINK = ["trainer.steps=2", "trainer.eval_prompts=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
                 "sft.conversations_per_step=2", "sft.eval_conversations=2", "trainer.progress=false"]
