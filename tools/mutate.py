@@ -1067,6 +1067,14 @@ MUTATIONS = [
              ("tests/rollout/sampling/test_prefix_sharing.py::test_families_the_padded_path_gets_wrong_are_exact_when_shared",),
              "short single-turn prompts on Mamba or Gemma 2 go the padded way: left padding runs into the state "
              "(log-probs off) or leaves windowed rows no key (NaN)"),
+    Mutation("padded-choice-recorded-as-routes", "src/treerl/rollout/sampling/embedded.py",
+             "            shared = not self._padded_instead(prompts, trie[0], store)\n"
+             "        with recording_routes(model) if self.return_routed_experts else contextlib.nullcontext() as record:\n",
+             "        with recording_routes(model) if self.return_routed_experts else contextlib.nullcontext() as record:\n"
+             "            shared = shared and not self._padded_instead(prompts, trie[0], store)\n",
+             ("tests/rollout/sampling/test_embedded_routes.py::test_sampled_routes_are_the_models_own_and_replay_its_forward",),
+             "an MoE run with rollout.return_routed_experts fails its first single-turn call: the padded path's probe "
+             "is recorded as the call's routes"),
     # ------------------------------------------------------------------ the head on read rows only (issue 54)
     Mutation("head-rows-last-sequence-wins", "src/treerl/engine/base.py",
              "            read[self.sequence(s)[read_positions(sequence, head_rows)]] = True",

@@ -4,6 +4,8 @@ which are the model's own routing of the whole sequence, and which replayed give
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -18,14 +20,18 @@ from treerl.testing import model_outputs, relative_error
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12]]  # different lengths: the shorter is left-padded in the prefill
 
 
-@pytest.mark.parametrize("calls", [1, 2])
-def test_sampled_routes_are_the_models_own_and_replay_its_forward(calls):
-    """One call, and a second one on the same sampler whose prompts' routes come from its prefix cache."""
+@pytest.mark.parametrize("calls, unread", [(1, False), (2, False), (1, True)])
+def test_sampled_routes_are_the_models_own_and_replay_its_forward(calls, unread):
+    """One call, a second one on the same sampler whose prompts' routes come from its prefix cache, and an unread call
+    (synchronous single-turn) that goes the padded way by the sampler's own choice (its first: the padded path's probe
+    runs then, and must not be recorded as the call's routes)."""
     model = build_model(shape="tiny-qwen3-moe", vocab_size=64, seed=0)
     sampler = EmbeddedSampler(model, return_routed_experts=True)
     for _ in range(calls):
-        groups = sampler.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=6, seed=0, stop_token_ids=(3, 4, 5)))
+        with sampler.unread() if unread else contextlib.nullcontext():
+            groups = sampler.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=6, seed=0, stop_token_ids=(3, 4, 5)))
     assert (sampler.counts.cached_tokens > 0) == (calls == 2)
+    assert sampler.counts.padded_chunks == unread
     sequences = [model_call_sequence(p, c, {}, f"{i}/{j}") for i, (p, g) in enumerate(zip(PROMPTS, groups))
                  for j, c in enumerate(g)]
     assert len({len(s) for s in sequences}) > 1  # some rows stopped early

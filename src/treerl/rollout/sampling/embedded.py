@@ -165,14 +165,14 @@ class EmbeddedSampler:
                   shared: bool, store: bool = True) -> list[list[Completion]]:
         """One chunk: prefill, then decode until every row stops (the prefix cache keeps its K/V if `store`)."""
         model = self.model
+        if shared:  # decided before routes are recorded: the padded path's probe runs the model once per model
+            if self._mixers is None:  # once: the sampler's model keeps its layers
+                self._mixers = find_mixers(model)
+            mixers, store = self._mixers, store and self.cache.max_tokens > 0
+            with self._lock:
+                key, trie = self.cache.key, call_trie(prompts, self.cache, bool(mixers))
+            shared = not self._padded_instead(prompts, trie[0], store)
         with recording_routes(model) if self.return_routed_experts else contextlib.nullcontext() as record:
-            if shared:
-                if self._mixers is None:  # once: the sampler's model keeps its layers
-                    self._mixers = find_mixers(model)
-                mixers, store = self._mixers, store and self.cache.max_tokens > 0
-                with self._lock:
-                    key, trie = self.cache.key, call_trie(prompts, self.cache, bool(mixers))
-                shared = not self._padded_instead(prompts, trie[0], store)
             if shared:
                 decoding = SharedDecoding(model, prompts, params.n, params.max_new_tokens, self.cache, mixers, record,
                                           self.counts, store=store, trie=trie)
